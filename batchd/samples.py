@@ -1,0 +1,54 @@
+"""Real documents that install from packages (../shared/MODELS.md), for the demo, tests and benches.
+
+aclsum ships 250 full ACL papers (S2ORC JSON). We read the files directly; the package's own
+loader needs more dependencies.
+"""
+from __future__ import annotations
+
+import importlib.metadata
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Paper:
+    paper_id: str
+    title: str
+    abstract: str
+    body: str  # paragraphs joined by blank lines, section headings kept
+
+    @property
+    def text(self) -> str:
+        return f"{self.title}\n\nAbstract\n{self.abstract}\n\n{self.body}"
+
+
+def aclsum_papers_dir() -> Path:
+    try:
+        dist = importlib.metadata.distribution("aclsum")
+    except importlib.metadata.PackageNotFoundError:
+        raise FileNotFoundError("the aclsum package is not installed: pip install aclsum==0.1.2") from None
+    return Path(dist.locate_file("aclsum/dataset/paper_jsons"))
+
+
+def load_paper(path: Path) -> Paper:
+    raw = json.loads(path.read_text(encoding="utf-8"))
+    parse = raw.get("pdf_parse") or {}
+    paragraphs, section = [], None
+    for para in parse.get("body_text", []):
+        if para.get("section") and para["section"] != section:
+            section = para["section"]
+            paragraphs.append(section)
+        paragraphs.append(para["text"])
+    return Paper(
+        paper_id=str(raw.get("paper_id", path.stem)),
+        title=raw.get("title") or "",
+        abstract=raw.get("abstract") or "",
+        body="\n\n".join(paragraphs),
+    )
+
+
+def aclsum_papers(limit: int | None = None) -> list[Paper]:
+    """Papers in a stable order (sorted by file name)."""
+    paths = sorted(aclsum_papers_dir().glob("*.json"))
+    return [load_paper(p) for p in paths[:limit]]

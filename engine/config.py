@@ -1,0 +1,110 @@
+"""Model hyper-parameters, read from a Hugging Face config.json or from GGUF metadata.
+
+One `ModelConfig` describes every supported architecture; the differences between them are
+flags (`attention_bias` for qwen2, `qk_norm` for qwen3) rather than subclasses.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from engine.errors import CheckpointError
+
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+
+# config.json "architectures" entries -> our architecture name
+HF_ARCHITECTURE_NAMES = {
+    "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+
+
+@dataclass
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    intermediate_size: int
+    head_dim: int = 0  # 0: hidden_size // num_heads
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: Optional[dict] = None  # HF dict, e.g. {"rope_type": "llama3", "factor": 8.0, ...}
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # qwen2: bias on q, k, v projections
+    qk_norm: bool = False  # qwen3: RMSNorm over head_dim on q and k before rope
+    bos_token_id: Optional[int] = None
+    eos_token_ids: list[int] = field(default_factory=list)
+
+    def __post_init__(self):
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise CheckpointError(
+                f"unsupported architecture {self.architecture!r}; batchd runs "
+                f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        if self.head_dim == 0:
+            self.head_dim = self.hidden_size // self.num_heads
+        if self.num_heads % self.num_kv_heads:
+            raise CheckpointError(
+                f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}"
+            )
+
+    @property
+    def group_size(self) -> int:
+        """Query heads per KV head (grouped-query attention)."""
+        return self.num_heads // self.num_kv_heads
+
+    @classmethod
+    def from_hf_dict(cls, cfg: dict, source: str = "config.json") -> "ModelConfig":
+        arch = cfg.get("model_type")
+        for name in cfg.get("architectures") or []:
+            arch = HF_ARCHITECTURE_NAMES.get(name, arch)
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise CheckpointError(
+                f"{source}: unsupported architecture {arch!r} "
+                f"(architectures={cfg.get('architectures')}); batchd runs "
+                f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        eos = cfg.get("eos_token_id")
+        eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        try:
+            return cls(
+                architecture=arch,
+                vocab_size=cfg["vocab_size"],
+                hidden_size=cfg["hidden_size"],
+                num_layers=cfg["num_hidden_layers"],
+                num_heads=cfg["num_attention_heads"],
+                num_kv_heads=cfg.get("num_key_value_heads") or cfg["num_attention_heads"],
+                intermediate_size=cfg["intermediate_size"],
+                head_dim=cfg.get("head_dim") or 0,
+                rms_norm_eps=cfg.get("rms_norm_eps", 1e-5),
+                rope_theta=_rope_theta(cfg),
+                rope_scaling=_rope_scaling(cfg),
+                max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                attention_bias=arch == "qwen2" or bool(cfg.get("attention_bias", False)),
+                qk_norm=arch == "qwen3",
+                bos_token_id=cfg.get("bos_token_id"),
+                eos_token_ids=eos_ids,
+            )
+        except KeyError as missing:
+            raise CheckpointError(f"{source}: missing required key {missing}") from None
+
+
+def _rope_theta(cfg: dict) -> float:
+    params = cfg.get("rope_parameters") or {}
+    return float(cfg.get("rope_theta") or params.get("rope_theta") or 10000.0)
+
+
+def _rope_scaling(cfg: dict) -> Optional[dict]:
+    scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters")
+    if not scaling:
+        return None
+    kind = scaling.get("rope_type") or scaling.get("type")
+    if kind in (None, "default"):
+        return None
+    return dict(scaling, rope_type=kind)

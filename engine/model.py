@@ -1,0 +1,193 @@
+"""The token-id transformer shared by target and drafter (llama, qwen2, qwen3).
+
+The model knows nothing of text. One `forward` serves prefill chunks, one-token decode and
+q-token verification: it writes the new rows' keys and values into the KV cache and lets lane t
+see every cached row up to its own position (lower-right causal).
+
+Weights load from Hugging Face tensor names (`engine.checkpoint`); q/k/v and gate/up projections
+are fused into one matrix each, so a decode step reads each layer's weights in fewer launches.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.attention import attend, kernel_available
+from engine.config import ModelConfig
+from engine.errors import CheckpointError
+from engine.kv_cache import KVCache
+from engine.rope import apply_rope, rope_tables
+
+# observer(layer_idx, q [B, Hq, T, D] after rope, keys, values [B, Hkv, start+T, D], start)
+AttentionObserver = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, int], None]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # float32 statistics, as the reference implementation computes them
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(config.hidden_size, q_size + 2 * kv_size, bias=config.attention_bias)
+        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.split_sizes = (q_size, kv_size, kv_size)
+        self.scale = self.head_dim**-0.5
+
+    def forward(self, x, cos, sin, cache: KVCache, layer_idx: int, start: int, positions, use_kernel: bool,
+                seq_len_on_device=None, observer: Optional[AttentionObserver] = None):
+        B, T, _ = x.shape
+        q, k, v = self.qkv_proj(x).split(self.split_sizes, dim=-1)
+        q = q.view(B, T, self.num_heads, self.head_dim)
+        k = k.view(B, T, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rope(q.transpose(1, 2), cos, sin)  # [B, Hq, T, D]
+        k = apply_rope(k.transpose(1, 2), cos, sin)  # [B, Hkv, T, D]
+        v = v.view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        k_cache, v_cache = cache.keys[layer_idx], cache.values[layer_idx]
+        k_cache.index_copy_(2, positions, k.to(k_cache.dtype))
+        v_cache.index_copy_(2, positions, v.to(v_cache.dtype))
+        if observer is not None:
+            observer(layer_idx, q, k_cache[:, :, : start + T], v_cache[:, :, : start + T], start)
+        out = attend(q.to(k_cache.dtype), k_cache, v_cache, start, self.scale, use_kernel, seq_len_on_device)
+        return self.o_proj(out.to(x.dtype).transpose(1, 2).reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class Block(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x, cos, sin, cache, layer_idx, start, positions, use_kernel, seq_len_on_device, observer):
+        h = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, layer_idx, start, positions,
+                               use_kernel, seq_len_on_device, observer)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Transformer(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(Block(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.rope_cos: Optional[torch.Tensor] = None  # [max_len, D] float32, built by setup_rope
+        self.rope_sin: Optional[torch.Tensor] = None
+        self.use_attention_kernel = False
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    def setup_rope(self, max_len: int) -> None:
+        """Build the rope tables for `max_len` positions on the model's device."""
+        if self.rope_cos is None or self.rope_cos.shape[0] < max_len:
+            self.rope_cos, self.rope_sin = rope_tables(self.config, max_len, self.device)
+        self.use_attention_kernel = kernel_available(self.device)
+
+    def forward(self, tokens: torch.Tensor, cache: KVCache, *, observer: Optional[AttentionObserver] = None):
+        """tokens: [B, T] -> logits [B, T, V] float32; appends T rows to `cache`."""
+        T = tokens.shape[1]
+        cache.reserve(T)
+        logits = self.forward_at(tokens, cache, cache.length, observer=observer)
+        cache.advance(T)
+        return logits
+
+    def forward_at(self, tokens, cache: KVCache, start: int, *, start_on_device=None, observer=None):
+        """The step itself, without touching host state: with `start_on_device` ([1] long) the
+        positions come from the device, so a captured CUDA graph replays at any cache length."""
+        T = tokens.shape[1]
+        if self.rope_cos is None or self.rope_cos.shape[0] < cache.max_len:
+            self.setup_rope(cache.max_len)
+        offsets = torch.arange(T, device=tokens.device)
+        if start_on_device is not None:
+            positions = start_on_device + offsets
+            seq_len_on_device = start_on_device + T
+        else:
+            positions = offsets + start
+            seq_len_on_device = None
+        cos, sin = self.rope_cos[positions], self.rope_sin[positions]  # [T, D]
+        x = self.embed_tokens(tokens)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, cache, i, start, positions, self.use_attention_kernel, seq_len_on_device, observer)
+        return self.lm_head(self.norm(x)).float()
+
+    # ---- weights ---------------------------------------------------------------------------
+
+    def load_hf_tensors(self, tensors: dict[str, torch.Tensor], source: str = "checkpoint") -> None:
+        """Copy Hugging Face-named tensors in, fusing q/k/v and gate/up. Every parameter must be
+        filled exactly once; missing or unexpected names raise CheckpointError."""
+        fused = fuse_hf_tensors(tensors, self.config)
+        params = dict(self.named_parameters(remove_duplicate=True))
+        missing = sorted(set(params) - set(fused))
+        unexpected = sorted(set(fused) - set(params))
+        if missing or unexpected:
+            raise CheckpointError(
+                f"{source}: tensors do not match the {self.config.architecture} layout "
+                f"(missing {missing[:5]}, unexpected {unexpected[:5]})"
+            )
+        with torch.no_grad():
+            for name, value in fused.items():
+                if params[name].shape != value.shape:
+                    raise CheckpointError(
+                        f"{source}: tensor {name} has shape {tuple(value.shape)}, "
+                        f"config expects {tuple(params[name].shape)}"
+                    )
+                params[name].copy_(value)
+
+
+def fuse_hf_tensors(tensors: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
+    """HF names -> this module's names (model. prefix dropped, q/k/v and gate/up concatenated)."""
+    out: dict[str, torch.Tensor] = {}
+    for name, value in tensors.items():
+        out[name.removeprefix("model.")] = value
+    if config.tie_word_embeddings:
+        out.pop("lm_head.weight", None)
+    for i in range(config.num_layers):
+        attn, mlp = f"layers.{i}.self_attn", f"layers.{i}.mlp"
+        for kind in ("weight", "bias"):
+            parts = [out.pop(f"{attn}.{p}_proj.{kind}", None) for p in "qkv"]
+            if all(p is not None for p in parts):
+                out[f"{attn}.qkv_proj.{kind}"] = torch.cat(parts, dim=0)
+        gate, up = out.pop(f"{mlp}.gate_proj.weight", None), out.pop(f"{mlp}.up_proj.weight", None)
+        if gate is not None and up is not None:
+            out[f"{mlp}.gate_up_proj.weight"] = torch.cat([gate, up], dim=0)
+    return out

@@ -123,15 +123,18 @@ class Transformer(nn.Module):
             self.rope_cos, self.rope_sin = rope_tables(self.config, max_len, self.device)
         self.use_attention_kernel = kernel_available(self.device)
 
-    def forward(self, tokens: torch.Tensor, cache: KVCache, *, observer: Optional[AttentionObserver] = None):
-        """tokens: [B, T] -> logits [B, T, V] float32; appends T rows to `cache`."""
+    def forward(self, tokens: torch.Tensor, cache: KVCache, *, observer: Optional[AttentionObserver] = None,
+                last_only: bool = False):
+        """tokens: [B, T] -> logits [B, T, V] float32 ([B, 1, V] with last_only, which spares a
+        long prefill the [T, V] logits); appends T rows to `cache`."""
         T = tokens.shape[1]
         cache.reserve(T)
-        logits = self.forward_at(tokens, cache, cache.length, observer=observer)
+        logits = self.forward_at(tokens, cache, cache.length, observer=observer, last_only=last_only)
         cache.advance(T)
         return logits
 
-    def forward_at(self, tokens, cache: KVCache, start: int, *, start_on_device=None, observer=None):
+    def forward_at(self, tokens, cache: KVCache, start: int, *, start_on_device=None, observer=None,
+                   last_only: bool = False):
         """The step itself, without touching host state: with `start_on_device` ([1] long) the
         positions come from the device, so a captured CUDA graph replays at any cache length."""
         T = tokens.shape[1]
@@ -148,6 +151,8 @@ class Transformer(nn.Module):
         x = self.embed_tokens(tokens)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, cache, i, start, positions, self.use_attention_kernel, seq_len_on_device, observer)
+        if last_only:
+            x = x[:, -1:]
         return self.lm_head(self.norm(x)).float()
 
     # ---- weights ---------------------------------------------------------------------------

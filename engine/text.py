@@ -1,0 +1,79 @@
+"""Text in and out of the token-id core: encoding, chat templates, decoding.
+
+Chat templates are the checkpoint's own Jinja templates (tokenizer_config.json or GGUF metadata),
+rendered the way transformers renders them, so prompts match the reference implementation.
+"""
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Optional
+
+import jinja2
+import jinja2.sandbox
+from tokenizers import Tokenizer
+
+from engine.errors import BadInputError
+
+
+class TextCodec:
+    def __init__(self, tokenizer: Tokenizer, chat_template: Optional[str] = None,
+                 bos_token: Optional[str] = None, eos_token: Optional[str] = None):
+        self.tokenizer = tokenizer
+        self.chat_template = chat_template
+        self.bos_token, self.eos_token = bos_token, eos_token
+        self._template = _compile_template(chat_template) if chat_template else None
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def token_id(self, token: Optional[str]) -> Optional[int]:
+        return None if token is None else self.tokenizer.token_to_id(token)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        if self._template is None:
+            raise BadInputError("this checkpoint has no chat template; submit a plain prompt (no --chat)")
+        for m in messages:
+            if not isinstance(m, dict) or "role" not in m or not isinstance(m.get("content"), str):
+                raise BadInputError('each chat message must be {"role": ..., "content": "<text>"}')
+        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                     bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+
+    def encode_request(self, prompt: Optional[str], messages: Optional[list[dict]], chat: bool) -> list[int]:
+        """Prompt ids for a job: a plain prompt, or the chat template over messages (a plain
+        prompt with chat=True becomes one user message)."""
+        if (prompt is None) == (messages is None):
+            raise BadInputError("give exactly one of prompt and messages")
+        if messages is not None or chat:
+            text = self.render_chat(messages if messages is not None else [{"role": "user", "content": prompt}])
+            # the template already wrote any BOS token; do not add another
+            ids = self.encode(text, add_special_tokens=False)
+        else:
+            ids = self.encode(prompt)
+        if not ids:
+            raise BadInputError("the prompt is empty; give some text to generate from")
+        return ids
+
+
+def _compile_template(source: str) -> jinja2.Template:
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                       extensions=[jinja2.ext.loopcontrols])
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    env.filters["tojson"] = _tojson
+    return env.from_string(source)
+
+
+def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    import json
+
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)

@@ -1,0 +1,76 @@
+"""Backend choice shared by every op: Triton on CUDA, the PyTorch reference elsewhere.
+
+`triton` is an optional dependency (`pip install 'batchd[triton]'`); nothing here imports it, so the
+references run on a machine without it. Under `TRITON_INTERPRET=1` the Triton kernels run on CPU
+tensors (slowly), which is how CI checks their logic without a GPU.
+"""
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+
+import torch
+
+BACKENDS = ("auto", "triton", "reference")
+
+
+@functools.cache
+def triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    """Return "triton" or "reference" for tensors on `device`."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        return "triton" if device.type == "cuda" and triton_available() else "reference"
+    if backend == "triton":
+        if not triton_available():
+            raise RuntimeError("backend='triton' needs the triton package: pip install 'batchd[triton]'")
+        if device.type != "cuda" and not interpreting():
+            raise ValueError(
+                f"backend='triton' on {device.type} tensors needs TRITON_INTERPRET=1 "
+                "(set before the first Triton kernel is used), or CUDA tensors"
+            )
+    return backend
+
+
+def seq_len_tensor(seq_len: int | torch.Tensor, batch: int, max_len: int, device: torch.device) -> torch.Tensor:
+    """seq_len as an int64 tensor [B] on `device`. A tensor is never read back to the host."""
+    if isinstance(seq_len, torch.Tensor):
+        if seq_len.shape != (batch,):
+            raise ValueError(f"seq_len tensor must have shape [{batch}], got {list(seq_len.shape)}")
+        if seq_len.dtype.is_floating_point or seq_len.dtype == torch.bool:
+            raise ValueError(f"seq_len tensor must be an integer tensor, got {seq_len.dtype}")
+        return seq_len.to(device=device, dtype=torch.int64)
+    seq_len = int(seq_len)
+    if not 0 < seq_len <= max_len:
+        raise ValueError(f"seq_len must be in 1..{max_len} (the cache's rows), got {seq_len}")
+    return torch.full((batch,), seq_len, dtype=torch.int64, device=device)
+
+
+def patch_interpreter_index() -> None:
+    """Let the Triton CPU interpreter use loaded scalars as loop bounds under numpy >= 2.4.
+
+    The interpreter keeps scalars as 1-element arrays and converts them with int(array), which
+    numpy 2.4 refuses ("only 0-dimensional arrays can be converted"), so `range(start, end)` over
+    values read from memory fails. Only the interpreter is touched; compiled kernels are unaffected.
+    """
+    import triton.runtime.interpreter as interpreter
+
+    original = interpreter._patch_lang_tensor
+    if getattr(original, "_batchd_index_fix", False):
+        return
+
+    def patch_lang_tensor(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    patch_lang_tensor._batchd_index_fix = True
+    interpreter._patch_lang_tensor = patch_lang_tensor

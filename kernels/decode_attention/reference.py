@@ -1,0 +1,54 @@
+"""Plain PyTorch twin of the decode/verify attention kernel (the definition the kernel is tested against).
+
+Lane i of Q query rows sees cache rows [0, seq_len - Q + i] (lower-right causal): the Q new rows are
+already written at the end of the valid region. Grouped-query heads: q head h reads KV head h // G.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def causal_visibility(seq_len: torch.Tensor, q_rows: int, max_len: int) -> torch.Tensor:
+    """visible[b, i, n] = (n <= seq_len[b] - Q + i).  -> [B, Q, S] bool"""
+    lanes = torch.arange(q_rows, device=seq_len.device)
+    limit = seq_len[:, None] - q_rows + lanes[None, :]                      # [B, Q]
+    rows = torch.arange(max_len, device=seq_len.device)
+    return rows[None, None, :] <= limit[:, :, None]
+
+
+def masked_attention_reference(
+    q: torch.Tensor,          # [B, Hq, Q, D]
+    k: torch.Tensor,          # [B, Hkv, S, D]
+    v: torch.Tensor,          # [B, Hkv, S, D]
+    visible: torch.Tensor,    # [B, Hkv or 1, Q, S] bool: which rows each lane (and KV head group) attends to
+    scale: float,
+    compute_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """Softmax attention restricted to `visible`, computed in `compute_dtype`. A lane that sees no row gets 0."""
+    B, Hq, Q, D = q.shape
+    Hkv = k.shape[1]
+    G = Hq // Hkv
+    qg = q.to(compute_dtype).reshape(B, Hkv, G, Q, D)
+    scores = torch.einsum("bhgqd,bhsd->bhgqs", qg, k.to(compute_dtype)) * scale   # [B, Hkv, G, Q, S]
+    scores = scores.masked_fill(~visible[:, :, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)                           # empty rows -> 0
+    out = torch.einsum("bhgqs,bhsd->bhgqd", probs, v.to(compute_dtype))
+    return out.reshape(B, Hq, Q, D)
+
+
+def decode_attention_reference(
+    q: torch.Tensor,                  # [B, Hq, Q, D]
+    k_cache: torch.Tensor,            # [B, Hkv, S_max, D]
+    v_cache: torch.Tensor,            # [B, Hkv, S_max, D]
+    seq_len: torch.Tensor,            # [B] int64, rows valid including the Q new ones
+    scale: float | None = None,
+    compute_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """-> [B, Hq, Q, D] in q's dtype. Reads only the first max(seq_len) rows of the cache."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    rows = int(seq_len.max())                                     # host sync: the reference is not for graphs
+    k, v = k_cache[:, :, :rows], v_cache[:, :, :rows]
+    visible = causal_visibility(seq_len, q.shape[2], rows)[:, None]   # [B, 1, Q, S]
+    return masked_attention_reference(q, k, v, visible, scale, compute_dtype).to(q.dtype)

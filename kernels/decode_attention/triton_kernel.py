@@ -1,0 +1,211 @@
+"""Flash-decoding in Triton: split the key axis over programs, then merge the splits by log-sum-exp.
+
+Program (split s, batch b, KV head h) loads the G*Q query rows of the heads that share KV head h
+(G = Hq // Hkv) as one [BLOCK_M, D] tile, so each K/V block is read once for the whole group and
+fed to tl.dot in the cache's own dtype (bf16/f16; no conversion of the cache). Scores, softmax
+statistics and the output accumulate in float32.
+
+The grid is sized from static shapes only (S_max, B, Hkv); each program derives its key range from
+seq_len read on the device, so a call never syncs the host and can be captured in a CUDA graph.
+Splits past seq_len exit at once; the merge kernel ignores them.
+"""
+from __future__ import annotations
+
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels._backend import interpreting, patch_interpreter_index
+
+LOG2E = 1.4426950408889634
+
+if interpreting():
+    patch_interpreter_index()
+
+
+@triton.jit
+def _split_len(seq_len, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
+    # rows per split, a multiple of BLOCK_N; the split kernel and the merge kernel must agree on it
+    return tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+
+
+@triton.jit
+def _decode_split_kernel(
+    Q, K, V, SeqLen,           # Q [B, Hq, QR, D]; K, V [B, Hkv, S_max, D]; SeqLen [B] int64
+    O_part, L_part,            # O_part [B, Hq, QR, NUM_SPLITS, D] f32; L_part [B, Hq, QR, NUM_SPLITS] f32 (log2)
+    qk_scale,                  # softmax scale * log2(e)
+    stride_qb, stride_qh, stride_qq,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    H_KV,
+    Q_ROWS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    tl.static_assert(BLOCK_M >= GROUP * Q_ROWS)
+    tl.static_assert(BLOCK_D >= HEAD_DIM)
+    pid_s = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // H_KV
+    kvh = pid_bh % H_KV
+
+    seq_len = tl.load(SeqLen + b).to(tl.int32)
+    split_len = _split_len(seq_len, NUM_SPLITS, BLOCK_N)
+    start = pid_s * split_len
+    if start >= seq_len:
+        return
+    end = tl.minimum(start + split_len, seq_len)
+
+    # row r of the tile is (head kvh*G + r // QR, lane r % QR)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    g = offs_m // Q_ROWS
+    lane = offs_m % Q_ROWS
+    row_ok = offs_m < GROUP * Q_ROWS
+    d_ok = offs_d < HEAD_DIM
+    limit = tl.where(row_ok, seq_len - Q_ROWS + lane, -1)       # last visible cache row per row
+    head = kvh * GROUP + g
+
+    q_ptrs = Q + b * stride_qb + head[:, None] * stride_qh + lane[:, None] * stride_qq + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)   # [BLOCK_M, BLOCK_D]
+    if UPCAST_DOT:
+        q = q.to(tl.float32)
+    k_base = K + b * stride_kb + kvh * stride_kh
+    v_base = V + b * stride_vb + kvh * stride_vh
+
+    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)   # finite: fully masked rows stay NaN-free
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    for start_n in range(start, end, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < end                                   # rows past seq_len may hold garbage (NaN)
+        kv_mask = n_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_base + offs_n[:, None] * stride_kn + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :], mask=kv_mask, other=0.0)
+        if UPCAST_DOT:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale        # [BLOCK_M, BLOCK_N]
+        s = tl.where(offs_n[None, :] <= limit[:, None], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.math.exp2(m_i - m_new)
+        p = tl.math.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    seen = l_i > 0.0
+    o = acc / tl.where(seen, l_i, 1.0)[:, None]
+    lse = tl.where(seen, m_i + tl.math.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
+    row = (b * H_KV * GROUP + head) * Q_ROWS + lane                       # flat (b, head, lane)
+    tl.store(L_part + row * NUM_SPLITS + pid_s, lse, mask=row_ok)
+    o_ptrs = O_part + (row[:, None] * NUM_SPLITS + pid_s) * HEAD_DIM + offs_d[None, :]
+    tl.store(o_ptrs, o, mask=row_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def _merge_splits_kernel(
+    O_part, L_part, Out, SeqLen,   # O_part [B, Hq, QR, NUM_SPLITS, D]; L_part [B, Hq, QR, NUM_SPLITS]; Out [B, Hq, QR, D]
+    stride_ob, stride_oh, stride_oq,
+    H_Q,
+    Q_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS_FROM_SEQ_LEN: tl.constexpr,
+):
+    pid = tl.program_id(0)                   # flat (b, head, lane)
+    b = pid // (H_Q * Q_ROWS)
+    head = (pid // Q_ROWS) % H_Q
+    lane = pid % Q_ROWS
+    offs_s = tl.arange(0, SPLITS_P2)
+    offs_d = tl.arange(0, BLOCK_D)
+    if SPLITS_FROM_SEQ_LEN:                  # dense: splits past seq_len exited without writing
+        seq_len = tl.load(SeqLen + b).to(tl.int32)
+        n_active = tl.cdiv(seq_len, _split_len(seq_len, NUM_SPLITS, BLOCK_N))
+    else:
+        n_active = NUM_SPLITS
+    s_ok = offs_s < n_active
+    d_ok = offs_d < HEAD_DIM
+
+    lse = tl.load(L_part + pid * NUM_SPLITS + offs_s, mask=s_ok, other=float("-inf"))
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.math.exp2(lse - m)                                          # [SPLITS_P2], 0 for empty splits
+    o = tl.load(O_part + (pid * NUM_SPLITS + offs_s[:, None]) * HEAD_DIM + offs_d[None, :],
+                mask=s_ok[:, None] & d_ok[None, :], other=0.0)         # [SPLITS_P2, BLOCK_D]
+    den = tl.sum(w, 0)
+    out = tl.sum(w[:, None] * o, 0) / tl.where(den > 0.0, den, 1.0)
+    out_ptrs = Out + b * stride_ob + head * stride_oh + lane * stride_oq + offs_d
+    tl.store(out_ptrs, out.to(Out.dtype.element_ty), mask=d_ok)
+
+
+def dot_flags(dtype: torch.dtype) -> tuple[bool, str]:
+    """(UPCAST_DOT, DOT_PRECISION) for tiles of `dtype`.
+
+    float32 asks for IEEE products (the default would be TF32). The CPU interpreter multiplies bf16
+    tiles as raw integers (triton 3.6), so there the kernels convert bf16 tiles to float32 first.
+    """
+    precision = "ieee" if dtype == torch.float32 else "tf32"
+    return interpreting() and dtype == torch.bfloat16, precision
+
+
+def default_num_splits(batch_heads: int, max_len: int, block_n: int, device: torch.device) -> int:
+    """Enough splits for about four programs per multiprocessor, never more than there are key blocks."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    return max(1, min(128, triton.cdiv(max_len, block_n), triton.cdiv(4 * sms, batch_heads)))
+
+
+def merge_splits(o_part: torch.Tensor, l_part: torch.Tensor, out: torch.Tensor, seq_len: torch.Tensor,
+                 *, block_n: int, splits_from_seq_len: bool) -> torch.Tensor:
+    B, Hq, QR, num_splits, D = o_part.shape
+    _merge_splits_kernel[(B * Hq * QR,)](
+        o_part, l_part, out, seq_len,
+        out.stride(0), out.stride(1), out.stride(2),
+        Hq,
+        Q_ROWS=QR, HEAD_DIM=D, NUM_SPLITS=num_splits, SPLITS_P2=triton.next_power_of_2(num_splits),
+        BLOCK_N=block_n, BLOCK_D=triton.next_power_of_2(D), SPLITS_FROM_SEQ_LEN=splits_from_seq_len,
+        num_warps=4,
+    )
+    return out
+
+
+def decode_attention_triton(
+    q: torch.Tensor,          # [B, Hq, Q, D], last dim contiguous
+    k_cache: torch.Tensor,    # [B, Hkv, S_max, D], last dim contiguous
+    v_cache: torch.Tensor,    # [B, Hkv, S_max, D], last dim contiguous
+    seq_len: torch.Tensor,    # [B] int64 on q's device
+    scale: float,
+    *,
+    num_splits: int | None = None,
+    block_n: int = 64,
+    num_warps: int | None = None,
+    num_stages: int = 2,
+) -> torch.Tensor:
+    """Shapes are validated by the public wrapper; the keyword knobs are for tuning (bench/attention.py)."""
+    B, Hq, QR, D = q.shape
+    Hkv, S_max = k_cache.shape[1], k_cache.shape[2]
+    G = Hq // Hkv
+    block_m = max(16, triton.next_power_of_2(G * QR))
+    if num_splits is None:
+        num_splits = default_num_splits(B * Hkv, S_max, block_n, q.device)
+    if num_warps is None:
+        num_warps = 4 if block_m <= 64 else 8
+    o_part = torch.empty(B, Hq, QR, num_splits, D, dtype=torch.float32, device=q.device)
+    l_part = torch.empty(B, Hq, QR, num_splits, dtype=torch.float32, device=q.device)
+    upcast, precision = dot_flags(q.dtype)
+    _decode_split_kernel[(num_splits, B * Hkv)](
+        q, k_cache, v_cache, seq_len, o_part, l_part,
+        scale * LOG2E,
+        q.stride(0), q.stride(1), q.stride(2),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        Hkv,
+        Q_ROWS=QR, GROUP=G, HEAD_DIM=D, NUM_SPLITS=num_splits,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=triton.next_power_of_2(D),
+        UPCAST_DOT=upcast, DOT_PRECISION=precision,
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    out = torch.empty(B, Hq, QR, D, dtype=q.dtype, device=q.device)
+    return merge_splits(o_part, l_part, out, seq_len, block_n=block_n, splits_from_seq_len=True)
+
+
+__all__ = ["decode_attention_triton", "merge_splits", "dot_flags", "default_num_splits", "LOG2E"]

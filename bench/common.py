@@ -1,0 +1,55 @@
+"""Shared helpers for GPU benchmarks: measured copy bandwidth, timing, table printing."""
+from __future__ import annotations
+
+import time
+
+import torch
+
+
+def copy_bandwidth(device="cuda", gigabytes: float = 4.0, repeats: int = 10) -> float:
+    """Device-to-device copy bandwidth in bytes/s, counting bytes read plus bytes written."""
+    n = int(gigabytes * 2**30) // 2
+    src = torch.empty(n, dtype=torch.bfloat16, device=device).normal_()
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    elapsed = (time.perf_counter() - start) / repeats
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * n * 2 / elapsed
+
+
+def cuda_time(fn, warmup: int = 3, repeats: int = 10) -> float:
+    """Median seconds of fn() measured with CUDA events."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1000)
+    return sorted(times)[len(times) // 2]
+
+
+def print_table(rows: list[dict]) -> None:
+    if not rows:
+        return
+    cols = list(rows[0])
+    widths = {c: max(len(c), *(len(fmt(r.get(c))) for r in rows)) for c in cols}
+    print(" | ".join(c.ljust(widths[c]) for c in cols))
+    print("-|-".join("-" * widths[c] for c in cols))
+    for r in rows:
+        print(" | ".join(fmt(r.get(c)).ljust(widths[c]) for c in cols), flush=True)
+
+
+def fmt(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.3g}" if abs(v) < 100 else f"{v:.0f}"
+    return "" if v is None else str(v)

@@ -34,7 +34,9 @@ def masked_attention_reference(
     scores = torch.einsum("bhgqd,bhsd->bhgqs", qg, k.to(compute_dtype)) * scale   # [B, Hkv, G, Q, S]
     scores = scores.masked_fill(~visible[:, :, None], float("-inf"))
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)                           # empty rows -> 0
-    out = torch.einsum("bhgqs,bhsd->bhgqd", probs, v.to(compute_dtype))
+    seen = visible.any(dim=2)[..., None]                                            # [B, Hkv or 1, S, 1]
+    v = v.to(compute_dtype).masked_fill(~seen, 0.0)                                  # unwritten rows may be NaN
+    out = torch.einsum("bhgqs,bhsd->bhgqd", probs, v)
     return out.reshape(B, Hq, Q, D)
 
 

@@ -1,0 +1,76 @@
+"""Plain PyTorch twins of block scoring, block selection and attention over selected blocks."""
+from __future__ import annotations
+
+import torch
+
+from kernels.decode_attention.reference import causal_visibility, masked_attention_reference
+
+
+def lane_limits(seq_len: torch.Tensor, q_rows: int) -> torch.Tensor:
+    """Last visible cache row of each lane. -> [B, Q]"""
+    return seq_len[:, None] - q_rows + torch.arange(q_rows, device=seq_len.device)[None, :]
+
+
+def block_scores_reference(
+    q: torch.Tensor,            # [B, Hq, Q, D]
+    kmin: torch.Tensor,         # [B, Hkv, NB, D]
+    kmax: torch.Tensor,         # [B, Hkv, NB, D]
+    seq_len: torch.Tensor,      # [B] int64
+    block_size: int,
+    recent_blocks: int,
+    compute_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """Quest upper bound per (lane, KV head group, block). -> [B, Hkv, Q, NB] float32
+
+    bound[h, i, j] = sum_d max(q[h, i, d] * kmin[j, d], q[h, i, d] * kmax[j, d]) >= q . k for every k
+    in block j; a group takes the max over its G query heads. Blocks a lane cannot see score -inf;
+    the sink block and the lane's `recent_blocks` last visible blocks score +inf (always kept).
+    """
+    B, Hq, QR, D = q.shape
+    Hkv, NB = kmin.shape[1], kmin.shape[2]
+    qg = q.to(compute_dtype).reshape(B, Hkv, Hq // Hkv, QR, 1, D)
+    lo = kmin.to(compute_dtype)[:, :, None, None]                  # [B, Hkv, 1, 1, NB, D]
+    hi = kmax.to(compute_dtype)[:, :, None, None]
+    bound = torch.maximum(qg * lo, qg * hi).sum(-1).amax(dim=2)      # [B, Hkv, Q, NB]
+    last_block = (lane_limits(seq_len, QR) // block_size)[:, None, :, None]   # [B, 1, Q, 1]
+    blocks = torch.arange(NB, device=q.device)
+    visible = blocks <= last_block
+    forced = visible & ((blocks == 0) | (blocks > last_block - recent_blocks))
+    scores = bound.float().masked_fill(~visible, float("-inf"))
+    return scores.masked_fill(forced, float("inf"))
+
+
+def select_from_scores(scores: torch.Tensor, top_k: int) -> torch.Tensor:
+    """Top-k blocks per (lane, KV head group). -> block ids [B, Hkv, Q, top_k] int64, in no order.
+
+    Where a lane sees fewer than top_k blocks some ids name blocks it cannot see; attention masks them.
+    """
+    return torch.topk(scores, top_k, dim=-1, sorted=False).indices
+
+
+def selection_visibility(block_ids: torch.Tensor, seq_len: torch.Tensor, q_rows: int, block_size: int,
+                         max_len: int) -> torch.Tensor:
+    """visible[b, h, i, n]: row n is in a block selected for (b, h, lane i) and causally visible. -> bool"""
+    B, Hkv, QR, _ = block_ids.shape
+    n_blocks = max(-(-max_len // block_size), int(block_ids.max()) + 1)
+    chosen = torch.zeros(B, Hkv, QR, n_blocks, dtype=torch.bool, device=block_ids.device)
+    chosen.scatter_(-1, block_ids, True)
+    rows = chosen.repeat_interleave(block_size, dim=-1)[..., :max_len]          # [B, Hkv, Q, S]
+    return rows & causal_visibility(seq_len, q_rows, max_len)[:, None]
+
+
+def sparse_attention_reference(
+    q: torch.Tensor,            # [B, Hq, Q, D]
+    k_cache: torch.Tensor,      # [B, Hkv, S_max, D]
+    v_cache: torch.Tensor,      # [B, Hkv, S_max, D]
+    seq_len: torch.Tensor,      # [B] int64
+    block_ids: torch.Tensor,    # [B, Hkv, Q, top_k]
+    block_size: int,
+    scale: float,
+    compute_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """Attention restricted to the selected blocks' causally visible rows. -> [B, Hq, Q, D] in q's dtype"""
+    rows = int(seq_len.max())                                     # host sync: the reference is not for graphs
+    visible = selection_visibility(block_ids, seq_len, q.shape[2], block_size, rows)
+    k, v = k_cache[:, :, :rows], v_cache[:, :, :rows]
+    return masked_attention_reference(q, k, v, visible, scale, compute_dtype).to(q.dtype)

@@ -1,0 +1,40 @@
+"""Where a decode step's time goes: the top CUDA kernels over 32 graph-replayed steps.
+
+    python bench/profile_decode.py --shape qwen2.5-1.5b
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from engine.presets import preset  # noqa: E402
+from engine.runtime import Engine, build_model  # noqa: E402
+from engine.types import GenerationRequest, SamplingParams  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--shape", default="qwen2.5-1.5b")
+    parser.add_argument("--context", type=int, default=512)
+    parser.add_argument("--graphs", type=int, default=1)
+    args = parser.parse_args()
+    config = preset(args.shape)
+    engine = Engine(build_model(config, "cuda", torch.bfloat16), None, max_context=args.context + 64,
+                    eos_ids=set(), cuda_graphs=bool(args.graphs))
+    prompt = list(range(args.context))
+    request = GenerationRequest(sampling=SamplingParams(max_new_tokens=33, ignore_eos=True))
+    engine.generate_ids(prompt, request)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        out = engine.generate_ids(prompt, request)
+    print(f"{args.shape}: {len(out.token_ids) / out.decode_s:.0f} tok/s")
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=70))
+
+
+if __name__ == "__main__":
+    main()

@@ -281,8 +281,8 @@ def config_from_metadata(gguf: GGUFFile) -> ModelConfig:
         num_kv_heads=key("attention.head_count_kv", heads),
         intermediate_size=key("feed_forward_length"),
         head_dim=key("attention.key_length", 0),
-        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-5)),
-        rope_theta=float(key("rope.freq_base", 10000.0)),
+        rms_norm_eps=_short_float(key("attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=_short_float(key("rope.freq_base", 10000.0)),
         rope_scaling=_rope_scaling(gguf, arch_name),
         max_position_embeddings=key("context_length", 4096),
         tie_word_embeddings="output.weight" not in names,
@@ -291,6 +291,12 @@ def config_from_metadata(gguf: GGUFFile) -> ModelConfig:
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=list(dict.fromkeys(eos_ids)),
     )
+
+
+def _short_float(value: float) -> float:
+    """GGUF stores float32: 1e-6 comes back as 9.99999997e-07. Return the shortest decimal that is
+    the same float32 (1e-6), as the original config.json had it; identical once cast to float32."""
+    return float(str(np.float32(value)))
 
 
 def _rope_scaling(gguf: GGUFFile, arch_name: str) -> dict | None:
@@ -307,15 +313,15 @@ def _rope_scaling(gguf: GGUFFile, arch_name: str) -> dict | None:
     if kind in (None, "none"):
         return None
     if kind == "linear":
-        return {"rope_type": "linear", "factor": float(factor)}
+        return {"rope_type": "linear", "factor": _short_float(factor)}
     if kind == "yarn":
-        scaling = {"rope_type": "yarn", "factor": float(factor)}
+        scaling = {"rope_type": "yarn", "factor": _short_float(factor)}
         if original:
             scaling["original_max_position_embeddings"] = int(original)
         for gguf_key, hf_key in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow"),
                                  ("yarn_attn_factor", "attention_factor")):
             if prefix + gguf_key in meta:
-                scaling[hf_key] = float(meta[prefix + gguf_key])
+                scaling[hf_key] = _short_float(meta[prefix + gguf_key])
         return scaling
     raise CheckpointError(f"{gguf.path}: rope scaling type {kind!r} is not supported (linear, yarn, llama3 are)")
 
@@ -340,8 +346,8 @@ def _llama3_scaling_from_factors(gguf: GGUFFile, info: GGUFTensorInfo, original:
     meta, arch = gguf.metadata, gguf.metadata["general.architecture"]
     heads = meta[f"{arch}.attention.head_count"]
     head_dim = meta.get(f"{arch}.attention.key_length") or meta[f"{arch}.embedding_length"] // heads
-    theta = float(meta.get(f"{arch}.rope.freq_base", 10000.0))
-    scaling = {"rope_type": "llama3", "factor": float(factors.max()), "low_freq_factor": 1.0,
+    theta = _short_float(meta.get(f"{arch}.rope.freq_base", 10000.0))
+    scaling = {"rope_type": "llama3", "factor": _short_float(factors.max()), "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": int(original or 8192)}
     expected = llama3_rope_factors(head_dim, theta, scaling)
     if expected.shape == factors.shape and torch.allclose(expected, factors, rtol=1e-4):

@@ -1,0 +1,1 @@
+"""The `batchd` command line: one module per command (click)."""

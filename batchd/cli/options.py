@@ -1,0 +1,80 @@
+"""Options several commands share. Each reads a BATCHD_* environment variable too."""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import click
+
+from batchd.jobs.params import COMPRESS_MODES, SPEC_METHODS
+
+GENERATION_OPTIONS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop", "ignore_eos", "chat",
+                      "spec", "drafter", "spec_width", "compress", "compress_threshold", "keep_ratio",
+                      "compress_drafter")
+
+
+def _stack(*decorators: Callable) -> Callable:
+    def apply(func: Callable) -> Callable:
+        for decorator in reversed(decorators):
+            func = decorator(func)
+        return func
+    return apply
+
+
+def generation_options(func: Callable) -> Callable:
+    """Sampling, speculation and compression; unset ones keep the engine's defaults."""
+    return _stack(
+        click.option("--max-new-tokens", type=int, envvar="BATCHD_MAX_NEW_TOKENS", help="Tokens to generate at most."),
+        click.option("--temperature", type=float, envvar="BATCHD_TEMPERATURE", help="0 is greedy."),
+        click.option("--top-k", type=int, help="Keep the k most likely tokens (0: off)."),
+        click.option("--top-p", type=float, help="Nucleus sampling mass in (0, 1]."),
+        click.option("--seed", type=int, help="Sampling seed."),
+        click.option("--stop", multiple=True, help="Stop string (repeatable)."),
+        click.option("--ignore-eos", is_flag=True, default=None, help="Keep going past end-of-sequence."),
+        click.option("--chat/--no-chat", default=None, help="Apply the model's chat template."),
+        click.option("--spec", type=click.Choice(SPEC_METHODS), envvar="BATCHD_SPEC", help="Speculative decoding."),
+        click.option("--drafter", type=click.Path(), envvar="BATCHD_DRAFTER", help="Drafter checkpoint for --spec draft."),
+        click.option("--spec-width", type=int, help="Draft tokens per step (default: adaptive)."),
+        click.option("--compress", type=click.Choice(COMPRESS_MODES), envvar="BATCHD_COMPRESS",
+                     help="PFlash prompt compression."),
+        click.option("--compress-threshold", type=int, help="Compress prompts of at least this many tokens."),
+        click.option("--keep-ratio", type=float, help="Share of the prompt PFlash keeps."),
+        click.option("--compress-drafter", type=click.Path(), envvar="BATCHD_COMPRESS_DRAFTER",
+                     help="Drafter checkpoint that scores the prompt."),
+    )(func)
+
+
+def params_from_options(options: dict[str, Any]) -> dict[str, Any]:
+    """The `params` object from generation options that were given."""
+    params = {}
+    for name in GENERATION_OPTIONS:
+        value = options.pop(name, None)
+        if value is None or value == ():
+            continue
+        params[name] = list(value) if name == "stop" else value
+    return params
+
+
+def model_options(func: Callable) -> Callable:
+    return _stack(
+        click.option("--model", "model_path", type=click.Path(), envvar="BATCHD_MODEL",
+                     help="Checkpoint: a GGUF file or a Hugging Face folder (default: SmolLM2-135M-Instruct)."),
+        click.option("--model-name", envvar="BATCHD_MODEL_NAME",
+                     help="Name jobs use to reach this model; its queue is <prefix>.<name>."),
+        click.option("--device", envvar="BATCHD_DEVICE", help="cpu, cuda or cuda:N (default cpu)."),
+        click.option("--dtype", envvar="BATCHD_DTYPE", help="float32, bfloat16 or float16 (default: by device)."),
+        click.option("--max-context", type=int, envvar="BATCHD_MAX_CONTEXT", help="KV cache rows (default: model's)."),
+    )(func)
+
+
+def submit_options(func: Callable) -> Callable:
+    return _stack(
+        click.argument("inputs", nargs=-1, required=True),
+        click.option("--batch", "batch_name", envvar="BATCHD_BATCH",
+                     help="Batch name; submitting again under it adds only new custom_ids."),
+        click.option("--template", default=None, help="Prompt around each document file; {document} marks its text."),
+        click.option("--template-file", type=click.File("r", encoding="utf-8"), help="Read the template from a file."),
+        click.option("--format", "fmt", type=click.Choice(["auto", "jsonl", "text"]), default="auto", show_default=True,
+                     help="auto: *.jsonl files and stdin starting with '{' are JSONL; the rest are documents."),
+        click.option("--expires-in", type=float, help="Seconds a job may wait to start before it expires."),
+        click.option("--job-model", help="Model name for these jobs (default: the configured model name)."),
+    )(func)

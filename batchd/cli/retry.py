@@ -1,0 +1,36 @@
+"""`batchd retry`: run failed, expired or cancelled jobs again."""
+from __future__ import annotations
+
+import click
+
+from batchd.cli.context import CliContext, pass_cli
+from batchd.db.models import ERROR_KINDS, JobStatus
+from batchd.embedded import broker_url_for
+from batchd.jobs.manage import retry as retry_jobs
+from batchd.jobs.publish import Publisher
+from batchd.queue.celery_app import configure
+
+
+@click.command("retry")
+@click.argument("job_ids", nargs=-1, type=int)
+@click.option("--batch", "batch_name", envvar="BATCHD_BATCH", help="Retry jobs of this batch.")
+@click.option("--status", "statuses", type=click.Choice(["failed", "expired", "cancelled"]), multiple=True,
+              help="Which finished states to retry (default: failed and expired).")
+@click.option("--kind", "error_kind", type=click.Choice(ERROR_KINDS), help="Only failed jobs of this error kind.")
+@pass_cli
+def retry(cli: CliContext, job_ids: tuple[int, ...], batch_name, statuses, error_kind) -> None:
+    """Put finished jobs back to pending (errors cleared) and publish them."""
+    if not job_ids and not batch_name:
+        raise click.UsageError("give --batch NAME or job ids")
+    settings = cli.database(cli.settings())
+    chosen = [JobStatus(s) for s in statuses] or [JobStatus.FAILED, JobStatus.EXPIRED]
+    ids = retry_jobs(settings.database_url, batch=batch_name, job_ids=job_ids if not batch_name else None,
+                     statuses=chosen, error_kind=error_kind)
+    published = 0
+    with broker_url_for(settings, start=False) as broker_url:
+        if ids and broker_url:
+            published = Publisher(settings, configure(settings, broker_url)).publish_pending(ids)
+    click.echo(f"retrying {len(ids)} job(s); {published} queued now, the rest when a relay runs")
+
+
+COMMANDS = [retry]

@@ -1,0 +1,62 @@
+"""`batchd status`: all batches, or one batch's progress bar with throughput and ETA."""
+from __future__ import annotations
+
+import sys
+import time
+from typing import Optional
+
+import click
+
+from batchd.cli.context import CliContext, pass_cli
+from batchd.jobs.progress import BatchProgress, all_batches, batch_progress
+
+BAR_WIDTH = 30
+STATUS_ORDER = ("succeeded", "failed", "running", "queued", "pending", "cancelled", "expired")
+
+
+def format_duration(seconds: Optional[float]) -> str:
+    if seconds is None:
+        return "--:--"
+    seconds = int(round(seconds))
+    hours, rest = divmod(seconds, 3600)
+    return f"{hours}:{rest // 60:02d}:{rest % 60:02d}" if hours else f"{rest // 60:02d}:{rest % 60:02d}"
+
+
+def progress_line(p: BatchProgress) -> str:
+    filled = int(BAR_WIDTH * p.finished / p.total) if p.total else BAR_WIDTH
+    bar = "#" * filled + "." * (BAR_WIDTH - filled)
+    counts = " ".join(f"{s} {p.counts[s]}" for s in STATUS_ORDER if p.counts.get(s))
+    return (f"{p.name} [{bar}] {p.finished}/{p.total} | {counts or 'empty'} | "
+            f"{p.jobs_per_s * 60:.1f} jobs/min, {p.tokens_per_s:.1f} tok/s | "
+            f"{'done in ' + format_duration(p.elapsed_s) if p.done else 'ETA ' + format_duration(p.eta_s)}")
+
+
+@click.command("status")
+@click.option("--batch", "batch_name", envvar="BATCHD_BATCH", help="Show this batch's progress.")
+@click.option("--watch/--no-watch", default=None, help="Redraw until the batch is done (default: on a terminal).")
+@click.option("--interval", type=float, default=1.0, show_default=True, help="Seconds between redraws.")
+@pass_cli
+def status(cli: CliContext, batch_name: Optional[str], watch: Optional[bool], interval: float) -> None:
+    """Progress of one batch (--batch), or a line per batch."""
+    settings = cli.database(cli.settings())
+    if batch_name is None:
+        batches = all_batches(settings.database_url)
+        if not batches:
+            click.echo("no batches yet: `batchd submit FILES --batch NAME`")
+        for p in batches:
+            click.echo(progress_line(p))
+        return
+    watch = sys.stdout.isatty() if watch is None else watch
+    while True:
+        p = batch_progress(settings.database_url, batch_name)
+        if not watch:
+            click.echo(progress_line(p))
+            return
+        click.echo("\r\x1b[2K" + progress_line(p), nl=False)
+        if p.done:
+            click.echo()
+            return
+        time.sleep(interval)
+
+
+COMMANDS = [status]

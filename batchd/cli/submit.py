@@ -1,0 +1,66 @@
+"""`batchd submit`: files, folders, globs, stdin or JSONL into a named batch."""
+from __future__ import annotations
+
+from datetime import datetime, timezone
+
+import click
+
+from batchd.cli.context import CliContext, echo_err, pass_cli
+from batchd.cli.options import generation_options, params_from_options, submit_options
+from batchd.config import Settings
+from batchd.embedded import broker_url_for
+from batchd.jobs.inputs import DEFAULT_TEMPLATE, read_inputs
+from batchd.jobs.publish import Publisher
+from batchd.jobs.submit import SubmitReport, submit_jobs
+from batchd.queue.celery_app import configure
+
+
+def do_submit(settings: Settings, options: dict, *, publish: bool = True) -> SubmitReport:
+    """Shared by `submit` and `run`: read the inputs, write the jobs, publish if a broker runs."""
+    params = params_from_options(options)
+    template = options["template_file"].read() if options.get("template_file") else (options.get("template")
+                                                                                     or DEFAULT_TEMPLATE)
+    batch_name = options.get("batch_name") or datetime.now(timezone.utc).strftime("batch-%Y%m%d-%H%M%S")
+    inputs = read_inputs(list(options["inputs"]), template=template, fmt=options.get("fmt") or "auto")
+    publisher = None
+    with broker_url_for(settings, start=False) as broker_url:
+        if publish and broker_url:
+            publisher = Publisher(settings, configure(settings, broker_url))
+        report = submit_jobs(settings, batch_name, inputs, defaults=params, model=options.get("job_model"),
+                             expires_in_s=options.get("expires_in"), publisher=publisher)
+    print_report(report, publisher is not None)
+    return report
+
+
+def print_report(report: SubmitReport, published: bool) -> None:
+    for source, message in report.duplicates:
+        echo_err(f"skipped {source}: {message}")
+    for custom_id, message in report.rejected:
+        echo_err(f"rejected {custom_id}: {message}")
+    for custom_id in report.changed_inputs:
+        echo_err(f"kept {custom_id}: the batch already holds this custom_id with a different input")
+    parts = [f"{len(report.job_ids)} new job(s)"]
+    if report.rejected:
+        parts.append(f"{len(report.rejected)} rejected (failed: bad_input)")
+    if report.already_present:
+        parts.append(f"{report.already_present} already in the batch")
+    if report.duplicates:
+        parts.append(f"{len(report.duplicates)} duplicate(s) skipped")
+    where = "queued" if published else "pending (a worker's relay publishes them)"
+    click.echo(f"batch {report.batch_name}: {', '.join(parts)}; new jobs are {where}")
+
+
+@click.command("submit")
+@submit_options
+@generation_options
+@click.option("--publish/--no-publish", default=True, help="Publish now (else the relay does).")
+@pass_cli
+def submit(cli: CliContext, publish: bool, **options) -> None:
+    """Submit INPUTS (files, folders, globs, '-' for stdin; *.jsonl lines are jobs) as a batch."""
+    settings = cli.database(cli.settings())
+    report = do_submit(settings, options, publish=publish)
+    if not report.job_ids and report.rejected and not report.already_present:
+        raise click.ClickException("every input was rejected; nothing to run")
+
+
+COMMANDS = [submit]

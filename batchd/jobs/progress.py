@@ -1,0 +1,103 @@
+"""A batch's progress: counts per status, throughput and an ETA."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Optional
+
+from sqlalchemy import func, select
+
+from batchd.db.models import Batch, FINISHED, Job, JobStatus, Result
+from batchd.db.session import session_scope
+from batchd.db.types import utcnow
+
+
+class UnknownBatch(LookupError):
+    pass
+
+
+@dataclass
+class BatchProgress:
+    name: str
+    batch_id: int
+    created_at: datetime
+    counts: dict[str, int] = field(default_factory=dict)
+    first_started_at: Optional[datetime] = None
+    last_finished_at: Optional[datetime] = None
+    generated_tokens: int = 0
+    prompt_tokens: int = 0
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+    @property
+    def finished(self) -> int:
+        return sum(self.counts.get(s.value, 0) for s in FINISHED)
+
+    @property
+    def done(self) -> bool:
+        return self.finished == self.total
+
+    @property
+    def elapsed_s(self) -> float:
+        if self.first_started_at is None:
+            return 0.0
+        end = self.last_finished_at if self.done and self.last_finished_at else utcnow()
+        return max((end - self.first_started_at).total_seconds(), 1e-9)
+
+    @property
+    def jobs_per_s(self) -> float:
+        ran = self.counts.get("succeeded", 0) + self.counts.get("failed", 0)
+        return ran / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.generated_tokens / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+    @property
+    def eta_s(self) -> Optional[float]:
+        remaining = self.total - self.finished
+        if remaining == 0:
+            return 0.0
+        return remaining / self.jobs_per_s if self.jobs_per_s > 0 else None
+
+
+def batch_progress(url: str, name: str) -> BatchProgress:
+    with session_scope(url) as session:
+        batch = session.scalar(select(Batch).where(Batch.name == name))
+        if batch is None:
+            raise UnknownBatch(f"no batch named {name!r}; `batchd status` lists them")
+        return _progress(session, batch)
+
+
+def all_batches(url: str) -> list[BatchProgress]:
+    with session_scope(url) as session:
+        return [_progress(session, b) for b in session.scalars(select(Batch).order_by(Batch.id))]
+
+
+def _progress(session, batch: Batch) -> BatchProgress:
+    progress = BatchProgress(name=batch.name, batch_id=batch.id, created_at=batch.created_at)
+    for status, count in session.execute(select(Job.status, func.count()).where(Job.batch_id == batch.id)
+                                         .group_by(Job.status)):
+        progress.counts[JobStatus(status).value] = count
+    first, last = session.execute(
+        select(func.min(Job.running_at), func.max(func.coalesce(Job.succeeded_at, Job.failed_at)))
+        .where(Job.batch_id == batch.id)).one()
+    progress.first_started_at, progress.last_finished_at = _aware(first), _aware(last)
+    tokens = session.execute(select(func.coalesce(func.sum(Result.generated_tokens), 0),
+                                    func.coalesce(func.sum(Result.prompt_tokens), 0))
+                             .join(Job, Job.id == Result.job_id).where(Job.batch_id == batch.id)).one()
+    progress.generated_tokens, progress.prompt_tokens = int(tokens[0]), int(tokens[1])
+    return progress
+
+
+def _aware(value):
+    """min()/max() over a UTC column come back as plain values on SQLite: restore the type's UTC."""
+    from batchd.db.types import UTCDateTime
+
+    if value is None or isinstance(value, datetime) and value.tzinfo is not None:
+        return value
+    if isinstance(value, str):
+        value = datetime.fromisoformat(value)
+    return UTCDateTime().process_result_value(value, None)

@@ -1,0 +1,91 @@
+"""Move pending jobs onto their model's queue: mark them queued, commit, then send their ids.
+
+Marking first means a worker never receives a message for a job that is still pending. If
+sending fails, the jobs go back to pending for the relay to try again; a message lost after
+a successful send is what the relay's queue lease is for. Messages carry the job id only.
+Sending is pipelined (one Redis round trip per `SEND_BATCH` messages).
+"""
+from __future__ import annotations
+
+import logging
+from datetime import timedelta
+from typing import Optional, Sequence
+
+from sqlalchemy import insert, select, update
+from sqlalchemy.sql import func
+
+from batchd.config import Settings, queue_name
+from batchd.db.models import Job, JobEvent, JobStatus
+from batchd.db.session import session_scope
+from batchd.db.types import utcnow
+
+log = logging.getLogger(__name__)
+
+TASK_NAME = "batchd.run_job"
+SEND_BATCH = 1000
+MARK_CHUNK = 1000
+
+
+class Publisher:
+    def __init__(self, settings: Settings, app):
+        self.settings = settings
+        self.app = app  # a configured Celery app (batchd.queue.celery_app)
+
+    def queue_for(self, model: Optional[str]) -> str:
+        return queue_name(self.settings.queue_prefix, model or self.settings.model_name)
+
+    def send(self, jobs: Sequence[tuple[int, Optional[str]]]) -> None:
+        """Publish (job id, model) pairs, each to its model's queue."""
+        if not jobs:
+            return
+        with self.app.producer_or_acquire() as producer, producer.batch(SEND_BATCH):
+            for job_id, model in jobs:
+                self.app.send_task(TASK_NAME, args=[job_id], queue=self.queue_for(model), producer=producer)
+
+    def publish_pending(self, job_ids: Optional[Sequence[int]] = None, limit: int = 10_000) -> int:
+        """pending -> queued for these jobs (or the oldest `limit`), then send; how many were sent."""
+        sent = 0
+        chunks = ([list(job_ids[i:i + MARK_CHUNK]) for i in range(0, len(job_ids), MARK_CHUNK)]
+                  if job_ids is not None else [None] * max(1, limit // MARK_CHUNK))
+        for chunk in chunks:
+            marked = self.mark_queued(chunk)
+            if not marked:
+                break
+            try:
+                self.send(marked)
+            except Exception:
+                self.unmark([job_id for job_id, _ in marked])
+                raise
+            sent += len(marked)
+        return sent
+
+    def mark_queued(self, job_ids: Optional[list[int]]) -> list[tuple[int, str]]:
+        now = utcnow()
+        with session_scope(self.settings.database_url) as session:
+            query = (select(Job.id, Job.model).where(Job.status == JobStatus.PENDING)
+                     .order_by(Job.id).limit(MARK_CHUNK).with_for_update(skip_locked=True))
+            if job_ids is not None:
+                query = query.where(Job.id.in_(job_ids))
+            rows = [(job_id, model or self.settings.model_name) for job_id, model in session.execute(query)]
+            if not rows:
+                return []
+            ids = [job_id for job_id, _ in rows]
+            session.execute(
+                update(Job).where(Job.id.in_(ids), Job.status == JobStatus.PENDING)
+                .values(status=JobStatus.QUEUED, queued_at=now, model=func.coalesce(Job.model, self.settings.model_name),
+                        lease_expires_at=now + timedelta(seconds=self.settings.queue_lease_s))
+            )
+            session.execute(insert(JobEvent), [{"job_id": i, "event": "queued", "at": now} for i in ids])
+        return rows
+
+    def unmark(self, job_ids: list[int]) -> None:
+        with session_scope(self.settings.database_url) as session:
+            session.execute(update(Job).where(Job.id.in_(job_ids), Job.status == JobStatus.QUEUED,
+                                              Job.worker_id.is_(None))
+                            .values(status=JobStatus.PENDING, queued_at=None, lease_expires_at=None))
+        log.warning("publishing %d jobs failed; they are pending again for the relay", len(job_ids))
+
+    def queue_length(self, model: str) -> int:
+        """Messages waiting in a model's Redis list (not counting ones a worker holds unacked)."""
+        with self.app.connection_for_write() as connection:
+            return int(connection.default_channel.client.llen(self.queue_for(model)))

@@ -1,0 +1,144 @@
+"""Write a batch's jobs in bulk, then publish them after the commit.
+
+A batch is named; submitting again under the same name adds only the custom_ids the batch
+does not hold yet, so a re-run of the same command is idempotent. Invalid inputs become
+`failed` jobs with error_kind `bad_input` and a message (the rest of the batch goes on);
+a custom_id given twice in one submission is reported and the second one dropped.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Any, Iterable, Optional
+
+from sqlalchemy import insert, select
+from sqlalchemy.exc import IntegrityError
+
+from batchd.config import MODEL_NAME_PATTERN, Settings
+from batchd.db.models import Batch, Job, JobEvent, JobStatus
+from batchd.db.session import session_factory, session_scope
+from batchd.db.types import utcnow
+from batchd.jobs.inputs import JobInput
+from batchd.jobs.params import validate_input, validate_params
+from engine.errors import BadInputError
+
+INSERT_CHUNK = 2000
+
+
+@dataclass
+class SubmitReport:
+    batch_id: int
+    batch_name: str
+    batch_created: bool
+    job_ids: list[int] = field(default_factory=list)  # pending jobs inserted now
+    already_present: int = 0  # custom_ids the batch held before (idempotent re-submit)
+    changed_inputs: list[str] = field(default_factory=list)  # present, but with a different input now
+    rejected: list[tuple[str, str]] = field(default_factory=list)  # (custom_id, message): failed at submit
+    duplicates: list[tuple[str, str]] = field(default_factory=list)  # (source, message): not inserted
+    published: int = 0
+
+    @property
+    def inserted(self) -> int:
+        return len(self.job_ids) + len(self.rejected)
+
+
+def get_or_create_batch(settings: Settings, name: str, *, model: Optional[str],
+                        defaults: dict[str, Any]) -> tuple[int, bool]:
+    """(batch id, created?). Two submitters racing on one name both end up with the same batch."""
+    for _ in range(2):
+        with session_scope(settings.database_url) as session:
+            batch_id = session.scalar(select(Batch.id).where(Batch.name == name))
+            if batch_id is not None:
+                return batch_id, False
+        try:
+            with session_scope(settings.database_url) as session:
+                batch = Batch(name=name, model=model, params=defaults)
+                session.add(batch)
+                session.flush()
+                return batch.id, True
+        except IntegrityError:
+            continue  # created by someone else in between: read it
+    raise RuntimeError(f"could not create or find batch {name!r}")
+
+
+def submit_jobs(settings: Settings, batch_name: str, inputs: Iterable[JobInput], *,
+                defaults: Optional[dict[str, Any]] = None, model: Optional[str] = None,
+                expires_in_s: Optional[float] = None, publisher=None) -> SubmitReport:
+    """Insert the inputs as jobs of `batch_name` and publish the valid ones when `publisher`
+    is given (else the relay publishes them). `defaults` are params every job starts from."""
+    defaults = validate_params(defaults or {})
+    model = model or settings.model_name
+    batch_id, created = get_or_create_batch(settings, batch_name, model=model, defaults=defaults)
+    report = SubmitReport(batch_id=batch_id, batch_name=batch_name, batch_created=created)
+    with session_scope(settings.database_url) as session:
+        existing = dict(session.execute(select(Job.custom_id, Job.input_sha256).where(Job.batch_id == batch_id)).all())
+    now = utcnow()
+    expires_at = now + timedelta(seconds=expires_in_s) if expires_in_s else None
+    seen: dict[str, str] = {}
+    pending_rows, failed_rows = [], []
+    for job in inputs:
+        if job.custom_id in seen:
+            report.duplicates.append((job.source, f"duplicate custom_id {job.custom_id!r} (first at {seen[job.custom_id]}); "
+                                                  "this one was not submitted"))
+            continue
+        seen[job.custom_id] = job.source
+        if job.custom_id in existing:
+            report.already_present += 1
+            if existing[job.custom_id] not in (None, job.input_sha256):
+                report.changed_inputs.append(job.custom_id)
+            continue
+        row, error = _job_row(job, batch_id, model, defaults, now, expires_at)
+        if error:
+            failed_rows.append(row)
+            report.rejected.append((job.custom_id, error))
+        else:
+            pending_rows.append(row)
+    report.job_ids = _insert_jobs(settings, pending_rows, failed_rows)
+    if publisher is not None and report.job_ids:
+        report.published = publisher.publish_pending(report.job_ids)
+    return report
+
+
+def _job_row(job: JobInput, batch_id: int, default_model: str, defaults: dict, now: datetime,
+             expires_at: Optional[datetime]) -> tuple[dict, Optional[str]]:
+    row = {"batch_id": batch_id, "custom_id": job.custom_id, "model": job.model or default_model,
+           "prompt": job.prompt if isinstance(job.prompt, str) else None,
+           "messages": job.messages if isinstance(job.messages, list) else None,
+           "params": {**defaults, **(job.params or {})}, "input_sha256": job.input_sha256,
+           "status": JobStatus.PENDING, "created_at": now, "pending_at": now, "expires_at": expires_at,
+           "attempts": 0}
+    error = job.error
+    if error is None:
+        try:
+            validate_input(job.prompt, job.messages)
+            row["params"] = validate_params(row["params"])
+            if not MODEL_NAME_PATTERN.match(row["model"]):
+                raise BadInputError(f"model {row['model']!r} is not a model name (letters, digits, '.', '_', '-')")
+        except BadInputError as exc:
+            error = exc.message
+    if error is not None:
+        if (row["prompt"] is None) == (row["messages"] is None):
+            row["prompt"], row["messages"] = row["prompt"] or "", None
+        if not isinstance(row["model"], str) or not MODEL_NAME_PATTERN.match(row["model"]):
+            row["model"] = default_model
+        if not isinstance(row["params"], dict):
+            row["params"] = {}
+        row.update(status=JobStatus.FAILED, failed_at=now, error_kind="bad_input", error_message=error,
+                   retryable=False)
+    return row, error
+
+
+def _insert_jobs(settings: Settings, pending_rows: list[dict], failed_rows: list[dict]) -> list[int]:
+    """Bulk INSERT ... RETURNING id, plus one event per job, in one transaction."""
+    pending_ids: list[int] = []
+    with session_factory(settings.database_url).begin() as session:
+        for rows, event in ((pending_rows, "submitted"), (failed_rows, "rejected")):
+            for start in range(0, len(rows), INSERT_CHUNK):
+                chunk = rows[start:start + INSERT_CHUNK]
+                ids = list(session.scalars(insert(Job).returning(Job.id, sort_by_parameter_order=True), chunk))
+                if event == "submitted":
+                    pending_ids.extend(ids)
+                details = [None if event == "submitted" else row["error_message"] for row in chunk]
+                session.execute(insert(JobEvent), [{"job_id": i, "event": event, "detail": d}
+                                                   for i, d in zip(ids, details)])
+    return pending_ids

@@ -1,0 +1,60 @@
+"""The Celery app, configured for hour-long GPU jobs (DESIGN.md section 1).
+
+- acks late and reject on worker lost: a job's message is acknowledged when the job is over,
+  so a worker that dies mid-job leaves the message to be delivered again;
+- prefetch 1 with the solo pool (CUDA does not survive fork): a worker holds one message;
+- the Redis visibility timeout is above the longest job, or Redis would hand a running job's
+  message to a second worker;
+- JSON only: nothing on the wire is pickled, and messages carry a job id;
+- soft and hard time limits (the solo pool does not enforce Celery's; the job runner does);
+- one queue per model name.
+
+`celery --app batchd.queue.celery_app:app flower` works with BATCHD_BROKER_URL set.
+"""
+from __future__ import annotations
+
+import os
+
+from celery import Celery
+
+from batchd.config import Settings
+
+app = Celery("batchd", include=["batchd.queue.tasks"])
+
+
+def celery_config(settings: Settings, broker_url: str) -> dict:
+    return {
+        "broker_url": broker_url,
+        "broker_connection_retry_on_startup": True,
+        "broker_transport_options": {"visibility_timeout": settings.visibility_timeout_s},
+        "task_serializer": "json",
+        "result_serializer": "json",
+        "event_serializer": "json",
+        "accept_content": ["json"],
+        "task_ignore_result": True,  # results live in the database
+        "task_acks_late": True,
+        "task_reject_on_worker_lost": True,
+        "worker_prefetch_multiplier": 1,
+        "worker_pool": "solo",
+        "worker_concurrency": 1,
+        "task_soft_time_limit": settings.soft_time_limit_s,
+        "task_time_limit": settings.job_time_limit_s,
+        "task_default_queue": settings.queue_name,
+        "task_create_missing_queues": True,
+        "worker_hijack_root_logger": False,
+        "worker_send_task_events": True,  # for Flower
+        "worker_cancel_long_running_tasks_on_connection_loss": False,  # the database decides, not the socket
+        "enable_utc": True,
+    }
+
+
+def configure(settings: Settings, broker_url: str) -> Celery:
+    """Point the app at a broker; a different broker than before drops the pooled connections."""
+    if app.conf.broker_url not in (None, broker_url):
+        app.close()
+    app.conf.update(celery_config(settings, broker_url))
+    return app
+
+
+if os.environ.get("BATCHD_BROKER_URL"):  # a real broker (Flower, or `celery` tools): configure from env
+    configure(Settings.from_env(), os.environ["BATCHD_BROKER_URL"])

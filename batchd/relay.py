@@ -1,0 +1,147 @@
+"""The relay: the database is the record, Redis only carries ids, and this keeps them agreeing.
+
+Each pass:
+1. expires pending/queued jobs whose deadline (`expires_at`) passed;
+2. publishes `pending` jobs (written by SQL INSERT, or by a submit that could not reach the
+   broker) and marks them `queued`;
+3. requeues `running` jobs whose worker lease expired (the worker was killed or lost) and
+   republishes them; after `max_attempts` losses the job fails as `worker_lost`;
+4. republishes `queued` jobs whose queue lease expired when their model's Redis list holds
+   fewer messages than there are queued jobs: a message was lost (a broker restart without
+   persistence, a purge), and at most that many oldest jobs are sent again.
+
+PostgreSQL: rows are taken with FOR UPDATE SKIP LOCKED, so any number of relays share the work.
+SQLite: every transaction is BEGIN IMMEDIATE (one writer at a time), so one relay is correct and
+more are merely redundant. A job published twice is harmless: the second claim finds it taken.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from datetime import timedelta
+
+from sqlalchemy import func, insert, select, update
+
+from batchd.config import Settings
+from batchd.db.models import Job, JobEvent, JobStatus
+from batchd.db.session import session_scope
+from batchd.db.types import utcnow
+from batchd.jobs.publish import MARK_CHUNK, Publisher
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RelayReport:
+    expired: int = 0
+    published: int = 0
+    requeued: int = 0  # running jobs whose worker was lost
+    lost: int = 0  # ... and failed for good after max_attempts
+    republished: int = 0  # queued jobs whose message was lost
+
+    def __bool__(self) -> bool:
+        return any(vars(self).values())
+
+
+class Relay:
+    def __init__(self, settings: Settings, publisher: Publisher):
+        self.settings = settings
+        self.publisher = publisher
+
+    def run_once(self) -> RelayReport:
+        report = RelayReport()
+        report.expired = self.expire_overdue()
+        report.published = self.publisher.publish_pending()
+        report.requeued, report.lost = self.requeue_lost_running()
+        report.republished = self.republish_lost_queued()
+        if report:
+            log.info("relay: %s", report)
+        return report
+
+    def run_forever(self, stop: threading.Event) -> None:
+        while not stop.is_set():
+            try:
+                self.run_once()
+            except Exception:  # the database or broker is down: say so and keep trying
+                log.exception("relay pass failed; retrying in %.0f s", self.settings.relay_interval_s)
+            stop.wait(self.settings.relay_interval_s)
+
+    def expire_overdue(self) -> int:
+        now = utcnow()
+        with session_scope(self.settings.database_url) as session:
+            ids = list(session.scalars(
+                select(Job.id).where(Job.status.in_((JobStatus.PENDING, JobStatus.QUEUED)), Job.expires_at < now)
+                .limit(MARK_CHUNK).with_for_update(skip_locked=True)))
+            if ids:
+                session.execute(update(Job).where(Job.id.in_(ids), Job.status.in_((JobStatus.PENDING, JobStatus.QUEUED)))
+                                .values(status=JobStatus.EXPIRED, expired_at=now, lease_expires_at=None))
+                session.execute(insert(JobEvent), [{"job_id": i, "event": "expired", "at": now} for i in ids])
+        return len(ids)
+
+    def requeue_lost_running(self) -> tuple[int, int]:
+        now = utcnow()
+        requeue, lost = [], []
+        with session_scope(self.settings.database_url) as session:
+            rows = session.execute(
+                select(Job.id, Job.model, Job.attempts, Job.worker_id)
+                .where(Job.status == JobStatus.RUNNING, Job.lease_expires_at < now)
+                .order_by(Job.id).limit(MARK_CHUNK).with_for_update(skip_locked=True)).all()
+            for job_id, model, attempts, worker_id in rows:
+                (lost if attempts >= self.settings.max_attempts else requeue).append((job_id, model, worker_id))
+            if requeue:
+                session.execute(
+                    update(Job).where(Job.id.in_([r[0] for r in requeue]), Job.status == JobStatus.RUNNING)
+                    .values(status=JobStatus.QUEUED, queued_at=now, worker_id=None,
+                            lease_expires_at=now + timedelta(seconds=self.settings.queue_lease_s)))
+                session.execute(insert(JobEvent), [
+                    {"job_id": i, "event": "requeued", "at": now, "worker_id": w,
+                     "detail": "the worker's lease expired (worker killed or lost)"} for i, _, w in requeue])
+            if lost:
+                message = (f"the worker running this job was lost {self.settings.max_attempts} times (killed, out of "
+                           "memory, or past the hard time limit); `batchd retry` runs it again")
+                session.execute(
+                    update(Job).where(Job.id.in_([r[0] for r in lost]), Job.status == JobStatus.RUNNING)
+                    .values(status=JobStatus.FAILED, failed_at=now, lease_expires_at=None, error_kind="worker_lost",
+                            error_message=message, retryable=True))
+                session.execute(insert(JobEvent), [
+                    {"job_id": i, "event": "failed", "at": now, "worker_id": w, "detail": f"worker_lost: {message}"}
+                    for i, _, w in lost])
+        self.publisher.send([(job_id, model) for job_id, model, _ in requeue])
+        return len(requeue), len(lost)
+
+    def republish_lost_queued(self) -> int:
+        now = utcnow()
+        with session_scope(self.settings.database_url) as session:
+            overdue_models = session.execute(
+                select(Job.model, func.count()).where(Job.status == JobStatus.QUEUED, Job.lease_expires_at < now)
+                .group_by(Job.model)).all()
+        sent = 0
+        for model, _ in overdue_models:
+            with session_scope(self.settings.database_url) as session:
+                queued = session.scalar(select(func.count()).where(Job.status == JobStatus.QUEUED, Job.model == model))
+            deficit = queued - self.publisher.queue_length(model)
+            if deficit <= 0:
+                continue
+            with session_scope(self.settings.database_url) as session:
+                ids = list(session.scalars(
+                    select(Job.id).where(Job.status == JobStatus.QUEUED, Job.model == model, Job.lease_expires_at < now)
+                    .order_by(Job.id).limit(min(deficit, MARK_CHUNK)).with_for_update(skip_locked=True)))
+                if not ids:
+                    continue
+                session.execute(update(Job).where(Job.id.in_(ids), Job.status == JobStatus.QUEUED)
+                                .values(lease_expires_at=now + timedelta(seconds=self.settings.queue_lease_s)))
+                session.execute(insert(JobEvent), [
+                    {"job_id": i, "event": "republished", "at": now,
+                     "detail": "queue lease expired and the queue holds fewer messages than queued jobs"}
+                    for i in ids])
+            self.publisher.send([(i, model) for i in ids])
+            sent += len(ids)
+        return sent
+
+
+def start_relay_thread(relay: Relay) -> tuple[threading.Thread, threading.Event]:
+    stop = threading.Event()
+    thread = threading.Thread(target=relay.run_forever, args=(stop,), name="batchd-relay", daemon=True)
+    thread.start()
+    return thread, stop

@@ -170,7 +170,7 @@ def sweep() -> None:
             fn = lambda: decode_attention_triton(q, k, v, sl, D ** -0.5, num_splits=splits,  # noqa: E731
                                                  block_n=block_n, num_warps=warps, num_stages=stages)
             try:
-                return bench(fn)
+                return bench_graph(fn)
             except Exception as e:  # out of shared memory or registers for this configuration
                 print(f"SWEEP Q={QR} block_n={block_n} warps={warps} stages={stages}: {type(e).__name__}")
                 return float("inf")
@@ -181,8 +181,25 @@ def sweep() -> None:
         results += [(run(bn, w, st, sp), bn, w, st, sp) for sp in (16, 33, 66, 132)]
         results.sort(key=lambda r: r[0])
         for ms, bn, w, st, sp in results[:3]:
-            print(f"SWEEP Q={QR:2d} {ms * 1e3:7.1f} us {kv_bytes / ms / 1e9:6.0f} GB/s  block_n={bn} "
+            print(f"SWEEP Q={QR:2d} {ms * 1e3:7.1f} us {kv_bytes / ms / 1e6:6.0f} GB/s  block_n={bn} "
                   f"warps={w} stages={st} splits={sp or 'default'}")
+
+
+def sparse_breakdown(q, k, v, sl, summary) -> None:
+    """Graph-replay time of each stage of one sparse step."""
+    from kernels.sparse_attention.triton_kernel import block_scores_triton
+
+    S, QR = k.shape[2], q.shape[2]
+    scores = block_scores_triton(q, summary.kmin, summary.kmax, sl, 64, 2)
+    ids = torch.topk(scores, TOP_K, dim=-1, sorted=False).indices
+    stages = {
+        "update": lambda: summary.update(k, S - QR, S),
+        "score": lambda: block_scores_triton(q, summary.kmin, summary.kmax, sl, 64, 2),
+        "topk": lambda: torch.topk(scores, TOP_K, dim=-1, sorted=False).indices,
+        "argsort": lambda: torch.argsort(scores, dim=-1, descending=True)[..., :TOP_K],
+        "attend": lambda: sparse_attention(q, k, v, sl, ids, block_size=64),
+    }
+    print("         stages (graph us): " + ", ".join(f"{name} {bench_graph(fn) * 1e3:.1f}" for name, fn in stages.items()))
 
 
 def main() -> None:
@@ -201,7 +218,9 @@ def main() -> None:
     copy_bw = copy_bandwidth()
     print(f"copy bandwidth (read + write): {copy_bw / 1e9:.0f} GB/s")
     print("\ndense decode/verify attention, Llama-3-8B heads, bf16, B=1 (times in us)")
-    print(f"{'ctx':>6} {'q':>2} | {'kernel':>7} {'GB/s':>5} {'%copy':>5} | {'sdpa':>7} {'upcast':>7} | "
+    print("kernel: eager call; graph: the same call replayed from a CUDA graph (no launch gaps); "
+          "%copy from the graph time")
+    print(f"{'ctx':>6} {'q':>2} | {'kernel':>7} {'graph':>7} {'GB/s':>5} {'%copy':>5} | {'sdpa':>7} {'upcast':>7} | "
           f"{'vs sdpa':>7} {'vs upcast':>9}")
     for S in CONTEXTS:
         for QR in Q_ROWS:
@@ -209,10 +228,12 @@ def main() -> None:
             sl = torch.full((1,), S, device=DEV)
             mask = verify_mask(S, QR)
             t_kernel = bench(lambda: decode_attention(q, k, v, sl))
+            t_graph = bench_graph(lambda: decode_attention(q, k, v, sl))
             t_sdpa = bench(lambda: sdpa(q, k, v, mask))
             t_up = bench(lambda: upcast_then_attend(q, k, v, mask))
-            bw = 2 * HKV * S * D * 2 / (t_kernel * 1e-3)
-            print(f"{S // 1024:>5}K {QR:>2} | {t_kernel * 1e3:7.1f} {bw / 1e9:5.0f} {100 * bw / copy_bw:4.0f}% | "
+            bw = 2 * HKV * S * D * 2 / (t_graph * 1e-3)
+            print(f"{S // 1024:>5}K {QR:>2} | {t_kernel * 1e3:7.1f} {t_graph * 1e3:7.1f} {bw / 1e9:5.0f} "
+                  f"{100 * bw / copy_bw:4.0f}% | "
                   f"{t_sdpa * 1e3:7.1f} {t_up * 1e3:7.1f} | {t_sdpa / t_kernel:6.2f}x {t_up / t_kernel:8.2f}x")
             del q, k, v
 
@@ -237,6 +258,8 @@ def main() -> None:
             g_d, g_s = bench_graph(dense_step), bench_graph(sparse_step)
             print(f"{S // 1024:>5}K {QR:>2} | {t_d * 1e3:7.1f} {t_s * 1e3:7.1f} {t_d / t_s:6.2f}x | "
                   f"{g_d * 1e3:11.1f} {g_s * 1e3:12.1f} {g_d / g_s:6.2f}x")
+            if S == SPARSE_CONTEXTS[-1]:
+                sparse_breakdown(q, k, v, sl, summary)
             del q, k, v, summary
 
     print("\nPFlash scoring pass, Qwen3-0.6B drafter heads (16 q, 8 KV, D=128), T=8, bf16, one layer (us)")

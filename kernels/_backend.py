@@ -41,6 +41,18 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     return backend
 
 
+@functools.cache
+def _cuda_sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def multiprocessor_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (cached); 4 elsewhere, which keeps interpreter grids small."""
+    if device.type != "cuda":
+        return 4
+    return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def seq_len_tensor(seq_len: int | torch.Tensor, batch: int, max_len: int, device: torch.device) -> torch.Tensor:
     """seq_len as an int64 tensor [B] on `device`. A tensor is never read back to the host."""
     if isinstance(seq_len, torch.Tensor):

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._backend import interpreting, patch_interpreter_index
+from kernels._backend import interpreting, multiprocessor_count, patch_interpreter_index
 from kernels.decode_attention.triton_kernel import LOG2E, dot_flags
 
 if interpreting():
@@ -113,7 +113,7 @@ def score_tail_queries_triton(q_tail: torch.Tensor, k: torch.Tensor, scale: floa
     g_p2 = triton.next_power_of_2(G)
     t_p2 = max(triton.next_power_of_2(T), triton.cdiv(16, g_p2))     # tile rows >= 16 for tl.dot
     if num_splits is None:
-        sms = torch.cuda.get_device_properties(k.device).multi_processor_count if k.is_cuda else 4
+        sms = multiprocessor_count(k.device)
         num_splits = max(1, min(triton.cdiv(S, block_n), triton.cdiv(4 * sms, Hkv)))
     split_len = triton.cdiv(triton.cdiv(S, num_splits), block_n) * block_n
     num_splits = triton.cdiv(S, split_len)                          # no empty splits

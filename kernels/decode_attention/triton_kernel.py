@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._backend import interpreting, patch_interpreter_index
+from kernels._backend import interpreting, multiprocessor_count, patch_interpreter_index
 
 LOG2E = 1.4426950408889634
 
@@ -150,7 +150,7 @@ def dot_flags(dtype: torch.dtype) -> tuple[bool, str]:
 
 def default_num_splits(batch_heads: int, max_len: int, block_n: int, device: torch.device) -> int:
     """Enough splits for about four programs per multiprocessor, never more than there are key blocks."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    sms = multiprocessor_count(device)
     return max(1, min(128, triton.cdiv(max_len, block_n), triton.cdiv(4 * sms, batch_heads)))
 
 

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._backend import interpreting, patch_interpreter_index
+from kernels._backend import interpreting, multiprocessor_count, patch_interpreter_index
 from kernels.decode_attention.triton_kernel import LOG2E, dot_flags, merge_splits
 
 if interpreting():
@@ -31,6 +31,7 @@ def _block_scores_kernel(
     Q_ROWS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, RECENT: tl.constexpr,
     G_P2: tl.constexpr, Q_P2: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr,
+    D_CHUNK: tl.constexpr,
 ):
     pid_c = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -40,24 +41,24 @@ def _block_scores_kernel(
 
     # row r of the query tile is (head kvh*G + r // Q_P2, lane r % Q_P2), so a reshape splits heads off
     offs_m = tl.arange(0, G_P2 * Q_P2)
-    offs_d = tl.arange(0, BLOCK_D)
     g = offs_m // Q_P2
     lane = offs_m % Q_P2
     row_ok = (g < GROUP) & (lane < Q_ROWS)
-    d_ok = offs_d < HEAD_DIM
-    q_ptrs = Q + b * stride_qb + (kvh * GROUP + g)[:, None] * stride_qh + lane[:, None] * stride_qq + offs_d[None, :]
-    q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)   # [M, BLOCK_D]
-
     offs_b = pid_c * BLOCK_B + tl.arange(0, BLOCK_B)
     b_ok = offs_b < N_BLOCKS
-    s_ptrs = b * stride_sb + kvh * stride_sh + offs_b[:, None] * stride_sn + offs_d[None, :]
-    s_mask = b_ok[:, None] & d_ok[None, :]
-    lo = tl.load(KMin + s_ptrs, mask=s_mask, other=0.0).to(tl.float32)                     # [BLOCK_B, BLOCK_D]
-    hi = tl.load(KMax + s_ptrs, mask=s_mask, other=0.0).to(tl.float32)
-    center = (lo + hi) * 0.5
-    radius = (hi - lo) * 0.5
-    bound = tl.dot(q, tl.trans(center), input_precision="ieee")
-    bound += tl.dot(tl.abs(q), tl.trans(radius), input_precision="ieee")                   # [M, BLOCK_B]
+    q_base = Q + b * stride_qb + (kvh * GROUP + g)[:, None] * stride_qh + lane[:, None] * stride_qq
+    s_base = b * stride_sb + kvh * stride_sh + offs_b[:, None] * stride_sn
+
+    bound = tl.zeros([G_P2 * Q_P2, BLOCK_B], dtype=tl.float32)
+    for d0 in range(0, BLOCK_D, D_CHUNK):             # chunks of D keep the float32 tiles in registers
+        offs_d = d0 + tl.arange(0, D_CHUNK)
+        d_ok = offs_d < HEAD_DIM
+        q = tl.load(q_base + offs_d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+        s_mask = b_ok[:, None] & d_ok[None, :]
+        lo = tl.load(KMin + s_base + offs_d[None, :], mask=s_mask, other=0.0).to(tl.float32)   # [BLOCK_B, D_CHUNK]
+        hi = tl.load(KMax + s_base + offs_d[None, :], mask=s_mask, other=0.0).to(tl.float32)
+        bound += tl.dot(q, tl.trans((lo + hi) * 0.5), input_precision="ieee")                 # q . center
+        bound += tl.dot(tl.abs(q), tl.trans((hi - lo) * 0.5), input_precision="ieee")        # |q| . radius
     bound = tl.where(row_ok[:, None], bound, float("-inf"))
     best = tl.max(tl.reshape(bound, (G_P2, Q_P2, BLOCK_B)), 0)                               # [Q_P2, BLOCK_B]
 
@@ -154,6 +155,7 @@ def block_scores_triton(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
         Hkv, NB,
         Q_ROWS=QR, GROUP=G, HEAD_DIM=D, BLOCK_SIZE=block_size, RECENT=recent_blocks,
         G_P2=g_p2, Q_P2=q_p2, BLOCK_B=block_b, BLOCK_D=triton.next_power_of_2(D),
+        D_CHUNK=min(32, triton.next_power_of_2(D)),
         num_warps=4 if g_p2 * q_p2 <= 64 else 8,
     )
     return scores
@@ -170,7 +172,7 @@ def sparse_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     top_k = block_ids.shape[-1]
     block_ids = block_ids.contiguous()
     if num_splits is None:
-        sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4
+        sms = multiprocessor_count(q.device)
         num_splits = max(1, min(top_k, triton.cdiv(2 * sms, B * Hkv * QR)))
     o_part = torch.empty(B, Hq, QR, num_splits, D, dtype=torch.float32, device=q.device)
     l_part = torch.empty(B, Hq, QR, num_splits, dtype=torch.float32, device=q.device)

@@ -9,6 +9,7 @@ from datetime import datetime
 from typing import Optional
 
 import jinja2
+import jinja2.ext
 import jinja2.sandbox
 from tokenizers import Tokenizer
 

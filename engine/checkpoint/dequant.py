@@ -204,7 +204,8 @@ def to_torch(values: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
     if dtype == torch.float32:
         return torch.from_numpy(values)
     if dtype == torch.float16:
-        return torch.from_numpy(values.astype(np.float16))
+        with np.errstate(over="ignore"):  # beyond float16's range is inf, as in torch
+            return torch.from_numpy(values.astype(np.float16))
     if dtype == torch.bfloat16:
         bits = values.view(np.uint32)
         rounded = (bits + (np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1)))) >> np.uint32(16)

@@ -110,7 +110,7 @@ class _Header:
         if n < 0 or self.pos + n > self.size:
             raise CheckpointError(
                 f"{self.path}: GGUF header is cut short or corrupt while reading {what} "
-                f"(needs byte {self.pos + n}, file has {self.size}); download the file again")
+                f"(needs byte {self.pos + n}, file has {self.size}); download it again")
 
     def scalar(self, fmt: str, what: str):
         size = struct.calcsize("<" + fmt)

@@ -47,8 +47,8 @@ def build_tokenizer(metadata: dict) -> Tokenizer:
     model_kind = metadata.get("tokenizer.ggml.model")
     if model_kind != "gpt2":
         raise GGUFTokenizerError(
-            f"tokenizer model {model_kind!r} is not supported (batchd reads byte-level BPE, "
-            f"'gpt2', vocabularies from GGUF); use the model's Hugging Face folder instead")
+            f"tokenizer model {model_kind!r} is not supported: from GGUF, batchd reads byte-level "
+            f"BPE ('gpt2') vocabularies only; load the model's Hugging Face folder instead")
     tokens: list[str] = metadata.get("tokenizer.ggml.tokens") or []
     merges: list[str] = metadata.get("tokenizer.ggml.merges") or []
     if not tokens:

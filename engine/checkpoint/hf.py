@@ -116,7 +116,7 @@ def read_safetensors_header(path: Path) -> dict[str, tuple[int, ...]]:
         try:
             header = json.loads(f.read(n))
         except (UnicodeDecodeError, json.JSONDecodeError):
-            raise CheckpointError(f"{path}: safetensors header is corrupt; download the file again") from None
+            raise CheckpointError(f"{path}: safetensors header is corrupt; download it again") from None
     shapes, data_end = {}, 0
     for name, entry in header.items():
         if name == "__metadata__":

@@ -195,7 +195,8 @@ def random_blocks(qtype: QT, n_blocks: int, rng: np.random.Generator) -> np.ndar
     block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
     blocks = rng.integers(0, 256, size=(n_blocks, type_size), dtype=np.uint8)
     f16_fields = {QT.Q4_0: [0], QT.Q4_1: [0, 2], QT.Q5_0: [0], QT.Q5_1: [0, 2], QT.Q8_0: [0],
-                  QT.Q4_K: [0, 2], QT.Q5_K: [0, 2], QT.Q6_K: [type_size - 2]}[qtype]
+                  QT.Q4_K: [0, 2], QT.Q5_K: [0, 2], QT.Q6_K: [type_size - 2],
+                  QT.Q2_K: [type_size - 4, type_size - 2]}[qtype]
     for offset in f16_fields:
         scales = rng.uniform(-2, 2, size=n_blocks).astype(np.float16)
         blocks[:, offset:offset + 2] = scales.view(np.uint8).reshape(n_blocks, 2)

@@ -1,0 +1,116 @@
+"""decode_attention: the Triton kernel against the reference, the reference against its definition."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kernels import decode_attention
+from kernels.decode_attention import decode_attention_reference
+from tests.kernels.conftest import DEVICE, REL_ERR, needs_triton, rel_err
+
+
+def make(B, Hq, Hkv, QR, D, S_max, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, Hq, QR, D, generator=g).to(dtype)
+    k = torch.randn(B, Hkv, S_max, D, generator=g).to(dtype)
+    v = torch.randn(B, Hkv, S_max, D, generator=g).to(dtype)
+    return q.to(DEVICE), k.to(DEVICE), v.to(DEVICE)
+
+
+def naive_attention(q, k, v, lengths):
+    """Per sequence, head and lane: softmax over rows 0..len-Q+i, in float64, one loop at a time."""
+    B, Hq, QR, D = q.shape
+    G = Hq // k.shape[1]
+    out = torch.zeros(B, Hq, QR, D, dtype=torch.float64)
+    for b in range(B):
+        for h in range(Hq):
+            for i in range(QR):
+                last = lengths[b] - QR + i
+                keys, values = k[b, h // G, : last + 1].double(), v[b, h // G, : last + 1].double()
+                probs = torch.softmax(keys @ q[b, h, i].double() / math.sqrt(D), dim=0)
+                out[b, h, i] = probs @ values
+    return out
+
+
+def test_reference_matches_per_lane_definition():
+    q, k, v = make(2, 6, 2, 3, 16, 40, torch.float32)
+    lengths = [40, 9]
+    ref = decode_attention_reference(q.cpu(), k.cpu(), v.cpu(), torch.tensor(lengths), compute_dtype=torch.float64)
+    assert rel_err(ref, naive_attention(q.cpu(), k.cpu(), v.cpu(), lengths)) < 1e-6   # ref is rounded to float32
+
+
+# (B, Hq, Hkv, Q, D, S_max, lengths): Q = 1..16, GQA groups 1/3/4/8, lengths inside and exactly at
+# 64-row block edges (the kernel's key tile), different lengths per sequence
+CASES = [
+    pytest.param(2, 4, 4, 1, 32, 160, [128, 64], id="q1-g1-edges"),
+    pytest.param(1, 6, 2, 2, 32, 200, [130], id="q2-g3-inside"),
+    pytest.param(2, 8, 2, 4, 64, 192, [192, 70], id="q4-g4-full-and-inside"),
+    pytest.param(1, 16, 2, 5, 32, 128, [65], id="q5-g8-one-past-edge"),
+    pytest.param(2, 3, 1, 8, 32, 256, [200, 8], id="q8-g3-len-equals-q"),
+    pytest.param(1, 2, 2, 16, 64, 160, [143], id="q16-g1"),
+    pytest.param(1, 8, 1, 16, 32, 64, [64], id="q16-g8-one-block"),
+]
+
+
+@needs_triton
+@pytest.mark.triton
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "f16", "f32"])
+@pytest.mark.parametrize("B, Hq, Hkv, QR, D, S_max, lengths", CASES)
+def test_triton_matches_reference(B, Hq, Hkv, QR, D, S_max, lengths, dtype):
+    q, k, v = make(B, Hq, Hkv, QR, D, S_max, dtype)
+    seq_len = torch.tensor(lengths, device=DEVICE)
+    out = decode_attention(q, k, v, seq_len, backend="triton")
+    ref = decode_attention_reference(q, k, v, seq_len, compute_dtype=torch.float64)
+    assert out.dtype == dtype and out.shape == q.shape
+    assert rel_err(out, ref) < REL_ERR[dtype]
+
+
+@needs_triton
+@pytest.mark.triton
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_rows_past_seq_len_are_never_read(backend):
+    q, k, v = make(2, 4, 2, 3, 32, 160, torch.bfloat16)
+    seq_len = torch.tensor([100, 37], device=DEVICE)
+    clean = decode_attention(q, k, v, seq_len, backend=backend)
+    k[0, :, 100:], v[0, :, 100:] = float("nan"), float("nan")
+    k[1, :, 37:], v[1, :, 37:] = float("nan"), float("inf")
+    assert torch.equal(decode_attention(q, k, v, seq_len, backend=backend), clean)
+
+
+@needs_triton
+@pytest.mark.triton
+def test_int_seq_len_equals_tensor_seq_len():
+    q, k, v = make(2, 4, 1, 2, 32, 96, torch.float16)
+    a = decode_attention(q, k, v, 90, backend="triton")
+    b = decode_attention(q, k, v, torch.tensor([90, 90], device=DEVICE), backend="triton")
+    assert torch.equal(a, b)
+
+
+def test_reference_backend_is_float32_accurate():
+    q, k, v = make(1, 8, 2, 4, 32, 300, torch.bfloat16)
+    out = decode_attention(q, k, v, 257, backend="reference")
+    ref = decode_attention_reference(q, k, v, torch.tensor([257], device=DEVICE), compute_dtype=torch.float64)
+    assert rel_err(out, ref) < REL_ERR[torch.bfloat16]
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(Hq=6, Hkv=4), "multiple of KV heads"),
+    (dict(QR=17), "1..16 query rows per sequence, got 17"),
+    (dict(v_dtype=torch.float16), "share one dtype"),
+    (dict(seq_len=2), r"seq_len \(2\) must count the 4 new rows"),
+    (dict(seq_len=97), "seq_len must be in 1..96"),
+])
+def test_bad_inputs_name_the_numbers(change, message):
+    shape = dict(Hq=8, Hkv=2, QR=4) | {k: v for k, v in change.items() if k in ("Hq", "Hkv", "QR")}
+    q, k, v = make(1, shape["Hq"], shape["Hkv"], shape["QR"], 16, 96, torch.bfloat16)
+    v = v.to(change.get("v_dtype", v.dtype))
+    with pytest.raises(ValueError, match=message):
+        decode_attention(q, k, v, change.get("seq_len", 50), backend="reference")
+
+
+def test_unknown_backend_is_refused():
+    q, k, v = make(1, 2, 2, 1, 16, 8, torch.float32)
+    with pytest.raises(ValueError, match="backend must be one of"):
+        decode_attention(q, k, v, 8, backend="cuda")

@@ -39,10 +39,18 @@ def capabilities_for(architecture: str) -> Capabilities:
 
 
 def check_features(architecture: str, device: str, *, spec: str = "none", compress: str = "off",
-                   attention: str = "dense", cuda_graphs: bool = False, head_dim: int = 64) -> list[str]:
+                   attention: str = "dense", cuda_graphs: bool = False, head_dim: int = 64,
+                   compression=None, drafter_architecture: str | None = None,
+                   self_drafting: bool = False) -> list[str]:
     """Raise UnsupportedFeatureError for a combination this build cannot run; return notes for
-    options that are accepted but have no effect here."""
+    options that are accepted but have no effect here. `compression` (CompressionOptions) adds
+    the PFlash checks of `check_compression`."""
     caps = capabilities_for(architecture)
+    notes = []
+    if compression is not None:
+        notes += check_compression(architecture, device, compression, drafter_architecture=drafter_architecture,
+                                   self_drafting=self_drafting)
+        compress = compression.mode
     device_type = device.split(":")[0]
     where = f"architecture {architecture} on {device_type}"
     if device_type not in caps.devices:
@@ -56,9 +64,45 @@ def check_features(architecture: str, device: str, *, spec: str = "none", compre
     if attention == "sparse" and head_dim & (head_dim - 1):
         raise UnsupportedFeatureError(
             f"--attention sparse needs a power-of-two head_dim; {architecture} has {head_dim}; use dense")
-    notes = []
     if cuda_graphs and device_type != "cuda":
         notes.append("CUDA graphs requested but the device is the CPU: steps run eagerly")
     if attention == "sparse" and device_type != "cuda":
         notes.append("sparse attention on the CPU runs the PyTorch reference (slow; for tests)")
+    return notes
+
+
+COMPRESS_MODES = ("off", "auto", "always")
+
+
+def check_compression(architecture: str, device: str, options, *, drafter_architecture: str | None = None,
+                      self_drafting: bool = False) -> list[str]:
+    """PFlash options (engine.types.CompressionOptions) for a target: refuse what cannot run,
+    note what would do nothing. `drafter_architecture` is the drafter checkpoint's, when known;
+    `self_drafting`: no drafter path was given and the target's own checkpoint will draft."""
+    mode, ratio, threshold = options.mode, options.keep_ratio, options.threshold_tokens
+    device_type = device.split(":")[0]
+    if mode not in COMPRESS_MODES:
+        raise UnsupportedFeatureError(f"--compress {mode!r} is not a mode; use one of {', '.join(COMPRESS_MODES)}")
+    notes = []
+    if mode == "off":
+        if options.drafter_path:
+            notes.append("--compress-drafter has no effect with --compress off")
+        return notes
+    if not capabilities_for(architecture).compression:
+        raise UnsupportedFeatureError(f"--compress {mode} is not supported for architecture {architecture} "
+                                      f"on {device_type}")
+    if not 0.0 < ratio <= 1.0:
+        raise UnsupportedFeatureError(f"--keep-ratio {ratio} is outside (0, 1]; use e.g. 0.1 to keep a tenth")
+    if threshold < 0:
+        raise UnsupportedFeatureError(f"--compress-threshold {threshold} is negative; use a token count >= 0")
+    if drafter_architecture is not None:
+        drafter_caps = CAPABILITIES.get(drafter_architecture)
+        if drafter_caps is None or not drafter_caps.compression:
+            supported = ", ".join(a for a, c in CAPABILITIES.items() if c.compression)
+            raise UnsupportedFeatureError(f"--compress-drafter: architecture {drafter_architecture!r} cannot "
+                                          f"be a PFlash drafter (supported: {supported})")
+    if ratio == 1.0:
+        notes.append("--keep-ratio 1.0 keeps every chunk: PFlash scores the prompt but compresses nothing")
+    if self_drafting:
+        notes.append("no --compress-drafter given: the target's own checkpoint drafts (slower than a small drafter)")
     return notes

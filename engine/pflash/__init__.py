@@ -1,0 +1,159 @@
+"""PFlash: lossy prompt compression by a drafter's attention (speculative prefill).
+
+    ids = compress_for_request(engine, prompt_ids, request, telemetry)   # Engine.compress calls it
+
+One compressing job: the gate checks the options; a prompt under the threshold (mode auto) is
+left alone with a note; otherwise the drafter is loaded beside (or instead of) the target
+(engine.residency), scores every prompt token (scoring), the kept chunks are chosen
+(selection) and mapped back to target tokens through text (bridge). Telemetry gets the
+residency timings, `compress_tokens_before`, `compress_drafter_tokens_kept`, `compress_s`, and
+the effective prompt is what the engine prefills.
+
+With no `drafter_path` the target's own checkpoint drafts ("self-drafting"): correct and what
+the tests use, but a small drafter of the same family is the point of PFlash.
+"""
+from __future__ import annotations
+
+import json
+import time
+import weakref
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Optional
+
+from engine.capabilities import check_compression
+from engine.config import HF_ARCHITECTURE_NAMES
+from engine.errors import CheckpointError, UnsupportedFeatureError
+from engine.pflash.bridge import INSTRUCTION_TOKENS, MIN_INSTRUCTION_KEPT, drafter_view, target_ids_after
+from engine.pflash.scoring import TAIL_ROWS, score_prompt
+from engine.pflash.selection import SelectionParams, Selection, select_chunks
+from engine.residency import Drafter, Residency
+from engine.types import CompressionOptions, GenerationRequest, Telemetry
+
+__all__ = ["PromptCompressor", "CompressionReport", "compress_for_request", "compressor_for", "set_compressor",
+           "check_compression_options", "drafter_architecture"]
+
+# gguf general.architecture -> ours
+GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+
+
+@dataclass
+class CompressionReport:
+    tokens_before: int
+    drafter_tokens: int
+    drafter_tokens_kept: int
+    tokens_after: int
+    instruction_reappended: bool
+    seconds: float
+    selection: Optional[Selection] = None
+
+
+class PromptCompressor:
+    """The PFlash pipeline for one engine: every DESIGN.md constant is a parameter here or in
+    `selection` (SelectionParams; its keep_ratio is replaced by each job's own)."""
+
+    def __init__(self, residency: Optional[Residency] = None, *, selection: SelectionParams = SelectionParams(),
+                 tail_rows: int = TAIL_ROWS, instruction_tokens: int = INSTRUCTION_TOKENS,
+                 min_instruction_kept: float = MIN_INSTRUCTION_KEPT, scoring_chunk: Optional[int] = None):
+        self.residency = residency or Residency()
+        self.selection, self.tail_rows = selection, tail_rows
+        self.instruction_tokens, self.min_instruction_kept = instruction_tokens, min_instruction_kept
+        self.scoring_chunk = scoring_chunk  # None: the engine's prefill_chunk
+        self.last_report: Optional[CompressionReport] = None
+
+    def compress(self, engine, prompt_ids: list[int], options: CompressionOptions, telemetry: Telemetry) -> list[int]:
+        started = time.perf_counter()
+        drafter_path = options.drafter_path or engine.checkpoint_path
+        params = replace(self.selection, keep_ratio=options.keep_ratio)
+        chunk = self.scoring_chunk or engine.prefill_chunk
+
+        def score(drafter: Drafter):
+            view = drafter_view(engine.codec, drafter.codec, prompt_ids, instruction_tokens=self.instruction_tokens)
+            began = time.perf_counter()
+            scores = score_prompt(drafter.model, view.ids, tail_rows=self.tail_rows, prefill_chunk=chunk).cpu()
+            telemetry.scoring_s += time.perf_counter() - began
+            return view, scores
+
+        view, scores = self.residency.with_drafter(engine, drafter_path, score, telemetry,
+                                                   prompt_tokens=len(prompt_ids))
+        selection = select_chunks(view.ids, scores, params)
+        ids, info = target_ids_after(view, selection.spans, engine.codec, prompt_ids,
+                                     min_instruction_kept=self.min_instruction_kept)
+        seconds = time.perf_counter() - started
+        telemetry.compressed = True
+        telemetry.compress_tokens_before = len(prompt_ids)
+        telemetry.compress_drafter_tokens_kept = info.drafter_tokens_kept
+        telemetry.compress_s = seconds
+        if info.instruction_reappended:
+            telemetry.notes.append(f"PFlash kept {info.instruction_kept:.0%} of the final instruction; "
+                                   "re-appended it whole")
+        if len(ids) >= len(prompt_ids):
+            telemetry.notes.append(f"PFlash kept all {len(prompt_ids)} prompt tokens: nothing was compressed")
+        self.last_report = CompressionReport(len(prompt_ids), len(view.ids), info.drafter_tokens_kept, len(ids),
+                                             info.instruction_reappended, seconds, selection)
+        return ids
+
+
+_compressors: "weakref.WeakKeyDictionary[object, PromptCompressor]" = weakref.WeakKeyDictionary()
+
+
+def compressor_for(engine) -> PromptCompressor:
+    """The engine's compressor (made with defaults on first use)."""
+    compressor = _compressors.get(engine)
+    if compressor is None:
+        compressor = _compressors[engine] = PromptCompressor()
+    return compressor
+
+
+def set_compressor(engine, compressor: PromptCompressor) -> None:
+    """Configure an engine's PFlash (park strategy, constants, test hooks)."""
+    _compressors[engine] = compressor
+
+
+def compress_for_request(engine, prompt_ids: list[int], request: GenerationRequest, telemetry: Telemetry) -> list[int]:
+    """The effective target prompt ids for a job; fills the job's PFlash telemetry."""
+    options = request.compression
+    telemetry.notes += check_compression_options(engine.config.architecture, str(engine.device), options,
+                                                 engine.checkpoint_path)
+    if options.mode == "off":
+        return prompt_ids
+    if options.mode == "auto" and len(prompt_ids) < options.threshold_tokens:
+        telemetry.notes.append(f"not compressed: {len(prompt_ids)} tokens < threshold {options.threshold_tokens}")
+        return prompt_ids
+    return compressor_for(engine).compress(engine, prompt_ids, options, telemetry)
+
+
+def check_compression_options(target_architecture: str, device: str, options: CompressionOptions,
+                              target_path: str = "") -> list[str]:
+    """The feature gate for PFlash options, drafter included (for worker start and submit):
+    raises UnsupportedFeatureError naming what cannot run; returns notes for no-op options."""
+    if options.mode == "off":
+        return check_compression(target_architecture, device, options)
+    path = options.drafter_path or target_path
+    if not path:
+        raise UnsupportedFeatureError(f"--compress {options.mode} needs --compress-drafter PATH: this target was "
+                                      "built without a checkpoint that could draft for itself")
+    return check_compression(target_architecture, device, options, drafter_architecture=drafter_architecture(path),
+                             self_drafting=not options.drafter_path)
+
+
+def drafter_architecture(path: str) -> str:
+    """The architecture a checkpoint declares, read without loading weights."""
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise UnsupportedFeatureError(f"--compress-drafter {path}: no such file or folder; pass a Hugging Face "
+                                      "model folder or a .gguf file")
+    if p.is_dir():
+        try:
+            raw = json.loads((p / "config.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError) as err:
+            raise CheckpointError(f"{p / 'config.json'}: cannot be read ({err}); a drafter folder needs "
+                                  "config.json") from None
+        for name in raw.get("architectures") or []:
+            if name in HF_ARCHITECTURE_NAMES:
+                return HF_ARCHITECTURE_NAMES[name]
+        return str(raw.get("model_type") or (raw.get("architectures") or ["unknown"])[0])
+    from engine.checkpoint.gguf_file import read_gguf
+
+    arch = str(read_gguf(p).metadata.get("general.architecture", "unknown"))
+    return GGUF_ARCHITECTURES.get(arch, arch)

@@ -1,0 +1,361 @@
+"""Drafter residency for one compressing job: the target stays resident; the drafter visits.
+
+    residency = Residency()
+    result = residency.with_drafter(engine, drafter_path, work, telemetry, prompt_tokens=n)
+
+Phases (DESIGN.md section 3, Residency), each timed into the job's telemetry:
+  1. read the drafter checkpoint into host memory (it decides what must make room),
+  2. park the target if the drafter does not fit beside it: synchronise EVERY stream of the
+     device first (queued kernels must not touch freed memory, the seed's park() bug), then free
+     the KV cache (its rows are reset per job anyway) and, if still short, the weights,
+  3. place the drafter on the device, 4. run `work(drafter)` (scoring),
+  5. release the drafter, 6. unpark the target.
+Steps 5 and 6 run on every path, failures included; a load or scoring failure then surfaces as
+an `EngineError` for the job and the worker keeps serving. A failed restore falls back to the
+other strategy (host copy <-> reload from the checkpoint) before giving up.
+
+Parked weights go to pinned host memory ("host", kept between jobs so pinning is paid once) or
+are dropped and reloaded from the checkpoint ("reload"); `DEFAULT_PARK_STRATEGY` is the faster
+one as measured (bench/pflash.py on an H200, CPU numbers in tests): a pinned copy moves at PCIe
+speed both ways, a reload also re-reads and re-converts the checkpoint.
+
+`step_hook(step, obj)` is called at "park" (engine), "load" (drafter, once it is on the
+device), "score" (drafter, after work), "release" (None) and "unpark" (engine, after the first
+weight is back): tests raise from it to inject a failure at that step.
+"""
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import time
+import traceback
+import weakref
+from dataclasses import dataclass, field
+from typing import Callable, Literal, Optional, TypeVar
+
+import torch
+
+from engine.checkpoint import Checkpoint, load_checkpoint
+from engine.errors import DeviceOutOfMemoryError, EngineError
+from engine.model import Transformer
+from engine.text import TextCodec
+from engine.types import Telemetry
+
+log = logging.getLogger(__name__)
+
+ParkStrategy = Literal["host", "reload"]
+ParkPolicy = Literal["auto", "always", "never"]
+DEFAULT_PARK_STRATEGY: ParkStrategy = "host"
+DEFAULT_HEADROOM_BYTES = 1 << 30  # allocator slack and kernels' workspaces beyond our estimate
+T = TypeVar("T")
+
+
+class DrafterError(EngineError):
+    """The drafter could not be loaded or could not score; the target was restored."""
+
+    kind = "model_error"
+
+
+class TargetRestoreError(EngineError):
+    """The parked target could not be brought back; this worker must restart."""
+
+    kind = "internal"
+    retryable = True  # on another worker
+
+
+@dataclass
+class Drafter:
+    model: Transformer
+    codec: TextCodec
+    path: str
+    sha256: str
+    architecture: str
+
+
+@dataclass
+class _Parked:
+    """What park() took away, so unpark() can put it back (idempotently, weight by weight)."""
+
+    strategy: ParkStrategy
+    cache_shapes: list[torch.Size]
+    weight_shapes: dict[str, torch.Size] = field(default_factory=dict)  # empty: weights stayed
+    restored: set[str] = field(default_factory=set)
+
+
+def synchronize_all_streams(device: torch.device) -> None:
+    """Wait for every stream on the device (torch.cuda.synchronize is device-wide)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def free_device_bytes(device: torch.device) -> int:
+    """Bytes a new allocation can get: the driver's free memory plus PyTorch's cached blocks."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def drafter_bytes_needed(ckpt: Checkpoint, dtype: torch.dtype, tokens: int, prefill_chunk: int) -> int:
+    """Weights + a KV cache of `tokens` rows + one prefill chunk's activations (an estimate)."""
+    c = ckpt.config
+    element = torch.empty((), dtype=dtype).element_size()
+    weights = sum(t.numel() for t in ckpt.tensors.values()) * element
+    kv = 2 * c.num_layers * c.num_kv_heads * c.head_dim * tokens * element
+    per_row = 4 * c.hidden_size + 3 * c.intermediate_size + (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
+    activations = min(tokens, prefill_chunk) * per_row * 4 + c.num_heads * 8 * tokens * 4 * 3
+    return weights + kv + activations
+
+
+def weight_bytes(model: Transformer) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+class Residency:
+    """Owns the drafter's visits to one engine's device. One per engine; not thread-safe (a
+    worker runs one job at a time)."""
+
+    def __init__(self, *, park: ParkPolicy = "auto", strategy: ParkStrategy = DEFAULT_PARK_STRATEGY,
+                 headroom_bytes: int = DEFAULT_HEADROOM_BYTES, prefill_chunk: int = 2048,
+                 read_checkpoint: Callable[..., Checkpoint] = load_checkpoint,
+                 synchronize: Callable[[torch.device], None] = synchronize_all_streams,
+                 step_hook: Optional[Callable[[str, object], None]] = None):
+        if park not in ("auto", "always", "never"):
+            raise ValueError(f"park must be auto, always or never, got {park!r}")
+        if strategy not in ("host", "reload"):
+            raise ValueError(f"strategy must be host or reload, got {strategy!r}")
+        self.park_policy, self.strategy = park, strategy
+        self.headroom_bytes, self.prefill_chunk = headroom_bytes, prefill_chunk
+        self.read_checkpoint, self.synchronize = read_checkpoint, synchronize
+        self.step_hook = step_hook or (lambda step, obj: None)
+        self.host_weights: dict[str, torch.Tensor] = {}  # pinned copies, reused across jobs
+        self.parked: Optional[_Parked] = None
+        self.last_drafter: Optional[weakref.ref] = None  # for leak checks
+
+    # ---- the job ---------------------------------------------------------------------------
+
+    def with_drafter(self, engine, drafter_path: str, work: Callable[[Drafter], T], telemetry: Telemetry, *,
+                     prompt_tokens: int) -> T:
+        """Load the drafter (parking the target when both do not fit), return work(drafter);
+        the drafter is released and the target restored whatever happens."""
+        self.ensure_resident(engine, telemetry)
+        device = engine.device
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        failure: Optional[EngineError] = None
+        result = None
+        try:
+            result = self._load_and_run(engine, drafter_path, work, telemetry, prompt_tokens)
+        except Exception as exc:  # noqa: BLE001 - every drafter failure becomes the job's error
+            failure = self._job_error(exc, drafter_path)
+            forget_frames(exc)  # the traceback's frames would keep a half-built drafter alive
+            del exc
+        started = time.perf_counter()
+        self._release_drafter(device)
+        telemetry.unpark_s += time.perf_counter() - started  # release counts as part of restoring
+        if self.parked is not None:
+            self.unpark(engine, telemetry)
+        if device.type == "cuda":
+            telemetry.peak_device_memory_bytes = torch.cuda.max_memory_allocated(device)
+        if failure is not None:
+            raise failure
+        return result
+
+    def _load_and_run(self, engine, path: str, work, telemetry: Telemetry, prompt_tokens: int):
+        dtype, device = engine.model.dtype, engine.device
+        started = time.perf_counter()
+        ckpt = self.read_checkpoint(path, dtype=dtype)
+        telemetry.drafter_load_s += time.perf_counter() - started
+        # drafter tokens are not known before its tokenizer runs; twice the target's is ample
+        needed = drafter_bytes_needed(ckpt, dtype, 2 * prompt_tokens, self.prefill_chunk)
+        self.park_if_needed(engine, needed, telemetry)
+        started = time.perf_counter()
+        drafter = self._place(ckpt, device, dtype)
+        del ckpt
+        if device.type == "cuda":
+            synchronize_all_streams(device)
+        telemetry.drafter_load_s += time.perf_counter() - started
+        self.step_hook("load", drafter)
+        result = work(drafter)
+        self.step_hook("score", drafter)
+        return result
+
+    def _place(self, ckpt: Checkpoint, device, dtype) -> Drafter:
+        from engine.runtime import build_model
+
+        model = build_model(ckpt.config, str(device), dtype, tensors=ckpt.tensors, source=ckpt.path)
+        self.last_drafter = weakref.ref(model)
+        codec = TextCodec(ckpt.tokenizer, ckpt.chat_template, ckpt.bos_token, ckpt.eos_token)
+        return Drafter(model, codec, ckpt.path, ckpt.sha256, ckpt.config.architecture)
+
+    def _release_drafter(self, device) -> None:
+        self.step_hook("release", None)
+        if self.last_drafter is not None and self.last_drafter() is not None:
+            gc.collect()  # module graphs can hold reference cycles
+            if self.last_drafter() is not None:
+                log.error("the PFlash drafter is still referenced after release; its memory leaks")
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    @staticmethod
+    def _job_error(exc: Exception, path: str) -> EngineError:
+        if isinstance(exc, torch.OutOfMemoryError):
+            return DeviceOutOfMemoryError(f"out of device memory loading or running the PFlash drafter {path}; "
+                                          "the target was restored; retry, or submit with --compress off")
+        if isinstance(exc, EngineError):  # a bad checkpoint, a refused option: already says what to do
+            return exc
+        log.error("PFlash drafter %s failed", path, exc_info=exc)
+        return DrafterError(f"PFlash drafter {path} failed ({type(exc).__name__}: {exc}); the target was "
+                            "restored; check the drafter checkpoint or submit with --compress off")
+
+    # ---- parking -----------------------------------------------------------------------------
+
+    def park_if_needed(self, engine, drafter_bytes: int, telemetry: Telemetry) -> None:
+        device = engine.device
+        if self.park_policy == "never":
+            return
+        if self.park_policy == "auto":
+            if device.type != "cuda":
+                return  # on the CPU the "device" is host memory: parking would move RAM to RAM
+            free = free_device_bytes(device)
+            if free >= drafter_bytes + self.headroom_bytes:
+                return
+            cache_bytes = engine.cache.nbytes
+            weights_too = free + cache_bytes < drafter_bytes + self.headroom_bytes
+        else:
+            weights_too = True
+        self.park(engine, weights=weights_too, telemetry=telemetry)
+
+    @torch.inference_mode()
+    def park(self, engine, *, weights: bool = True, telemetry: Optional[Telemetry] = None) -> None:
+        """Free the target's KV cache and, with `weights`, move its weights off the device."""
+        if self.parked is not None:
+            raise RuntimeError("the target is already parked")
+        started = time.perf_counter()
+        device = engine.device
+        self.synchronize(device)  # before anything is freed: queued kernels may still read it
+        self.step_hook("park", engine)
+        cache = engine.cache
+        parked = _Parked(self.strategy, [k.shape for k in cache.keys])
+        for buffers in (cache.keys, cache.values):
+            for i, buffer in enumerate(buffers):
+                buffers[i] = buffer.new_empty(0)
+        if weights:
+            params = dict(engine.model.named_parameters())
+            parked.weight_shapes = {name: p.shape for name, p in params.items()}
+            if self.strategy == "host":
+                self._copy_to_host(params, device)
+            for name, p in params.items():
+                p.data = self.host_weights[name] if self.strategy == "host" else p.data.new_empty(0)
+        self.parked = parked
+        _drop_step_graphs(engine)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        if telemetry is not None:
+            telemetry.park_s += time.perf_counter() - started
+            what = "KV cache and weights" if weights else "KV cache"
+            telemetry.notes.append(f"PFlash parked the target's {what} ({self.strategy}) to fit the drafter")
+
+    def _copy_to_host(self, params: dict[str, torch.nn.Parameter], device) -> None:
+        pin = device.type == "cuda"
+        for name, p in params.items():
+            host = self.host_weights.get(name)
+            if host is None or host.shape != p.shape or host.dtype != p.dtype:
+                host = torch.empty(p.shape, dtype=p.dtype, device="cpu", pin_memory=pin)
+                self.host_weights[name] = host
+            host.copy_(p.data, non_blocking=pin)
+        self.synchronize(device)  # the copies must land before the device memory is dropped
+
+    @torch.inference_mode()
+    def unpark(self, engine, telemetry: Optional[Telemetry] = None) -> None:
+        """Bring the target back; on failure retry with the other strategy, then give up with
+        TargetRestoreError (the engine stays parked; the next compressing job retries)."""
+        started = time.perf_counter()
+        parked = self.parked
+        strategies = [parked.strategy, "reload" if parked.strategy == "host" else "host"]
+        if "host" in strategies and not self.host_weights and parked.weight_shapes:
+            strategies.remove("host")
+        errors = []
+        for strategy in strategies:
+            try:
+                self._restore(engine, parked, strategy)
+                break
+            except Exception as exc:  # noqa: BLE001 - a restore that fails is retried another way
+                log.error("restoring the target (%s) failed", strategy, exc_info=exc)
+                errors.append(f"{strategy}: {type(exc).__name__}: {exc}")
+                forget_frames(exc)
+        else:
+            raise TargetRestoreError("the target model could not be restored after PFlash ("
+                                     + "; ".join(errors) + "); restart the worker")
+        self.parked = None
+        if telemetry is not None:
+            telemetry.unpark_s += time.perf_counter() - started
+            if errors:
+                telemetry.notes.append(f"restoring the target from {strategies[0]} failed ({errors[0]}); "
+                                       f"it was restored by {strategy}")
+
+    def _restore(self, engine, parked: _Parked, strategy: ParkStrategy) -> None:
+        device, dtype, model = engine.device, engine.model.dtype, engine.model
+        params = dict(model.named_parameters())
+        if parked.weight_shapes:
+            if strategy == "host":
+                for name, p in params.items():
+                    if name not in parked.restored:
+                        p.data = self.host_weights[name].to(device, non_blocking=True)
+                        parked.restored.add(name)
+                        self.step_hook("unpark", engine)
+            else:
+                self._reload(engine, params, parked)
+        cache = engine.cache
+        for buffers in (cache.keys, cache.values):
+            for i, shape in enumerate(parked.cache_shapes):
+                if buffers[i].shape != shape:
+                    buffers[i] = torch.zeros(shape, dtype=dtype, device=device)
+        cache.truncate(0)
+        self.synchronize(device)
+
+    def _reload(self, engine, params, parked: _Parked) -> None:
+        from engine.runtime import init_random
+
+        device, dtype = engine.device, engine.model.dtype
+        for name, p in params.items():
+            if p.data.shape != parked.weight_shapes[name]:
+                p.data = torch.empty(parked.weight_shapes[name], dtype=dtype, device=device)
+        path, sha = engine.checkpoint_path, engine.checkpoint_sha256
+        if path:
+            engine.model.load_hf_tensors(self.read_checkpoint(path, dtype=dtype).tensors, path)
+        elif sha.startswith("random-seed-"):  # Engine.from_config: the same random weights again
+            init_random(engine.model, int(sha.removeprefix("random-seed-")))
+        else:
+            raise RuntimeError("the target has no checkpoint path to reload its weights from")
+        parked.restored.update(params)
+        self.step_hook("unpark", engine)
+
+    def ensure_resident(self, engine, telemetry: Optional[Telemetry] = None) -> None:
+        """A previous job left the target parked (its restore failed): try again now."""
+        if self.parked is not None:
+            self.unpark(engine, telemetry)
+
+    def release_host_copy(self) -> None:
+        """Give back the pinned host memory kept for parking (the next park pins again)."""
+        if self.parked is None:
+            self.host_weights.clear()
+
+
+def forget_frames(exc: BaseException) -> None:
+    """Clear the locals of every frame in the tracebacks of `exc` and its causes."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        traceback.clear_frames(exc.__traceback__)
+        exc = exc.__cause__ or exc.__context__
+
+
+def _drop_step_graphs(engine) -> None:
+    """Captured CUDA graphs point at the old buffers: start a fresh step runner (graphs are
+    captured again on first use)."""
+    from engine.step import StepRunner
+
+    runner = engine.runner
+    engine.runner = StepRunner(engine.model, engine.cache, cuda_graphs=runner.cuda_graphs)

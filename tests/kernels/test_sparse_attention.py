@@ -1,0 +1,192 @@
+"""Sparse attention: summaries, Quest scoring, per-lane selection, the dense/sparse rule."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kernels import BlockKeySummary, decode_attention, sparse_decode_attention, sparse_is_worthwhile
+from kernels.sparse_attention import (
+    block_scores_reference,
+    select_blocks,
+    selection_visibility,
+    sparse_attention,
+    sparse_attention_reference,
+)
+from kernels.decode_attention import decode_attention_reference
+from tests.kernels.conftest import DEVICE, REL_ERR, needs_triton, rel_err
+
+BS = 16          # small blocks keep interpreter runs short; the kernels take any power of two >= 16
+
+
+def make(B, Hq, Hkv, QR, D, S_max, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, Hq, QR, D, generator=g).to(dtype).to(DEVICE)
+    k = torch.randn(B, Hkv, S_max, D, generator=g).to(dtype).to(DEVICE)
+    v = torch.randn(B, Hkv, S_max, D, generator=g).to(dtype).to(DEVICE)
+    return q, k, v
+
+
+def full_summary(k, length, block_size=BS):
+    summary = BlockKeySummary.for_cache(k, block_size=block_size)
+    summary.update(k, 0, length)
+    return summary
+
+
+def test_incremental_updates_match_a_fresh_summary():
+    _, k, _ = make(2, 2, 2, 1, 8, 200, torch.bfloat16)
+    grown = BlockKeySummary.for_cache(k, block_size=BS)
+    length = 0
+    for step in (1, 5, 10, 16, 37, 1, 1, 64, 3):           # partial blocks, exact edges, several blocks
+        grown.update(k, length, length + step)
+        length += step
+        fresh = full_summary(k, length)
+        n = -(-length // BS)
+        assert torch.equal(grown.kmin[:, :, :n], fresh.kmin[:, :, :n])
+        assert torch.equal(grown.kmax[:, :, :n], fresh.kmax[:, :, :n])
+    assert grown.length == length == 138
+
+
+def test_rollback_then_rewrite_matches_a_fresh_summary():
+    _, k, _ = make(1, 2, 2, 1, 8, 128, torch.float16)
+    summary = full_summary(k, 90)
+    k[:, :, 70:90] = torch.randn(1, 2, 20, 8, dtype=k.dtype, device=DEVICE) * 5    # rejected drafts rewritten
+    summary.update(k, 70, 90)
+    fresh = full_summary(k, 90)
+    assert torch.equal(summary.kmin[:, :, :6], fresh.kmin[:, :, :6])
+    assert torch.equal(summary.kmax[:, :, :6], fresh.kmax[:, :, :6])
+
+
+def test_bound_is_never_below_a_visible_score():
+    q, k, _ = make(1, 4, 2, 3, 16, 96, torch.float32)
+    seq_len = torch.tensor([90], device=DEVICE)
+    summary = full_summary(k, 90)
+    scores = block_scores_reference(q, summary.kmin, summary.kmax, seq_len, BS, recent_blocks=1,
+                                    compute_dtype=torch.float64)
+    dots = torch.einsum("bhgqd,bhsd->bhgqs", q.double().reshape(1, 2, 2, 3, 16), k.double())
+    per_block = dots[..., :96].unflatten(-1, (6, BS)).amax(-1).amax(2)           # [B, Hkv, Q, NB]
+    finite = scores.isfinite()
+    assert (scores[finite] >= per_block[finite] - 1e-9).all()
+
+
+def forced_blocks_hold(block_ids, seq_len, QR, recent):
+    for b in range(block_ids.shape[0]):
+        for i in range(QR):
+            last = (int(seq_len[b]) - QR + i) // BS
+            want = {0} | set(range(max(0, last - recent + 1), last + 1))
+            for h in range(block_ids.shape[1]):
+                if not want <= set(block_ids[b, h, i].tolist()):
+                    return False
+    return True
+
+
+@pytest.mark.parametrize("backend", [
+    "reference", pytest.param("triton", marks=[needs_triton, pytest.mark.triton])])
+def test_sink_and_recent_blocks_always_selected(backend):
+    # 5 lanes whose last rows straddle a block edge, budget = sink + 2 recent: nothing else fits
+    q, k, _ = make(2, 6, 2, 5, 16, 160, torch.bfloat16)
+    seq_len = torch.tensor([147, 98], device=DEVICE)
+    summary = full_summary(k, 147)
+    ids = select_blocks(q, summary, seq_len, top_k=3, recent_blocks=2, backend=backend)
+    assert ids.shape == (2, 2, 5, 3)
+    assert forced_blocks_hold(ids.cpu(), seq_len.cpu(), 5, recent=2)
+
+
+@needs_triton
+@pytest.mark.triton
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "f16", "f32"])
+@pytest.mark.parametrize("B, Hq, Hkv, QR, S_max, lengths", [
+    pytest.param(1, 4, 4, 1, 256, [256], id="q1-g1-edge"),
+    pytest.param(2, 6, 2, 4, 240, [231, 120], id="q4-g3"),
+    pytest.param(1, 8, 1, 16, 192, [185], id="q16-g8"),
+])
+def test_triton_scores_match_reference(B, Hq, Hkv, QR, S_max, lengths, dtype):
+    q, k, _ = make(B, Hq, Hkv, QR, 32, S_max, dtype)
+    seq_len = torch.tensor(lengths, device=DEVICE)
+    summary = full_summary(k, max(lengths))
+    from kernels.sparse_attention.triton_kernel import block_scores_triton
+
+    got = block_scores_triton(q, summary.kmin, summary.kmax, seq_len, BS, 2)
+    want = block_scores_reference(q, summary.kmin, summary.kmax, seq_len, BS, 2, compute_dtype=torch.float64)
+    finite = want.isfinite()
+    assert torch.equal(finite, got.isfinite()) and torch.equal(got[~finite], want[~finite].float())
+    assert rel_err(got[finite], want[finite]) < 1e-5
+
+
+@needs_triton
+@pytest.mark.triton
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "f16", "f32"])
+@pytest.mark.parametrize("B, Hq, Hkv, QR, S_max, lengths, top_k", [
+    pytest.param(2, 4, 1, 1, 320, [320, 200], 5, id="q1-g4-edge"),
+    pytest.param(1, 6, 2, 3, 300, [290], 4, id="q3-g3"),
+    pytest.param(2, 8, 8, 8, 256, [250, 97], 6, id="q8-g1"),
+    pytest.param(1, 16, 2, 16, 224, [224], 5, id="q16-g8-edge"),
+])
+def test_sparse_kernel_attends_exactly_the_selected_blocks(B, Hq, Hkv, QR, S_max, lengths, top_k, dtype):
+    q, k, v = make(B, Hq, Hkv, QR, 32, S_max, dtype)
+    seq_len = torch.tensor(lengths, device=DEVICE)
+    summary = full_summary(k, max(lengths))
+    ids = select_blocks(q, summary, seq_len, top_k=top_k, backend="triton")
+    out = sparse_attention(q, k, v, seq_len, ids, block_size=BS, backend="triton")
+    ref = sparse_attention_reference(q, k, v, seq_len, ids, BS, 1 / math.sqrt(32), torch.float64)
+    assert rel_err(out, ref) < REL_ERR[dtype]
+    # and the masked reference really is narrower than dense attention
+    visible = selection_visibility(ids, seq_len, QR, BS, max(lengths))
+    assert visible.sum(-1).max() <= top_k * BS
+
+
+@pytest.mark.parametrize("backend", [
+    "reference", pytest.param("triton", marks=[needs_triton, pytest.mark.triton])])
+def test_every_visible_block_selected_equals_dense_for_every_lane(backend):
+    # batched lanes at different lengths: a budget that covers everything must drop no visible row
+    q, k, v = make(2, 4, 2, 6, 16, 128, torch.float32)
+    seq_len = torch.tensor([128, 53], device=DEVICE)
+    summary = full_summary(k, 128)
+    ids = select_blocks(q, summary, seq_len, top_k=8, backend=backend)
+    out = sparse_attention(q, k, v, seq_len, ids, block_size=BS, backend=backend)
+    dense = decode_attention_reference(q, k, v, seq_len, compute_dtype=torch.float64)
+    assert rel_err(out, dense) < 1e-5
+
+
+@pytest.mark.parametrize("backend", [
+    "reference", pytest.param("triton", marks=[needs_triton, pytest.mark.triton])])
+def test_rule_says_dense_result_is_dense_exactly(backend):
+    q, k, v = make(1, 4, 2, 4, 16, 192, torch.bfloat16)
+    summary = full_summary(k, 150)
+    assert not sparse_is_worthwhile(150, 4, top_k=5, block_size=BS)       # 80 kept of 147 visible
+    out = sparse_decode_attention(q, k, v, 150, summary, top_k=5, backend=backend)
+    assert torch.equal(out, decode_attention(q, k, v, 150, backend=backend))
+
+
+@pytest.mark.parametrize("backend", [
+    "reference", pytest.param("triton", marks=[needs_triton, pytest.mark.triton])])
+def test_rule_says_sparse_result_is_the_selected_blocks(backend):
+    q, k, v = make(1, 4, 2, 2, 16, 192, torch.bfloat16)
+    summary = full_summary(k, 180)
+    assert sparse_is_worthwhile(180, 2, top_k=4, block_size=BS)           # 64 kept of 179 visible
+    seq_len = torch.tensor([180], device=DEVICE)
+    out = sparse_decode_attention(q, k, v, 180, summary, top_k=4, backend=backend)
+    ids = select_blocks(q, summary, seq_len, top_k=4, backend=backend)
+    ref = sparse_attention_reference(q, k, v, seq_len, ids, BS, 0.25, torch.float64)
+    assert rel_err(out, ref) < REL_ERR[torch.bfloat16]
+    assert rel_err(out, decode_attention_reference(q, k, v, seq_len)) > 1e-3       # it did drop rows
+
+
+@pytest.mark.parametrize("min_seq_len, q_rows, top_k, block_size, sparse", [
+    (8193, 1, 64, 64, True),       # 8193 visible, 4096 kept: removes more than half
+    (8192, 1, 64, 64, False),      # 8192 visible, 4096 kept: exactly half is not enough
+    (8200, 8, 64, 64, True),
+    (8199, 8, 64, 64, False),
+])
+def test_sparse_only_when_more_than_half_removed(min_seq_len, q_rows, top_k, block_size, sparse):
+    assert sparse_is_worthwhile(min_seq_len, q_rows, top_k, block_size) is sparse
+
+
+def test_stale_summary_and_bad_budget_are_refused():
+    q, k, v = make(1, 4, 2, 1, 16, 256, torch.float32)
+    summary = full_summary(k, 100)
+    with pytest.raises(ValueError, match="summary covers 100 rows but seq_len is 200"):
+        sparse_decode_attention(q, k, v, 200, summary, top_k=3, backend="reference")
+    with pytest.raises(ValueError, match=r"top_k must be in 3..16 .* got 2"):
+        sparse_decode_attention(q, k, v, 100, summary, top_k=2, backend="reference")

@@ -23,6 +23,9 @@ class Checkpoint:
     sha256: of the weight file's bytes; for a sharded HF checkpoint, of the shards' hex digests
         concatenated in shard order. `sha256sum model.safetensors` / `file.gguf` gives the same.
     weight_bytes: size of the weight file(s) on disk.
+    bos_token, eos_token: the strings the model's tokenizer config names (None if it names none).
+        Whether encoding adds BOS is the tokenizer's own post-processor's business (on for Llama 3,
+        off for SmolLM2 and Qwen), as in the original tokenizer.json.
     special_token_ids: control tokens (special added tokens), e.g. <|im_start|>.
     """
 

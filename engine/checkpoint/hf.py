@@ -172,12 +172,12 @@ def _read_tokenizer(folder: Path, config: ModelConfig):
     special = {i for i, added in tokenizer.get_added_tokens_decoder().items() if added.special}
 
     def token(key: str, token_id: int | None):
-        value = tok_config.get(key)
-        if isinstance(value, dict):
-            value = value.get("content")
-        if value is None and token_id is not None:
-            value = tokenizer.id_to_token(token_id)
-        return value
+        # as transformers reads it: tokenizer_config.json decides, even when it says null
+        # (Qwen: no BOS token although config.json has a bos_token_id); config.json otherwise
+        if key in tok_config:
+            value = tok_config[key]
+            return value.get("content") if isinstance(value, dict) else value
+        return tokenizer.id_to_token(token_id) if token_id is not None else None
 
     bos = token("bos_token", config.bos_token_id)
     eos = token("eos_token", config.eos_token_ids[0] if config.eos_token_ids else None)

@@ -80,7 +80,7 @@ def write_hf_folder(folder: Path, model, tokenizer: Tokenizer, *, max_shard_size
     model.save_pretrained(folder, safe_serialization=True, **kwargs)
     tokenizer.save(str(folder / "tokenizer.json"))
     (folder / "tokenizer_config.json").write_text(json.dumps({
-        "chat_template": CHAT_TEMPLATE, "bos_token": None, "eos_token": "<|im_end|>",
+        "chat_template": CHAT_TEMPLATE, "eos_token": "<|im_end|>",
         "tokenizer_class": "PreTrainedTokenizerFast"}))
     return folder
 

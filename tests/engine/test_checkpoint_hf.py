@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from engine.checkpoint import Checkpoint, load_checkpoint
 from engine.checkpoint.validate import expected_shapes
@@ -90,6 +91,23 @@ def test_tokenizer_template_and_special_tokens_come_from_the_folder(tmp_path, to
     assert ckpt.bos_token == "<|im_start|>"  # not in tokenizer_config.json: from config.json's bos_token_id
     assert ckpt.special_token_ids == {0, 1, 2}
     assert 2 in ckpt.config.eos_token_ids
+
+
+def test_null_bos_in_tokenizer_config_means_no_bos(tmp_path, tokenizer):
+    folder = write_hf_folder(tmp_path, tiny_hf_model("qwen2", tokenizer.get_vocab_size()), tokenizer)
+    (folder / "tokenizer_config.json").write_text(json.dumps({"bos_token": None, "eos_token": "<|im_end|>"}))
+    ckpt = load_checkpoint(folder)
+    assert ckpt.bos_token is None and ckpt.eos_token == "<|im_end|>"
+
+
+def test_stored_copy_of_a_tied_lm_head_is_dropped(tmp_path, tokenizer):
+    model = tiny_hf_model("llama", tokenizer.get_vocab_size(), tied=True)
+    folder = write_hf_folder(tmp_path, model, tokenizer)
+    tensors = load_file(folder / "model.safetensors")
+    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
+    save_file(tensors, folder / "model.safetensors")
+    ckpt = load_checkpoint(folder)
+    assert "lm_head.weight" not in ckpt.tensors and ckpt.config.tie_word_embeddings
 
 
 def test_chat_template_jinja_file_and_generation_config_eos(tmp_path, tokenizer):

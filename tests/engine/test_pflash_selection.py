@@ -1,0 +1,137 @@
+"""PFlash selection and scoring without a real model: the rule of DESIGN.md section 3 exactly."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from engine.pflash.scoring import score_prompt, score_tail_queries_torch
+from engine.pflash.selection import (
+    SelectionParams,
+    chunk_scores,
+    head_and_tail,
+    keep_budget,
+    question_anchor_chunks,
+    select_chunks,
+    smooth_scores,
+)
+from tests.engine.tiny_models import hf_model, ours_from_hf
+
+
+def random_ids(n: int, seed: int = 0, vocab: int = 5000) -> list[int]:
+    return torch.randint(100, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.mark.parametrize("num_tokens", [32, 1000, 8192, 131072])
+@pytest.mark.parametrize("keep_ratio", [0.05, 0.1, 0.5, 1.0])
+def test_keeps_the_budget_within_one_chunk(num_tokens, keep_ratio):
+    ids = random_ids(num_tokens)
+    scores = torch.rand(num_tokens, generator=torch.Generator().manual_seed(1))
+    sel = select_chunks(ids, scores, SelectionParams(keep_ratio=keep_ratio))
+    chunks = math.ceil(num_tokens / 32)
+    assert len(sel.kept_chunks) == max(1, int(chunks * keep_ratio))
+    # whole chunks: within one chunk of the fraction; only the prompt's last chunk may be partial
+    assert abs(len(sel.kept_chunks) * 32 - keep_ratio * num_tokens) <= 32
+    assert sel.kept_tokens > (len(sel.kept_chunks) - 1) * 32
+    assert sel.kept_chunks == sorted(set(sel.kept_chunks))
+
+
+def test_head_and_tail_always_kept_when_they_fit():
+    ids = random_ids(131072)
+    scores = torch.zeros(131072)
+    scores[50_000:60_000] = 1.0  # the best-scoring chunks are in the middle
+    sel = select_chunks(ids, scores, SelectionParams(keep_ratio=0.1))
+    assert sel.kept_chunks[:8] == list(range(8))
+    assert sel.kept_chunks[-24:] == list(range(4096 - 24, 4096))
+    middle = set(range(50_000 // 32, 60_000 // 32))
+    assert middle <= set(sel.kept_chunks)  # the rest of the budget went to the best scores
+
+
+def test_head_and_tail_scale_down_together_to_fit():
+    assert head_and_tail(1000, 400, 8, 24, 0.5) == (list(range(8)), list(range(976, 1000)))
+    head, tail = head_and_tail(256, 25, 8, 24, 0.5)  # 8K tokens at keep 0.1: room for 12 edge chunks
+    assert (len(head), len(tail)) == (3, 9)
+    head, tail = head_and_tail(40, 1, 8, 24, 0.5)
+    assert (head, tail) == ([], [39])  # the question's chunk outlives the head
+
+
+def test_question_ngrams_anchor_their_chunks_and_neighbours():
+    ids = random_ids(4096, seed=3)
+    fact = [7001, 7002, 7003, 7004, 7005]
+    ids[1000:1005] = fact  # chunk 31
+    ids[-40:-35] = fact  # inside the last 96 tokens: the question repeats it
+    matches, neighbours = question_anchor_chunks(ids, SelectionParams())
+    assert 31 in matches and {30, 32} <= neighbours
+    sel = select_chunks(ids, torch.zeros(4096), SelectionParams(keep_ratio=0.1))
+    assert {30, 31, 32} <= set(sel.kept_chunks) and 31 in sel.anchors
+
+
+def test_stock_phrases_are_not_anchors():
+    ids = random_ids(4096, seed=4)
+    phrase = [9001, 9002, 9003, 9004]
+    for start in range(100, 3000, 200):  # 15 times in the text: a stock phrase
+        ids[start:start + 4] = phrase
+    ids[-20:-16] = phrase
+    matches, _ = question_anchor_chunks(ids, SelectionParams(max_ngram_occurrences=8))
+    assert not matches
+
+
+def test_anchor_matches_come_before_neighbours_when_the_budget_is_short():
+    ids = random_ids(8192, seed=5)
+    facts = [[8000 + 10 * k + j for j in range(6)] for k in range(5)]
+    question = []
+    for k, depth in enumerate((0.2, 0.35, 0.5, 0.65, 0.8)):
+        at = int(depth * 8192)
+        ids[at:at + 6] = facts[k]
+        question += facts[k]
+    ids[-len(question) - 10:-10] = question
+    scores = torch.rand(8192, generator=torch.Generator().manual_seed(6))
+    sel = select_chunks(ids, scores, SelectionParams(keep_ratio=0.1))
+    for k, depth in enumerate((0.2, 0.35, 0.5, 0.65, 0.8)):
+        assert int(depth * 8192) // 32 in sel.kept_chunks
+    assert sel.take(ids) == [t for s, e in sel.spans for t in ids[s:e]]
+
+
+def test_smoothing_and_chunk_means():
+    x = torch.zeros(100)
+    x[50] = 13.0
+    smooth = smooth_scores(x, 13)
+    assert torch.allclose(smooth[44:57], torch.ones(13)) and smooth[43] == 0 and smooth[57] == 0
+    edge = smooth_scores(torch.ones(20), 13)
+    assert torch.allclose(edge, torch.ones(20))  # windows cut at the ends, not zero-padded
+    assert chunk_scores(torch.arange(70.0), 32).tolist() == [15.5, 47.5, 66.5]
+    assert keep_budget(3, 0.1) == 1 and keep_budget(256, 0.1) == 25
+
+
+@pytest.mark.parametrize("bad", [dict(keep_ratio=0.0), dict(keep_ratio=1.5), dict(smoothing_kernel=12),
+                                 dict(chunk_size=0), dict(max_edge_share=2.0)])
+def test_bad_parameters_are_refused(bad):
+    with pytest.raises(ValueError):
+        SelectionParams(**bad)
+
+
+def test_tail_scores_match_dense_attention():
+    g = torch.Generator().manual_seed(7)
+    q, k = torch.randn(8, 8, 16, generator=g), torch.randn(2, 300, 16, generator=g)
+    got = score_tail_queries_torch(q, k)
+    kk = k.repeat_interleave(4, dim=0)  # [8, 300, 16]
+    logits = q @ kk.transpose(1, 2) / 4.0
+    rows = torch.arange(8)[:, None] + 292
+    logits = logits.masked_fill(torch.arange(300)[None, :] > rows, float("-inf"))
+    expected = logits.softmax(-1).mean(1).amax(0)
+    torch.testing.assert_close(got, expected)
+
+
+def test_score_prompt_matches_transformers_attention():
+    """Chunked drafter prefill + tail observer == max over layers and heads of the mean of the
+    last 8 rows of the full attention matrices transformers returns."""
+    hf = hf_model("llama")
+    hf.config._attn_implementation = "eager"
+    ours = ours_from_hf(hf)
+    ids = random_ids(100, seed=8, vocab=512)
+    with torch.no_grad():
+        attentions = hf(torch.tensor([ids]), output_attentions=True).attentions  # per layer [1, H, S, S]
+    expected = torch.stack([a[0, :, -8:, :].mean(1).amax(0) for a in attentions]).amax(0)
+    got = score_prompt(ours, ids, prefill_chunk=37)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-6)

@@ -19,6 +19,7 @@ from engine.attention import attend, kernel_available
 from engine.config import ModelConfig
 from engine.errors import CheckpointError
 from engine.kv_cache import KVCache
+from engine.linear import project
 from engine.rope import rope_tables
 
 # observer(layer_idx, q [B, Hq, T, D] after rope, keys, values [B, Hkv, start+T, D], start)
@@ -50,7 +51,7 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, cache: KVCache, layer_idx: int, start: int, positions, use_kernel: bool,
                 seq_len_on_device=None, observer: Optional[AttentionObserver] = None):
         B, T, _ = x.shape
-        q, k, v = self.qkv_proj(x).split(self.split_sizes, dim=-1)
+        q, k, v = project(x, self.qkv_proj).split(self.split_sizes, dim=-1)
         q = q.view(B, T, self.num_heads, self.head_dim)
         k = k.view(B, T, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
@@ -64,7 +65,7 @@ class Attention(nn.Module):
         if observer is not None:
             observer(layer_idx, q, k_cache[:, :, : start + T], v_cache[:, :, : start + T], start)
         out = attend(q.to(k_cache.dtype), k_cache, v_cache, start, self.scale, use_kernel, seq_len_on_device)
-        return self.o_proj(out.to(x.dtype).transpose(1, 2).reshape(B, T, -1))
+        return project(out.to(x.dtype).transpose(1, 2).reshape(B, T, -1), self.o_proj)
 
 
 class MLP(nn.Module):
@@ -74,7 +75,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x):
-        return self.down_proj(fused.silu_mul(self.gate_up_proj(x)))
+        return project(fused.silu_mul(project(x, self.gate_up_proj)), self.down_proj)
 
 
 class Block(nn.Module):
@@ -158,7 +159,7 @@ class Transformer(nn.Module):
                                      self.use_attention_kernel, seq_len_on_device, observer)
         if last_only:
             normed = normed[:, -1:]
-        return self.lm_head(normed).float()
+        return project(normed, self.lm_head).float()
 
     # ---- weights ---------------------------------------------------------------------------
 

@@ -24,6 +24,7 @@ from engine.config import ModelConfig
 from engine.errors import BadInputError, DeviceOutOfMemoryError, PromptTooLongError, UnsupportedFeatureError
 from engine.generate import TokenOutput, generate_plain, synchronize
 from engine.kv_cache import KVCache
+from engine.linear import enable_invariant_kernel
 from engine.model import Transformer
 from engine.sampling import Sampler
 from engine.step import StepRunner
@@ -69,6 +70,7 @@ class Engine:
         self.device = model.device
         if self.device.type == "cuda":
             fused.enable_fusion()  # one Triton kernel per norm / rope / silu-mul (engine.fused)
+            enable_invariant_kernel()  # decode and verify rows computed alike (engine.linear)
         self.notes = check_features(self.config.architecture, self.device.type, attention=attention,
                                     cuda_graphs=cuda_graphs, head_dim=self.config.head_dim)
         self.cache = KVCache(self.config, max_context, self.device, model.dtype)

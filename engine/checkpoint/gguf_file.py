@@ -268,29 +268,33 @@ def config_from_metadata(gguf: GGUFFile) -> ModelConfig:
         return value
 
     names = {t.name for t in gguf.tensors}
-    hidden, heads = key("embedding_length"), key("attention.head_count")
+    heads = key("attention.head_count")
     tokens = meta.get("tokenizer.ggml.tokens") or []
     eos_ids = [meta[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
                                  "tokenizer.ggml.eom_token_id") if k in meta]
-    return ModelConfig(
-        architecture=arch,
-        vocab_size=len(tokens) or key("vocab_size"),
-        hidden_size=hidden,
-        num_layers=key("block_count"),
-        num_heads=heads,
-        num_kv_heads=key("attention.head_count_kv", heads),
-        intermediate_size=key("feed_forward_length"),
-        head_dim=key("attention.key_length", 0),
-        rms_norm_eps=_short_float(key("attention.layer_norm_rms_epsilon", 1e-5)),
-        rope_theta=_short_float(key("rope.freq_base", 10000.0)),
-        rope_scaling=_rope_scaling(gguf, arch_name),
-        max_position_embeddings=key("context_length", 4096),
-        tie_word_embeddings="output.weight" not in names,
-        attention_bias=arch == "qwen2" or "blk.0.attn_q.bias" in names,
-        qk_norm=arch == "qwen3",
-        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
-        eos_token_ids=list(dict.fromkeys(eos_ids)),
-    )
+    try:
+        config = ModelConfig(
+            architecture=arch,
+            vocab_size=len(tokens) or key("vocab_size"),
+            hidden_size=key("embedding_length"),
+            num_layers=key("block_count"),
+            num_heads=heads,
+            num_kv_heads=key("attention.head_count_kv", heads),
+            intermediate_size=key("feed_forward_length"),
+            head_dim=key("attention.key_length", 0),
+            rms_norm_eps=_short_float(key("attention.layer_norm_rms_epsilon", 1e-5)),
+            rope_theta=_short_float(key("rope.freq_base", 10000.0)),
+            max_position_embeddings=key("context_length", 4096),
+            tie_word_embeddings="output.weight" not in names,
+            attention_bias=arch == "qwen2" or "blk.0.attn_q.bias" in names,
+            qk_norm=arch == "qwen3",
+            bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+            eos_token_ids=list(dict.fromkeys(eos_ids)),
+        )
+    except (CheckpointError, ZeroDivisionError) as err:  # head counts that cannot be right
+        raise CheckpointError(f"{path}: {err}; the file's metadata is inconsistent") from None
+    config.rope_scaling = _rope_scaling(gguf, arch_name, config)
+    return config
 
 
 def _short_float(value: float) -> float:
@@ -299,7 +303,7 @@ def _short_float(value: float) -> float:
     return float(str(np.float32(value)))
 
 
-def _rope_scaling(gguf: GGUFFile, arch_name: str) -> dict | None:
+def _rope_scaling(gguf: GGUFFile, arch_name: str, config: ModelConfig) -> dict | None:
     meta = gguf.metadata
     prefix = f"{arch_name}.rope.scaling."
     kind = meta.get(prefix + "type")
@@ -309,7 +313,7 @@ def _rope_scaling(gguf: GGUFFile, arch_name: str) -> dict | None:
         kind, factor = "linear", meta[f"{arch_name}.rope.scale_linear"]
     freqs = next((t for t in gguf.tensors if t.name == ROPE_FREQS), None)
     if freqs is not None and kind in (None, "none"):
-        return _llama3_scaling_from_factors(gguf, freqs, original)
+        return _llama3_scaling_from_factors(gguf, freqs, original, config)
     if kind in (None, "none"):
         return None
     if kind == "linear":
@@ -338,18 +342,15 @@ def llama3_rope_factors(head_dim: int, theta: float, scaling: dict) -> torch.Ten
     return torch.where(wavelen < old_context / high, torch.ones_like(freqs), factors)
 
 
-def _llama3_scaling_from_factors(gguf: GGUFFile, info: GGUFTensorInfo, original: int | None) -> dict | None:
+def _llama3_scaling_from_factors(gguf: GGUFFile, info: GGUFTensorInfo, original: int | None,
+                                 config: ModelConfig) -> dict | None:
     # llama.cpp keeps only the factors; recover Llama 3's parameters by matching them.
     factors = torch.from_numpy(dequant.dequantize_numpy(gguf.raw(info), info.qtype, info.shape))
     if torch.all(factors == 1):
         return None
-    meta, arch = gguf.metadata, gguf.metadata["general.architecture"]
-    heads = meta[f"{arch}.attention.head_count"]
-    head_dim = meta.get(f"{arch}.attention.key_length") or meta[f"{arch}.embedding_length"] // heads
-    theta = _short_float(meta.get(f"{arch}.rope.freq_base", 10000.0))
     scaling = {"rope_type": "llama3", "factor": _short_float(factors.max()), "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": int(original or 8192)}
-    expected = llama3_rope_factors(head_dim, theta, scaling)
+    expected = llama3_rope_factors(config.head_dim, config.rope_theta, scaling)
     if expected.shape == factors.shape and torch.allclose(expected, factors, rtol=1e-4):
         return scaling
     raise CheckpointError(f"{gguf.path}: {ROPE_FREQS} does not match Llama 3 rope scaling "

@@ -69,7 +69,14 @@ def _read_config(folder: Path) -> ModelConfig:
         raise CheckpointError(f"{path}: missing; a Hugging Face model folder needs config.json, "
                               f"{SINGLE_FILE} (or {INDEX_FILE} and its shards) and tokenizer.json")
     raw = _read_json(path)
-    config = ModelConfig.from_hf_dict(raw, source=str(path))
+    try:
+        config = ModelConfig.from_hf_dict(raw, source=str(path))
+    except CheckpointError as err:  # name the file in every message
+        if str(err).startswith(str(path)):
+            raise
+        raise CheckpointError(f"{path}: {err}; the config is inconsistent") from None
+    except (TypeError, ValueError, ZeroDivisionError) as err:
+        raise CheckpointError(f"{path}: unusable value ({err}); fix the config") from None
     # generation_config.json often lists more end tokens (e.g. Llama 3 Instruct's <|eot_id|>)
     generation = folder / "generation_config.json"
     if generation.is_file():

@@ -249,3 +249,12 @@ def test_gguf_wrong_version(gguf_copy):
     struct.pack_into("<I", data, 4, 1)
     gguf_copy.write_bytes(bytes(data))
     load_error(gguf_copy, "GGUF version 1")
+
+
+def test_head_counts_that_cannot_be_right(folder, tmp_path, model, tokenizer):
+    config = json.loads((folder / "config.json").read_text())
+    config["num_key_value_heads"] = 3  # 4 query heads cannot share 3 KV heads
+    (folder / "config.json").write_text(json.dumps(config))
+    load_error(folder, "num_heads 4 is not a multiple of num_kv_heads 3", names=folder / "config.json")
+    path = write_gguf(tmp_path / "m.gguf", model, tokenizer, metadata={"llama.attention.head_count_kv": 3})
+    load_error(path, "num_kv_heads 3", "inconsistent")

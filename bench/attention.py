@@ -90,10 +90,12 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
-def check() -> bool:
+BOUNDS = {torch.bfloat16: 2e-2, torch.float16: 3e-3, torch.float32: 1e-4}
+
+
+def check_dense() -> bool:
     ok = True
-    torch.manual_seed(0)
-    bounds = {torch.bfloat16: 2e-2, torch.float16: 3e-3, torch.float32: 1e-4}
+    bounds = BOUNDS
     # dense: GQA 1/3/4/8, Q 1..16, lengths at and inside block edges, per-batch lengths, D 64/128
     cases = [(2, 8, 8, 1, 64, 4096, [4096, 1000]), (1, 24, 8, 4, 128, 8192, [8192]),
              (2, 32, 8, 8, 128, 20000, [19999, 640]), (1, 32, 4, 16, 128, 3000, [2049]),
@@ -109,6 +111,24 @@ def check() -> bool:
             ok &= good
             print(f"CHECK dense {str(dtype)[6:]:8s} B={B} Hq={hq} Hkv={hkv} Q={QR:2d} D={d} lens={lens}: "
                   f"rel err {err:.1e} {'ok' if good else 'FAIL'}")
+    return ok
+
+
+def check_sparse() -> bool:
+    ok = True
+    bounds = BOUNDS
+    # summary: one Triton launch per update against the PyTorch twin, grown step by step
+    _, k, _ = make_inputs(70000, 1)
+    fast, slow = BlockKeySummary.for_cache(k), BlockKeySummary.for_cache(k)
+    length = 0
+    for step in (65000, 1, 63, 4, 8, 900):
+        fast.update(k, length, length + step)
+        slow.update(k, length, length + step, backend="reference")
+        length += step
+    n = -(-length // 64)
+    same = torch.equal(fast.kmin[:, :, :n], slow.kmin[:, :, :n]) and torch.equal(fast.kmax[:, :, :n], slow.kmax[:, :, :n])
+    ok &= same
+    print(f"CHECK summary update triton == reference: {'ok' if same else 'FAIL'}")
     # sparse: the kernel over the selected blocks against the masked reference
     for dtype in (torch.bfloat16, torch.float16):
         for QR, S in ((1, 65536), (8, 40000)):
@@ -126,6 +146,11 @@ def check() -> bool:
             ok &= good
             print(f"CHECK sparse {str(dtype)[6:]:8s} Q={QR} S={S}: rel err {err:.1e}, "
                   f"selection agrees with reference on {same_sel:.1%} of ids {'ok' if good else 'FAIL'}")
+    return ok
+
+
+def check_scoring() -> bool:
+    ok = True
     # scoring pass
     for dtype in (torch.bfloat16, torch.float16):
         for S in (5000, 32768):
@@ -136,6 +161,11 @@ def check() -> bool:
             good = err < 1e-4
             ok &= good
             print(f"CHECK scoring {str(dtype)[6:]:8s} S={S}: rel err {err:.1e} {'ok' if good else 'FAIL'}")
+    return ok
+
+
+def check_graph() -> bool:
+    ok = True
     # CUDA graph: capture once with a device seq_len, replay at other lengths
     q, k, v = make_inputs(16384, 4)
     sl = torch.full((1,), 16384, device=DEV)
@@ -154,7 +184,6 @@ def check() -> bool:
         good = err < 2e-2
         ok &= good
         print(f"CHECK graph replay seq_len={n}: rel err {err:.1e} {'ok' if good else 'FAIL'}")
-    print("CHECK", "all ok" if ok else "FAILURES")
     return ok
 
 
@@ -206,17 +235,44 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--check", action="store_true", help="compare with the references on CUDA first")
     parser.add_argument("--sweep", action="store_true", help="time kernel configurations at 64K")
+    parser.add_argument("--sections", default="dense,sparse,scoring",
+                        help="comma-separated tables: dense, sparse, scoring; checks: check-dense, "
+                             "check-sparse, check-scoring, check-graph")
     args = parser.parse_args()
+    sections = set(args.sections.split(","))
+    if args.check:
+        sections |= {"check-dense", "check-sparse", "check-scoring", "check-graph"}
     print(torch.cuda.get_device_name(), f"torch {torch.__version__} triton {triton.__version__}")
-    for wanted, section in ((args.check, check), (args.sweep, sweep)):
-        if wanted:
+    checks = {"check-dense": check_dense, "check-sparse": check_sparse, "check-scoring": check_scoring,
+              "check-graph": check_graph}
+    failed = []
+    for name, section in checks.items():
+        if name in sections:
             try:
-                section()
-            except Exception:  # report and go on to the table: device time is scarce
+                if not section():
+                    failed.append(name)
+            except Exception:  # report and go on to the tables: device time is scarce
                 traceback.print_exc()
+                failed.append(name)
+    if failed or any(name in sections for name in checks):
+        print("CHECK", f"FAILURES in {failed}" if failed else "all ok")
+    if args.sweep:
+        try:
+            sweep()
+        except Exception:
+            traceback.print_exc()
 
     copy_bw = copy_bandwidth()
     print(f"copy bandwidth (read + write): {copy_bw / 1e9:.0f} GB/s")
+    if "dense" in sections:
+        dense_table(copy_bw)
+    if "sparse" in sections:
+        sparse_table()
+    if "scoring" in sections:
+        scoring_table(copy_bw)
+
+
+def dense_table(copy_bw: float) -> None:
     print("\ndense decode/verify attention, Llama-3-8B heads, bf16, B=1 (times in us)")
     print("kernel: eager call; graph: the same call replayed from a CUDA graph (no launch gaps); "
           "%copy from the graph time")
@@ -237,6 +293,9 @@ def main() -> None:
                   f"{t_sdpa * 1e3:7.1f} {t_up * 1e3:7.1f} | {t_sdpa / t_kernel:6.2f}x {t_up / t_kernel:8.2f}x")
             del q, k, v
 
+
+
+def sparse_table() -> None:
     print(f"\nsparse (top_k={TOP_K} blocks of 64, summary update + selection included) vs dense kernel (us)")
     print(f"{'ctx':>6} {'q':>2} | {'dense':>7} {'sparse':>7} {'speedup':>7} | {'dense graph':>11} {'sparse graph':>12} "
           f"{'speedup':>7}")
@@ -262,6 +321,9 @@ def main() -> None:
                 sparse_breakdown(q, k, v, sl, summary)
             del q, k, v, summary
 
+
+
+def scoring_table(copy_bw: float) -> None:
     print("\nPFlash scoring pass, Qwen3-0.6B drafter heads (16 q, 8 KV, D=128), T=8, bf16, one layer (us)")
     print(f"{'ctx':>6} | {'kernel':>7} {'%copy':>5} | {'reference':>9}")
     for S in SCORING_CONTEXTS:

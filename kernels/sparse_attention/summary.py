@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import torch
 
+from kernels._backend import resolve_backend
+
 
 class BlockKeySummary:
     """kmin, kmax: [B, Hkv, n_blocks, D] in the cache's dtype (min/max of bf16 values are exact).
@@ -34,15 +36,24 @@ class BlockKeySummary:
     def n_blocks(self) -> int:
         return self.kmin.shape[2]
 
-    def update(self, k_cache: torch.Tensor, old_len: int, new_len: int) -> None:
-        """Bring the blocks holding rows [old_len, new_len) up to date; afterwards length == new_len."""
+    def update(self, k_cache: torch.Tensor, old_len: int, new_len: int, *, backend: str = "auto") -> None:
+        """Bring the blocks holding rows [old_len, new_len) up to date; afterwards length == new_len.
+
+        backend "auto": one Triton launch on CUDA, the PyTorch twin (a few reductions) elsewhere.
+        """
         B, Hkv, S_max, D = k_cache.shape
         if (B, Hkv, D) != (self.kmin.shape[0], self.kmin.shape[1], self.kmin.shape[3]) or S_max > self.max_len:
             raise ValueError(f"k_cache {list(k_cache.shape)} does not fit a summary of {list(self.kmin.shape)} "
                              f"blocks of {self.block_size} rows")
         if not 0 <= old_len <= S_max or not 0 <= new_len <= S_max:
             raise ValueError(f"old_len ({old_len}) and new_len ({new_len}) must be in 0..{S_max}")
-        if new_len > old_len:
+        if new_len > old_len and resolve_backend(backend, k_cache.device) == "triton":
+            from kernels.sparse_attention.triton_kernel import summary_update_triton
+
+            if k_cache.stride(-1) != 1:
+                raise ValueError(f"k_cache must be contiguous in its head dim, got strides {k_cache.stride()}")
+            summary_update_triton(k_cache, self.kmin, self.kmax, self.block_size, old_len, new_len)
+        elif new_len > old_len:
             bs = self.block_size
             first = old_len // bs
             start = first * bs

@@ -191,3 +191,45 @@ def sparse_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     )
     out = torch.empty(B, Hq, QR, D, dtype=q.dtype, device=q.device)
     return merge_splits(o_part, l_part, out, seq_len, block_n=block_size, splits_from_seq_len=False)
+
+
+@triton.jit
+def _summary_update_kernel(
+    K, KMin, KMax,              # K [B, Hkv, S_max, D]; KMin/KMax [B, Hkv, NB, D] in K's dtype
+    first_block, new_len,
+    stride_kb, stride_kh, stride_kn,
+    stride_sb, stride_sh, stride_sn,
+    H_KV,
+    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    block = first_block + tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // H_KV
+    kvh = pid_bh % H_KV
+    offs_n = block * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    mask = (offs_n < new_len)[:, None] & d_ok[None, :]
+    rows = tl.load(K + b * stride_kb + kvh * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :],
+                   mask=mask, other=0.0).to(tl.float32)                                    # [BLOCK_SIZE, BLOCK_D]
+    lo = tl.min(tl.where(mask, rows, float("inf")), 0)
+    hi = tl.max(tl.where(mask, rows, float("-inf")), 0)
+    out = b * stride_sb + kvh * stride_sh + block * stride_sn + offs_d
+    tl.store(KMin + out, lo.to(KMin.dtype.element_ty), mask=d_ok)
+    tl.store(KMax + out, hi.to(KMax.dtype.element_ty), mask=d_ok)
+
+
+def summary_update_triton(k_cache: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, block_size: int,
+                          old_len: int, new_len: int) -> None:
+    """Recompute, in place, the summary blocks that rows [old_len, new_len) touch (new_len > old_len)."""
+    B, Hkv, _, D = k_cache.shape
+    first = old_len // block_size
+    n_blocks = triton.cdiv(new_len, block_size) - first
+    _summary_update_kernel[(n_blocks, B * Hkv)](
+        k_cache, kmin, kmax, first, new_len,
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        kmin.stride(0), kmin.stride(1), kmin.stride(2),
+        Hkv,
+        HEAD_DIM=D, BLOCK_SIZE=block_size, BLOCK_D=triton.next_power_of_2(D),
+        num_warps=4,
+    )

@@ -30,16 +30,20 @@ def make(B, Hq, Hkv, QR, D, S_max, dtype, seed=0):
 
 def full_summary(k, length, block_size=BS):
     summary = BlockKeySummary.for_cache(k, block_size=block_size)
-    summary.update(k, 0, length)
+    summary.update(k, 0, length, backend="reference")
     return summary
 
 
-def test_incremental_updates_match_a_fresh_summary():
+BACKENDS = ["reference", pytest.param("triton", marks=[needs_triton, pytest.mark.triton])]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_incremental_updates_match_a_fresh_summary(backend):
     _, k, _ = make(2, 2, 2, 1, 8, 200, torch.bfloat16)
     grown = BlockKeySummary.for_cache(k, block_size=BS)
     length = 0
     for step in (1, 5, 10, 16, 37, 1, 1, 64, 3):           # partial blocks, exact edges, several blocks
-        grown.update(k, length, length + step)
+        grown.update(k, length, length + step, backend=backend)
         length += step
         fresh = full_summary(k, length)
         n = -(-length // BS)
@@ -48,11 +52,12 @@ def test_incremental_updates_match_a_fresh_summary():
     assert grown.length == length == 138
 
 
-def test_rollback_then_rewrite_matches_a_fresh_summary():
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_rollback_then_rewrite_matches_a_fresh_summary(backend):
     _, k, _ = make(1, 2, 2, 1, 8, 128, torch.float16)
     summary = full_summary(k, 90)
     k[:, :, 70:90] = torch.randn(1, 2, 20, 8, dtype=k.dtype, device=DEVICE) * 5    # rejected drafts rewritten
-    summary.update(k, 70, 90)
+    summary.update(k, 70, 90, backend=backend)
     fresh = full_summary(k, 90)
     assert torch.equal(summary.kmin[:, :, :6], fresh.kmin[:, :, :6])
     assert torch.equal(summary.kmax[:, :, :6], fresh.kmax[:, :, :6])
@@ -81,8 +86,7 @@ def forced_blocks_hold(block_ids, seq_len, QR, recent):
     return True
 
 
-@pytest.mark.parametrize("backend", [
-    "reference", pytest.param("triton", marks=[needs_triton, pytest.mark.triton])])
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_sink_and_recent_blocks_always_selected(backend):
     # 5 lanes whose last rows straddle a block edge, budget = sink + 2 recent: nothing else fits
     q, k, _ = make(2, 6, 2, 5, 16, 160, torch.bfloat16)
@@ -136,8 +140,7 @@ def test_sparse_kernel_attends_exactly_the_selected_blocks(B, Hq, Hkv, QR, S_max
     assert visible.sum(-1).max() <= top_k * BS
 
 
-@pytest.mark.parametrize("backend", [
-    "reference", pytest.param("triton", marks=[needs_triton, pytest.mark.triton])])
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_every_visible_block_selected_equals_dense_for_every_lane(backend):
     # batched lanes at different lengths: a budget that covers everything must drop no visible row
     q, k, v = make(2, 4, 2, 6, 16, 128, torch.float32)
@@ -149,8 +152,7 @@ def test_every_visible_block_selected_equals_dense_for_every_lane(backend):
     assert rel_err(out, dense) < 1e-5
 
 
-@pytest.mark.parametrize("backend", [
-    "reference", pytest.param("triton", marks=[needs_triton, pytest.mark.triton])])
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_rule_says_dense_result_is_dense_exactly(backend):
     q, k, v = make(1, 4, 2, 4, 16, 192, torch.bfloat16)
     summary = full_summary(k, 150)
@@ -159,8 +161,7 @@ def test_rule_says_dense_result_is_dense_exactly(backend):
     assert torch.equal(out, decode_attention(q, k, v, 150, backend=backend))
 
 
-@pytest.mark.parametrize("backend", [
-    "reference", pytest.param("triton", marks=[needs_triton, pytest.mark.triton])])
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_rule_says_sparse_result_is_the_selected_blocks(backend):
     q, k, v = make(1, 4, 2, 2, 16, 192, torch.bfloat16)
     summary = full_summary(k, 180)

@@ -41,7 +41,7 @@ _U64 = struct.Struct("<Q")
 # general.architecture -> ours
 GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 
-# GGUF tensor name -> HF tensor name ("{i}" is the layer)
+# GGUF tensor name -> HF tensor name; per-layer names are blk.{i}.<key> -> model.layers.{i}.<value>
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -348,7 +348,7 @@ def _llama3_scaling_from_factors(gguf: GGUFFile, info: GGUFTensorInfo, original:
     factors = torch.from_numpy(dequant.dequantize_numpy(gguf.raw(info), info.qtype, info.shape))
     if torch.all(factors == 1):
         return None
-    scaling = {"rope_type": "llama3", "factor": _short_float(factors.max()), "low_freq_factor": 1.0,
+    scaling = {"rope_type": "llama3", "factor": _short_float(float(factors.max())), "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": int(original or 8192)}
     expected = llama3_rope_factors(config.head_dim, config.rope_theta, scaling)
     if expected.shape == factors.shape and torch.allclose(expected, factors, rtol=1e-4):

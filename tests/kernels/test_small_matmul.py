@@ -1,0 +1,193 @@
+"""small_linear: the Triton kernel against the reference, and row i bitwise independent of M.
+
+On CPU the Triton cases run under TRITON_INTERPRET=1 (conftest) with small shapes and explicit
+configs that still reach every path: masked N and K edges, k splits with the reduce kernel, both
+operand orders, a second block of 16 rows (M = 17..32). On CUDA the same tests run compiled, plus
+model-sized shapes with the tuned configs and a CUDA graph capture.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import small_matmul
+from kernels.small_matmul import small_linear, small_linear_reference
+from tests.kernels.conftest import DEVICE, REL_ERR, needs_triton, rel_err
+
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+DTYPE_IDS = ["bf16", "f16", "f32"]
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def make(M, N, K, dtype, bias=False, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(M, K, generator=g).to(dtype).to(DEVICE)
+    w = (torch.randn(N, K, generator=g) / K**0.5).to(dtype).to(DEVICE)
+    b = torch.randn(N, generator=g).to(dtype).to(DEVICE) if bias else None
+    return x, w, b
+
+
+def config(block_n, block_k, splits, swap=True):
+    from kernels.small_matmul.triton_kernel import SmallLinearConfig
+
+    return SmallLinearConfig(block_n, block_k, splits, num_warps=4, num_stages=2, swap=swap)
+
+
+def run_triton(x, w, b, cfg):
+    from kernels.small_matmul.triton_kernel import small_linear_triton
+
+    small_matmul.check_linear_inputs(x, w, b)
+    return small_linear_triton(x, w, b, config=cfg)
+
+
+def test_reference_matches_per_row_definition():
+    x, w, b = make(5, 24, 40, torch.float32, bias=True)
+    want = torch.stack([(w.cpu().double() @ x[i].cpu().double()) + b.cpu().double() for i in range(5)])
+    got = small_linear_reference(x.cpu(), w.cpu(), b.cpu(), compute_dtype=torch.float64)
+    assert rel_err(got, want) < 1e-7                                   # rounded to float32
+
+
+def test_reference_backend_is_row_invariant():
+    x, w, b = make(9, 24, 40, torch.bfloat16, bias=True)
+    full = small_linear(x, w, b, backend="reference")
+    for i in range(9):
+        assert torch.equal(small_linear(x[i:i + 1], w, b, backend="reference")[0], full[i])
+
+
+# (M, N, K, config or None for the shape's own): masked N/K edges, k splits, both operand orders,
+# a second m block, and the maximum M
+CASES = [
+    pytest.param(1, 64, 128, None, id="m1-n64-k128-default"),
+    pytest.param(5, 40, 72, (32, 32, 2, True), id="m5-n40-k72-ragged-split2"),
+    pytest.param(17, 72, 96, (64, 32, 3, False), id="m17-n72-k96-split3-noswap"),
+    pytest.param(32, 48, 80, (32, 64, 1, True), id="m32-n48-k80-nosplit"),
+]
+
+
+@needs_triton
+@pytest.mark.triton
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("M, N, K, cfg", CASES)
+def test_triton_matches_reference(M, N, K, cfg, dtype, bias):
+    x, w, b = make(M, N, K, dtype, bias)
+    out = run_triton(x, w, b, None if cfg is None else config(*cfg))
+    ref = small_linear_reference(x, w, b, compute_dtype=torch.float64)
+    assert out.dtype == dtype and out.shape == (M, N)
+    assert rel_err(out, ref) < REL_ERR[dtype]
+
+
+# row i of an M-row call equals the one-row call on x[i], bitwise, for M = 1..17
+INVARIANCE = [
+    pytest.param(torch.bfloat16, (32, 32, 2, True), True, id="bf16-split2-swap-bias"),
+    pytest.param(torch.float16, (64, 64, 1, False), False, id="f16-nosplit-noswap"),
+    pytest.param(torch.float32, (32, 32, 3, False), True, id="f32-split3-noswap-bias"),
+]
+
+
+@needs_triton
+@pytest.mark.triton
+@pytest.mark.parametrize("dtype, cfg, bias", INVARIANCE)
+def test_triton_rows_are_batch_invariant(dtype, cfg, bias):
+    x, w, b = make(17, 40, 72, dtype, bias, seed=1)
+    cfg = config(*cfg)
+    alone = torch.cat([run_triton(x[i:i + 1].clone(), w, b, cfg) for i in range(17)])
+    ref = small_linear_reference(x, w, b, compute_dtype=torch.float64)
+    assert rel_err(alone, ref) < REL_ERR[dtype]
+    for M in range(1, 18):
+        out = run_triton(x[:M], w, b, cfg)
+        assert torch.equal(out, alone[:M]), f"M={M}: rows differ from the one-row calls"
+    # a row does not depend on its neighbours either
+    shuffled = x[torch.tensor([16, 3, 0, 9])]
+    assert torch.equal(run_triton(shuffled, w, b, cfg), alone[[16, 3, 0, 9]])
+
+
+@needs_triton
+@pytest.mark.triton
+def test_public_triton_backend_uses_the_shape_config():
+    x, w, b = make(3, 48, 64, torch.bfloat16, bias=True)
+    out = small_linear(x, w, b, backend="triton")
+    assert rel_err(out, small_linear_reference(x, w, b, compute_dtype=torch.float64)) < REL_ERR[torch.bfloat16]
+    assert torch.equal(small_linear(x[1:2], w, b, backend="triton")[0], out[1])
+
+
+def test_auto_on_cpu_is_the_reference():
+    x, w, b = make(3, 16, 24, torch.float32, bias=True)
+    x, w, b = x.cpu(), w.cpu(), b.cpu()
+    assert torch.equal(small_linear(x, w, b), small_linear_reference(x, w, b))
+
+
+BAD = [
+    pytest.param((4,), (8, 4), None, "expected x", id="x-1d"),
+    pytest.param((2, 4), (8, 5), None, "differ in K", id="k-mismatch"),
+    pytest.param((33, 4), (8, 4), None, "1..32 rows", id="too-many-rows"),
+    pytest.param((0, 4), (8, 4), None, "1..32 rows", id="no-rows"),
+    pytest.param((2, 4), (8, 4), (7,), "bias must have shape", id="bias-shape"),
+]
+
+
+@pytest.mark.parametrize("x_shape, w_shape, b_shape, message", BAD)
+def test_bad_shapes_raise(x_shape, w_shape, b_shape, message):
+    x, w = torch.randn(*x_shape), torch.randn(*w_shape)
+    b = None if b_shape is None else torch.randn(*b_shape)
+    with pytest.raises(ValueError, match=message):
+        small_linear(x, w, b)
+
+
+def test_bad_dtypes_layouts_and_backend_raise():
+    x, w = torch.randn(2, 8), torch.randn(4, 8)
+    with pytest.raises(ValueError, match="share one dtype"):
+        small_linear(x, w.half())
+    with pytest.raises(ValueError, match="share one dtype"):
+        small_linear(x.double(), w.double())
+    with pytest.raises(ValueError, match="bias must have x's dtype"):
+        small_linear(x, w, torch.randn(4).half())
+    with pytest.raises(ValueError, match="contiguous"):
+        small_linear(torch.randn(8, 2).t(), w)
+    with pytest.raises(ValueError, match="contiguous"):
+        small_linear(x, torch.randn(8, 4).t())
+    with pytest.raises(ValueError, match="backend must be one of"):
+        small_linear(x, w, backend="cublas")
+
+
+# ----------------------------------------------------------------------------------- CUDA only
+
+MODEL_SHAPES = [  # (N, K): Qwen2.5-1.5B o/qkv/down and a Llama-3-8B o projection
+    pytest.param(1536, 1536, id="qwen-o"),
+    pytest.param(2048, 1536, id="qwen-qkv"),
+    pytest.param(1536, 8960, id="qwen-down"),
+    pytest.param(4096, 4096, id="llama-o"),
+    pytest.param(1000, 1000, id="ragged-1000"),
+]
+
+
+@needs_cuda
+@needs_triton
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize("N, K", MODEL_SHAPES)
+def test_cuda_model_shapes_are_invariant(N, K, bias):
+    x, w, b = make(32, N, K, torch.bfloat16, bias, seed=2)
+    alone = torch.cat([small_linear(x[i:i + 1].clone(), w, b) for i in range(32)])
+    assert rel_err(alone, small_linear_reference(x, w, b, compute_dtype=torch.float64)) < REL_ERR[torch.bfloat16]
+    for M in range(1, 33):
+        assert torch.equal(small_linear(x[:M], w, b), alone[:M]), f"M={M}"
+
+
+@needs_cuda
+@needs_triton
+def test_cuda_graph_capture_replays_the_same_bits():
+    x, w, b = make(5, 2048, 1536, torch.bfloat16, bias=True, seed=3)
+    eager = small_linear(x, w, b)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        small_linear(x, w, b)                                   # warm up (compile) outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = small_linear(x, w, b)
+    x.copy_(make(5, 2048, 1536, torch.bfloat16, seed=4)[0])
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, small_linear(x, w, b))
+    assert not torch.equal(captured, eager)

@@ -75,7 +75,7 @@ COMPRESS_MODES = ("off", "auto", "always")
 
 
 def check_compression(architecture: str, device: str, options, *, drafter_architecture: str | None = None,
-                      self_drafting: bool = False) -> list[str]:
+                      self_drafting: bool = False, drafter_path: str | None = None) -> list[str]:
     """PFlash options (engine.types.CompressionOptions) for a target: refuse what cannot run,
     note what would do nothing. `drafter_architecture` is the drafter checkpoint's, when known;
     `self_drafting`: no drafter path was given and the target's own checkpoint will draft."""
@@ -99,8 +99,8 @@ def check_compression(architecture: str, device: str, options, *, drafter_archit
         drafter_caps = CAPABILITIES.get(drafter_architecture)
         if drafter_caps is None or not drafter_caps.compression:
             supported = ", ".join(a for a, c in CAPABILITIES.items() if c.compression)
-            raise UnsupportedFeatureError(f"--compress-drafter: architecture {drafter_architecture!r} cannot "
-                                          f"be a PFlash drafter (supported: {supported})")
+            raise UnsupportedFeatureError(f"--compress-drafter {drafter_path or ''}: architecture "
+                                          f"{drafter_architecture!r} cannot be a PFlash drafter (supported: {supported})")
     if ratio == 1.0:
         notes.append("--keep-ratio 1.0 keeps every chunk: PFlash scores the prompt but compresses nothing")
     if self_drafting:

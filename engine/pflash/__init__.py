@@ -24,7 +24,7 @@ from typing import Optional
 from engine.capabilities import check_compression
 from engine.config import HF_ARCHITECTURE_NAMES
 from engine.errors import CheckpointError, UnsupportedFeatureError
-from engine.pflash.bridge import INSTRUCTION_TOKENS, MIN_INSTRUCTION_KEPT, drafter_view, target_ids_after
+from engine.pflash.bridge import INSTRUCTION_TOKENS, MIN_INSTRUCTION_KEPT, DrafterView, drafter_view, target_ids_after
 from engine.pflash.scoring import TAIL_ROWS, score_prompt
 from engine.pflash.selection import SelectionParams, Selection, select_chunks
 from engine.residency import Drafter, Residency
@@ -46,6 +46,7 @@ class CompressionReport:
     instruction_reappended: bool
     seconds: float
     selection: Optional[Selection] = None
+    view: Optional[DrafterView] = None  # the drafter's tokens and, across tokenizers, the text
 
 
 class PromptCompressor:
@@ -90,7 +91,7 @@ class PromptCompressor:
         if len(ids) >= len(prompt_ids):
             telemetry.notes.append(f"PFlash kept all {len(prompt_ids)} prompt tokens: nothing was compressed")
         self.last_report = CompressionReport(len(prompt_ids), len(view.ids), info.drafter_tokens_kept, len(ids),
-                                             info.instruction_reappended, seconds, selection)
+                                             info.instruction_reappended, seconds, selection, view)
         return ids
 
 
@@ -134,7 +135,7 @@ def check_compression_options(target_architecture: str, device: str, options: Co
         raise UnsupportedFeatureError(f"--compress {options.mode} needs --compress-drafter PATH: this target was "
                                       "built without a checkpoint that could draft for itself")
     return check_compression(target_architecture, device, options, drafter_architecture=drafter_architecture(path),
-                             self_drafting=not options.drafter_path)
+                             self_drafting=not options.drafter_path, drafter_path=path)
 
 
 def drafter_architecture(path: str) -> str:

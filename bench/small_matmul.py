@@ -68,11 +68,13 @@ def sm_count() -> int:
     return tk.multiprocessor_count(torch.device(DEV))
 
 
-def candidates(N: int, K: int) -> list[SmallLinearConfig]:
+def candidates(N: int, K: int, narrow: bool = True) -> list[SmallLinearConfig]:
     """Tile configs x k splits reaching about 1, 2, 4, 8 programs per multiprocessor (and no split)."""
     sms = sm_count()
     out = []
     shapes = [(64, 128, 3), (64, 128, 4), (64, 256, 3), (128, 128, 3), (128, 128, 4), (128, 256, 3)]
+    if narrow:       # fewer weight rows per program: more programs without a k split (and its reduce)
+        shapes = shapes[:3] + [(16, 256, 4), (16, 512, 3), (16, 512, 4), (32, 256, 3), (32, 256, 4), (32, 512, 3)]
     tiles = [(bn, bk, st, sw) for sw in (True, False) for bn, bk, st in shapes]
     if DRY:
         tiles = [(32, 32, 2, True), (64, 32, 2, False)]
@@ -145,17 +147,19 @@ def same(a: SmallLinearConfig, b: SmallLinearConfig, K: int) -> bool:
         b.block_n, b.block_k, b.num_warps, b.num_stages, b.swap, b.effective_splits(K))
 
 
-def tune(budget_s: float) -> dict:
-    """Fastest config per shape at M = 1; shapes with no time left keep the heuristic."""
+def tune(budget_s: float, only: set[str] | None = None) -> dict:
+    """Fastest config per shape at M = 1; shapes with no time left keep the table."""
     start = time.perf_counter()
     chosen = {}
     for model, name, N, K, bias in SHAPES:
+        if only and f"{model}:{name}" not in only and name not in only:
+            continue
         if time.perf_counter() - start > budget_s:
             print(f"tune: out of budget before {model} {name}", flush=True)
             break
-        p = Problem(N, K, bias=False)
+        p = Problem(N, K, bias=False)                    # the bias is an epilogue: tuned without it
         results = []
-        for cfg in candidates(N, K):
+        for cfg in candidates(N, K, narrow=N * K * 2 < (64 << 20)):
             if time.perf_counter() - start > budget_s:
                 break
             try:
@@ -165,10 +169,10 @@ def tune(budget_s: float) -> dict:
         if results:
             results.sort(key=lambda r: r[0])
             t, cfg = results[0]
-            heur = tk.heuristic_config(N, K, DTYPE, sm_count())
-            t_heur = next((r[0] for r in results if same(r[1], heur, K)), float("nan"))
+            table = tk.choose_config(N, K, DTYPE, torch.device(DEV))
+            t_table = next((r[0] for r in results if same(r[1], table, K)), float("nan"))
             print(f"tune: {model} {name} {N}x{K}: best {t * 1e6:.1f} us {cfg} "
-                  f"(heuristic {t_heur * 1e6:.1f} us; {len(results)} tried; top3 "
+                  f"(current table/heuristic {t_table * 1e6:.1f} us; {len(results)} tried; top3 "
                   + ", ".join(f"{r[0] * 1e6:.1f}" for r in results[:3]) + ")", flush=True)
             chosen[(N, K, 2)] = cfg
         del p
@@ -196,6 +200,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tune", action="store_true")
     ap.add_argument("--tune-budget-s", type=float, default=75.0)
+    ap.add_argument("--only", default="", help="tune only these shapes: proj or model:proj, comma-separated")
     ap.add_argument("--json", default=None)
     ap.add_argument("--dry", action="store_true")
     args = ap.parse_args()
@@ -207,7 +212,7 @@ def main() -> None:
         copy_bw = copy_bandwidth()
     print(f"copy bandwidth {copy_bw / 1e12:.2f} TB/s (read + write)", flush=True)
 
-    tuned = tune(args.tune_budget_s) if args.tune else {}
+    tuned = tune(args.tune_budget_s, {s for s in args.only.split(",") if s}) if args.tune else {}
     if tuned:
         print("TUNED = {")
         for (N, K, size), c in tuned.items():

@@ -52,7 +52,20 @@ class SmallLinearConfig:
 
 # Measured on one H200 (132 SMs) by `python bench/small_matmul.py --tune`, bf16 at M = 1; f16 uses the
 # bf16 entry (same bytes). Key: (N, K, element size in bytes).
-TUNED: dict[tuple[int, int, int], SmallLinearConfig] = {}
+TUNED: dict[tuple[int, int, int], SmallLinearConfig] = {
+    # Qwen2.5-1.5B
+    (2048, 1536, 2): SmallLinearConfig(64, 128, 1, num_warps=4, num_stages=4, swap=True),      # qkv
+    (1536, 1536, 2): SmallLinearConfig(64, 128, 1, num_warps=4, num_stages=4, swap=True),      # o
+    (17920, 1536, 2): SmallLinearConfig(64, 128, 1, num_warps=4, num_stages=3, swap=True),     # gate_up
+    (1536, 8960, 2): SmallLinearConfig(64, 128, 6, num_warps=4, num_stages=4, swap=True),      # down
+    (151936, 1536, 2): SmallLinearConfig(64, 128, 1, num_warps=4, num_stages=3, swap=True),    # lm_head
+    # Llama-3-8B
+    (6144, 4096, 2): SmallLinearConfig(64, 256, 1, num_warps=4, num_stages=3, swap=True),      # qkv
+    (4096, 4096, 2): SmallLinearConfig(64, 128, 5, num_warps=4, num_stages=3, swap=True),      # o
+    (28672, 4096, 2): SmallLinearConfig(64, 128, 1, num_warps=4, num_stages=4, swap=True),     # gate_up
+    (4096, 14336, 2): SmallLinearConfig(64, 128, 3, num_warps=4, num_stages=4, swap=True),     # down
+    (128256, 4096, 2): SmallLinearConfig(64, 128, 1, num_warps=4, num_stages=4, swap=True),    # lm_head
+}
 
 
 def heuristic_config(N: int, K: int, dtype: torch.dtype, sms: int) -> SmallLinearConfig:

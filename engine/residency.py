@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import gc
 import logging
-import os
+import math
 import time
 import traceback
 import weakref
@@ -75,12 +75,13 @@ class Drafter:
 
 @dataclass
 class _Parked:
-    """What park() took away, so unpark() can put it back (idempotently, weight by weight)."""
+    """What park() took away, so unpark() can put it back, weight by weight (idempotent: a
+    restore that fails half-way is resumed, by either strategy)."""
 
     strategy: ParkStrategy
     cache_shapes: list[torch.Size]
-    weight_shapes: dict[str, torch.Size] = field(default_factory=dict)  # empty: weights stayed
-    restored: set[str] = field(default_factory=set)
+    weight_shapes: dict[str, torch.Size] = field(default_factory=dict)
+    moved: set[str] = field(default_factory=set)  # weights whose device memory was dropped
 
 
 def synchronize_all_streams(device: torch.device) -> None:
@@ -89,12 +90,13 @@ def synchronize_all_streams(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def free_device_bytes(device: torch.device) -> int:
-    """Bytes a new allocation can get: the driver's free memory plus PyTorch's cached blocks."""
+def free_device_bytes(device: torch.device) -> float:
+    """Bytes a new allocation can get: the driver's free memory plus PyTorch's cached blocks.
+    On the CPU the "device" is host memory, where parking would move RAM to RAM: unlimited."""
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return math.inf
 
 
 def drafter_bytes_needed(ckpt: Checkpoint, dtype: torch.dtype, tokens: int, prefill_chunk: int) -> int:
@@ -120,6 +122,7 @@ class Residency:
                  headroom_bytes: int = DEFAULT_HEADROOM_BYTES, prefill_chunk: int = 2048,
                  read_checkpoint: Callable[..., Checkpoint] = load_checkpoint,
                  synchronize: Callable[[torch.device], None] = synchronize_all_streams,
+                 free_bytes: Callable[[torch.device], float] = free_device_bytes,
                  step_hook: Optional[Callable[[str, object], None]] = None):
         if park not in ("auto", "always", "never"):
             raise ValueError(f"park must be auto, always or never, got {park!r}")
@@ -127,7 +130,7 @@ class Residency:
             raise ValueError(f"strategy must be host or reload, got {strategy!r}")
         self.park_policy, self.strategy = park, strategy
         self.headroom_bytes, self.prefill_chunk = headroom_bytes, prefill_chunk
-        self.read_checkpoint, self.synchronize = read_checkpoint, synchronize
+        self.read_checkpoint, self.synchronize, self.free_bytes = read_checkpoint, synchronize, free_bytes
         self.step_hook = step_hook or (lambda step, obj: None)
         self.host_weights: dict[str, torch.Tensor] = {}  # pinned copies, reused across jobs
         self.parked: Optional[_Parked] = None
@@ -155,7 +158,7 @@ class Residency:
         self._release_drafter(device)
         telemetry.unpark_s += time.perf_counter() - started  # release counts as part of restoring
         if self.parked is not None:
-            self.unpark(engine, telemetry)
+            self.unpark(engine, telemetry, after=failure)
         if device.type == "cuda":
             telemetry.peak_device_memory_bytes = torch.cuda.max_memory_allocated(device)
         if failure is not None:
@@ -190,7 +193,11 @@ class Residency:
         return Drafter(model, codec, ckpt.path, ckpt.sha256, ckpt.config.architecture)
 
     def _release_drafter(self, device) -> None:
-        self.step_hook("release", None)
+        try:
+            self.step_hook("release", None)
+        except Exception as exc:  # noqa: BLE001 - nothing may stop the target's restore
+            log.error("release hook failed", exc_info=exc)
+            forget_frames(exc)
         if self.last_drafter is not None and self.last_drafter() is not None:
             gc.collect()  # module graphs can hold reference cycles
             if self.last_drafter() is not None:
@@ -212,32 +219,29 @@ class Residency:
     # ---- parking -----------------------------------------------------------------------------
 
     def park_if_needed(self, engine, drafter_bytes: int, telemetry: Telemetry) -> None:
-        device = engine.device
+        """Make room for `drafter_bytes`: nothing when it fits, else the KV cache, else all."""
         if self.park_policy == "never":
             return
+        weights_too = True
         if self.park_policy == "auto":
-            if device.type != "cuda":
-                return  # on the CPU the "device" is host memory: parking would move RAM to RAM
-            free = free_device_bytes(device)
-            if free >= drafter_bytes + self.headroom_bytes:
+            needed = drafter_bytes + self.headroom_bytes
+            free = self.free_bytes(engine.device)
+            if free >= needed:
                 return
-            cache_bytes = engine.cache.nbytes
-            weights_too = free + cache_bytes < drafter_bytes + self.headroom_bytes
-        else:
-            weights_too = True
+            weights_too = free + engine.cache.nbytes < needed
         self.park(engine, weights=weights_too, telemetry=telemetry)
 
-    @torch.inference_mode()
+    @torch.no_grad()  # not inference_mode: buffers made here are written in place later
     def park(self, engine, *, weights: bool = True, telemetry: Optional[Telemetry] = None) -> None:
         """Free the target's KV cache and, with `weights`, move its weights off the device."""
         if self.parked is not None:
             raise RuntimeError("the target is already parked")
         started = time.perf_counter()
-        device = engine.device
+        device, cache = engine.device, engine.cache
         self.synchronize(device)  # before anything is freed: queued kernels may still read it
         self.step_hook("park", engine)
-        cache = engine.cache
-        parked = _Parked(self.strategy, [k.shape for k in cache.keys])
+        parked = self.parked = _Parked(self.strategy, [k.shape for k in cache.keys])
+        _drop_step_graphs(engine)  # captured graphs point at the buffers about to go
         for buffers in (cache.keys, cache.values):
             for i, buffer in enumerate(buffers):
                 buffers[i] = buffer.new_empty(0)
@@ -248,8 +252,7 @@ class Residency:
                 self._copy_to_host(params, device)
             for name, p in params.items():
                 p.data = self.host_weights[name] if self.strategy == "host" else p.data.new_empty(0)
-        self.parked = parked
-        _drop_step_graphs(engine)
+                parked.moved.add(name)
         if device.type == "cuda":
             torch.cuda.empty_cache()
         if telemetry is not None:
@@ -264,18 +267,18 @@ class Residency:
             if host is None or host.shape != p.shape or host.dtype != p.dtype:
                 host = torch.empty(p.shape, dtype=p.dtype, device="cpu", pin_memory=pin)
                 self.host_weights[name] = host
-            host.copy_(p.data, non_blocking=pin)
+            if host.data_ptr() != p.data.data_ptr():  # on the CPU a restored weight IS its copy
+                host.copy_(p.data, non_blocking=pin)
         self.synchronize(device)  # the copies must land before the device memory is dropped
 
-    @torch.inference_mode()
-    def unpark(self, engine, telemetry: Optional[Telemetry] = None) -> None:
-        """Bring the target back; on failure retry with the other strategy, then give up with
-        TargetRestoreError (the engine stays parked; the next compressing job retries)."""
+    @torch.no_grad()
+    def unpark(self, engine, telemetry: Optional[Telemetry] = None, *, after: Optional[Exception] = None) -> None:
+        """Bring the target back; when the parked strategy fails, try the other one; when both
+        fail raise TargetRestoreError (the target stays parked; the next compressing job, or
+        `ensure_resident`, tries again). `after`: the job's own failure, for the message."""
         started = time.perf_counter()
         parked = self.parked
-        strategies = [parked.strategy, "reload" if parked.strategy == "host" else "host"]
-        if "host" in strategies and not self.host_weights and parked.weight_shapes:
-            strategies.remove("host")
+        strategies = [parked.strategy] + [s for s in ("host", "reload") if s != parked.strategy]
         errors = []
         for strategy in strategies:
             try:
@@ -286,51 +289,53 @@ class Residency:
                 errors.append(f"{strategy}: {type(exc).__name__}: {exc}")
                 forget_frames(exc)
         else:
+            also = f"; the job had failed first: {after}" if after is not None else ""
             raise TargetRestoreError("the target model could not be restored after PFlash ("
-                                     + "; ".join(errors) + "); restart the worker")
+                                     + "; ".join(errors) + f"){also}; restart the worker")
         self.parked = None
         if telemetry is not None:
             telemetry.unpark_s += time.perf_counter() - started
             if errors:
-                telemetry.notes.append(f"restoring the target from {strategies[0]} failed ({errors[0]}); "
-                                       f"it was restored by {strategy}")
+                telemetry.notes.append(f"restoring the target by {errors[0]} failed; restored by {strategy}")
 
     def _restore(self, engine, parked: _Parked, strategy: ParkStrategy) -> None:
-        device, dtype, model = engine.device, engine.model.dtype, engine.model
-        params = dict(model.named_parameters())
-        if parked.weight_shapes:
+        device = engine.device
+        params = dict(engine.model.named_parameters())
+        if parked.moved:
             if strategy == "host":
-                for name, p in params.items():
-                    if name not in parked.restored:
-                        p.data = self.host_weights[name].to(device, non_blocking=True)
-                        parked.restored.add(name)
-                        self.step_hook("unpark", engine)
+                missing = parked.moved - set(self.host_weights)
+                if missing or parked.strategy != "host":
+                    raise RuntimeError("no host copy of the weights (they were parked by reload)")
+                for name in sorted(parked.moved):
+                    params[name].data = self.host_weights[name].to(device, non_blocking=True)
+                    parked.moved.discard(name)
+                    self.step_hook("unpark", engine)
             else:
                 self._reload(engine, params, parked)
         cache = engine.cache
         for buffers in (cache.keys, cache.values):
             for i, shape in enumerate(parked.cache_shapes):
                 if buffers[i].shape != shape:
-                    buffers[i] = torch.zeros(shape, dtype=dtype, device=device)
+                    buffers[i] = torch.zeros(shape, dtype=engine.model.dtype, device=device)
         cache.truncate(0)
         self.synchronize(device)
 
     def _reload(self, engine, params, parked: _Parked) -> None:
+        """Read the weights again: from the checkpoint, or the same random weights again."""
         from engine.runtime import init_random
 
         device, dtype = engine.device, engine.model.dtype
-        for name, p in params.items():
-            if p.data.shape != parked.weight_shapes[name]:
-                p.data = torch.empty(parked.weight_shapes[name], dtype=dtype, device=device)
+        for name in parked.moved:
+            params[name].data = torch.empty(parked.weight_shapes[name], dtype=dtype, device=device)
+        self.step_hook("unpark", engine)
         path, sha = engine.checkpoint_path, engine.checkpoint_sha256
         if path:
             engine.model.load_hf_tensors(self.read_checkpoint(path, dtype=dtype).tensors, path)
         elif sha.startswith("random-seed-"):  # Engine.from_config: the same random weights again
             init_random(engine.model, int(sha.removeprefix("random-seed-")))
         else:
-            raise RuntimeError("the target has no checkpoint path to reload its weights from")
-        parked.restored.update(params)
-        self.step_hook("unpark", engine)
+            raise RuntimeError("the target has no checkpoint to reload its weights from")
+        parked.moved.clear()
 
     def ensure_resident(self, engine, telemetry: Optional[Telemetry] = None) -> None:
         """A previous job left the target parked (its restore failed): try again now."""

@@ -50,18 +50,20 @@ class SmallLinearConfig:
         return triton.cdiv(K, self.k_per_split(K))
 
 
-# Measured on one H200 (132 SMs) by `python bench/small_matmul.py --tune`, bf16 at M = 1; f16 uses the
-# bf16 entry (same bytes). Key: (N, K, element size in bytes).
+# Measured on one H200 (132 SMs, copy bandwidth 4.27 TB/s) by `python bench/small_matmul.py --tune`,
+# bf16 at M = 1, weights streamed from HBM; f16 uses the bf16 entry (same bytes). Narrow 16-row weight
+# tiles win for the small projections (more programs without a k split and its reduce launch).
+# Key: (N, K, element size in bytes).
 TUNED: dict[tuple[int, int, int], SmallLinearConfig] = {
     # Qwen2.5-1.5B
-    (2048, 1536, 2): SmallLinearConfig(64, 128, 1, num_warps=4, num_stages=4, swap=True),      # qkv
-    (1536, 1536, 2): SmallLinearConfig(64, 128, 1, num_warps=4, num_stages=4, swap=True),      # o
+    (2048, 1536, 2): SmallLinearConfig(16, 256, 1, num_warps=4, num_stages=4, swap=True),      # qkv
+    (1536, 1536, 2): SmallLinearConfig(16, 256, 1, num_warps=4, num_stages=4, swap=True),      # o
     (17920, 1536, 2): SmallLinearConfig(64, 128, 1, num_warps=4, num_stages=3, swap=True),     # gate_up
-    (1536, 8960, 2): SmallLinearConfig(64, 128, 6, num_warps=4, num_stages=4, swap=True),      # down
+    (1536, 8960, 2): SmallLinearConfig(64, 128, 11, num_warps=4, num_stages=3, swap=True),     # down
     (151936, 1536, 2): SmallLinearConfig(64, 128, 1, num_warps=4, num_stages=3, swap=True),    # lm_head
     # Llama-3-8B
-    (6144, 4096, 2): SmallLinearConfig(64, 256, 1, num_warps=4, num_stages=3, swap=True),      # qkv
-    (4096, 4096, 2): SmallLinearConfig(64, 128, 5, num_warps=4, num_stages=3, swap=True),      # o
+    (6144, 4096, 2): SmallLinearConfig(64, 128, 1, num_warps=4, num_stages=4, swap=True),      # qkv
+    (4096, 4096, 2): SmallLinearConfig(32, 256, 1, num_warps=4, num_stages=4, swap=True),      # o
     (28672, 4096, 2): SmallLinearConfig(64, 128, 1, num_warps=4, num_stages=4, swap=True),     # gate_up
     (4096, 14336, 2): SmallLinearConfig(64, 128, 3, num_warps=4, num_stages=4, swap=True),     # down
     (128256, 4096, 2): SmallLinearConfig(64, 128, 1, num_warps=4, num_stages=4, swap=True),    # lm_head
@@ -69,13 +71,17 @@ TUNED: dict[tuple[int, int, int], SmallLinearConfig] = {
 
 
 def heuristic_config(N: int, K: int, dtype: torch.dtype, sms: int) -> SmallLinearConfig:
-    """64-row weight tiles, enough k splits for about four programs per multiprocessor."""
-    block_n = 64
-    block_k = 128 if dtype.itemsize <= 2 else 64
-    n_blocks = triton.cdiv(N, block_n)
+    """For shapes outside the table, following what the table's measurements showed: weights up to
+    16 MiB in 16-row tiles with no split; larger ones in 64-row tiles, split over K only when there
+    are fewer 64-row blocks than multiprocessors (to about two programs per multiprocessor)."""
+    size = dtype.itemsize
+    if N * K * size <= (16 << 20):
+        return SmallLinearConfig(16, 512 // size, 1, num_warps=4, num_stages=4, swap=True)
+    block_k = 256 // size
+    n_blocks = triton.cdiv(N, 64)
     k_blocks = triton.cdiv(K, block_k)
-    splits = max(1, min(k_blocks, triton.cdiv(4 * sms, n_blocks)))
-    return SmallLinearConfig(block_n, block_k, splits, num_warps=4, num_stages=3, swap=True)
+    splits = 1 if n_blocks >= sms else max(1, min(k_blocks, triton.cdiv(2 * sms, n_blocks)))
+    return SmallLinearConfig(64, block_k, splits, num_warps=4, num_stages=4 if size <= 2 else 3, swap=True)
 
 
 def choose_config(N: int, K: int, dtype: torch.dtype, device: torch.device) -> SmallLinearConfig:

@@ -19,15 +19,19 @@ import triton.language as tl
 from kernels._backend import interpreting, multiprocessor_count, patch_interpreter_index
 
 LOG2E = 1.4426950408889634
+INVARIANT_Q_ROWS = 16  # tiles are sized for the widest verify, whatever Q a call has
 
 if interpreting():
     patch_interpreter_index()
 
 
 @triton.jit
-def _split_len(seq_len, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
-    # rows per split, a multiple of BLOCK_N; the split kernel and the merge kernel must agree on it
-    return tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+def _split_len(s_max, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
+    # rows per split, a multiple of BLOCK_N; the split kernel and the merge kernel must agree on it.
+    # From the cache capacity, not seq_len: split boundaries sit at fixed cache rows, so a lane's
+    # partial sums are the same whether it is a decode step or one lane of a verify step
+    # (greedy output must not change with speculation on or off).
+    return tl.cdiv(tl.cdiv(s_max, NUM_SPLITS), BLOCK_N) * BLOCK_N
 
 
 @triton.jit
@@ -38,7 +42,7 @@ def _decode_split_kernel(
     stride_qb, stride_qh, stride_qq,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
-    H_KV,
+    H_KV, S_MAX,
     Q_ROWS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -51,7 +55,7 @@ def _decode_split_kernel(
     kvh = pid_bh % H_KV
 
     seq_len = tl.load(SeqLen + b).to(tl.int32)
-    split_len = _split_len(seq_len, NUM_SPLITS, BLOCK_N)
+    split_len = _split_len(S_MAX, NUM_SPLITS, BLOCK_N)
     start = pid_s * split_len
     if start >= seq_len:
         return
@@ -108,7 +112,7 @@ def _decode_split_kernel(
 def _merge_splits_kernel(
     O_part, L_part, Out, SeqLen,   # O_part [B, Hq, QR, NUM_SPLITS, D]; L_part [B, Hq, QR, NUM_SPLITS]; Out [B, Hq, QR, D]
     stride_ob, stride_oh, stride_oq,
-    H_Q,
+    H_Q, S_MAX,
     Q_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS_FROM_SEQ_LEN: tl.constexpr,
 ):
@@ -120,7 +124,7 @@ def _merge_splits_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     if SPLITS_FROM_SEQ_LEN:                  # dense: splits past seq_len exited without writing
         seq_len = tl.load(SeqLen + b).to(tl.int32)
-        n_active = tl.cdiv(seq_len, _split_len(seq_len, NUM_SPLITS, BLOCK_N))
+        n_active = tl.cdiv(seq_len, _split_len(S_MAX, NUM_SPLITS, BLOCK_N))
     else:
         n_active = NUM_SPLITS
     s_ok = offs_s < n_active
@@ -155,12 +159,12 @@ def default_num_splits(batch_heads: int, max_len: int, block_n: int, device: tor
 
 
 def merge_splits(o_part: torch.Tensor, l_part: torch.Tensor, out: torch.Tensor, seq_len: torch.Tensor,
-                 *, block_n: int, splits_from_seq_len: bool) -> torch.Tensor:
+                 *, block_n: int, splits_from_seq_len: bool, s_max: int = 0) -> torch.Tensor:
     B, Hq, QR, num_splits, D = o_part.shape
     _merge_splits_kernel[(B * Hq * QR,)](
         o_part, l_part, out, seq_len,
         out.stride(0), out.stride(1), out.stride(2),
-        Hq,
+        Hq, s_max,
         Q_ROWS=QR, HEAD_DIM=D, NUM_SPLITS=num_splits, SPLITS_P2=triton.next_power_of_2(num_splits),
         BLOCK_N=block_n, BLOCK_D=triton.next_power_of_2(D), SPLITS_FROM_SEQ_LEN=splits_from_seq_len,
         num_warps=4,
@@ -184,7 +188,9 @@ def decode_attention_triton(
     B, Hq, QR, D = q.shape
     Hkv, S_max = k_cache.shape[1], k_cache.shape[2]
     G = Hq // Hkv
-    block_m = max(16, triton.next_power_of_2(G * QR))
+    # One tile shape for every Q (rows past G*QR are masked): the same MMA sequence serves a lane
+    # in decode and in verify, so its result is bitwise the same in both.
+    block_m = max(16, triton.next_power_of_2(G * INVARIANT_Q_ROWS))
     if num_splits is None:
         num_splits = default_num_splits(B * Hkv, S_max, block_n, q.device)
     if num_warps is None:
@@ -198,14 +204,14 @@ def decode_attention_triton(
         q.stride(0), q.stride(1), q.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        Hkv,
+        Hkv, S_max,
         Q_ROWS=QR, GROUP=G, HEAD_DIM=D, NUM_SPLITS=num_splits,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=triton.next_power_of_2(D),
         UPCAST_DOT=upcast, DOT_PRECISION=precision,
         num_warps=num_warps, num_stages=num_stages,
     )
     out = torch.empty(B, Hq, QR, D, dtype=q.dtype, device=q.device)
-    return merge_splits(o_part, l_part, out, seq_len, block_n=block_n, splits_from_seq_len=True)
+    return merge_splits(o_part, l_part, out, seq_len, block_n=block_n, splits_from_seq_len=True, s_max=S_max)
 
 
 __all__ = ["decode_attention_triton", "merge_splits", "dot_flags", "default_num_splits", "LOG2E"]

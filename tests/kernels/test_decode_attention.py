@@ -114,3 +114,20 @@ def test_unknown_backend_is_refused():
     q, k, v = make(1, 2, 2, 1, 16, 8, torch.float32)
     with pytest.raises(ValueError, match="backend must be one of"):
         decode_attention(q, k, v, 8, backend="cuda")
+
+
+@needs_triton
+@pytest.mark.triton
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])
+def test_verify_lane_equals_decode_step_bitwise(dtype):
+    """Lane i of a Q-row verify step must equal the one-row decode step at the same position, bit
+    for bit: greedy output may not change when speculation is switched on (split boundaries sit
+    at fixed cache rows and the tile shape does not depend on Q)."""
+    QR, S_max, seq_len = 5, 640, 514  # lanes around a length where seq_len-derived splits would change
+    q, k, v = make(1, 6, 2, QR, 32, S_max, dtype, seed=3)
+    verify = decode_attention(q, k, v, torch.tensor([seq_len], device=DEVICE), backend="triton")
+    for i in range(QR):
+        lane_len = seq_len - QR + 1 + i
+        decode = decode_attention(q[:, :, i : i + 1].contiguous(), k, v, torch.tensor([lane_len], device=DEVICE),
+                                  backend="triton")
+        assert torch.equal(verify[:, :, i : i + 1], decode), f"lane {i} differs from its decode step"

@@ -24,6 +24,24 @@ def kernel_available(device: torch.device) -> bool:
     return True
 
 
+def attend_cached(q, cache, layer_idx: int, start: int, scale: float, use_kernel: bool, seq_len_on_device=None):
+    """Attention of q (rows just written at [start, start + T)) against layer `layer_idx` of the
+    cache: sparse top-k blocks when the cache keeps block summaries, else `attend`."""
+    k_cache, v_cache = cache.keys[layer_idx], cache.values[layer_idx]
+    T = q.shape[2]
+    if cache.block_summaries is None:
+        return attend(q, k_cache, v_cache, start, scale, use_kernel, seq_len_on_device)
+    summary = cache.block_summaries[layer_idx]
+    summary.update(k_cache, summary.length, start + T)
+    if T > MAX_KERNEL_QUERY_ROWS:
+        return attend(q, k_cache, v_cache, start, scale, use_kernel)
+    from kernels.sparse_attention import sparse_decode_attention
+
+    # dense below the point where sparse removes half the rows (the kernel's rule); exact there
+    return sparse_decode_attention(q, k_cache, v_cache, start + T, summary, top_k=cache.sparse_top_k,
+                                   scale=scale, min_seq_len=start + 1)
+
+
 def attend(q, k_cache, v_cache, start: int, scale: float, use_kernel: bool, seq_len_on_device=None):
     """q: [B, Hq, T, D] new query rows; k_cache, v_cache: [B, Hkv, S_max, D] with the T new rows
     already written at [start, start + T). Returns [B, Hq, T, D].

@@ -23,6 +23,16 @@ class KVCache:
         self.length = 0  # rows valid in every layer; the host is the source of truth
         # the same length on the device, for CUDA-graph replays that must not read host state
         self.length_on_device = torch.zeros(1, dtype=torch.long, device=device)
+        # sparse attention: per-layer min/max key summaries per block (kernels.sparse_attention)
+        self.block_summaries = None
+        self.sparse_top_k = 0
+
+    def enable_sparse_attention(self, top_k_blocks: int, block_size: int = 64) -> None:
+        """Keep per-block key summaries so decode and verify attend to the top-k blocks only."""
+        from kernels.sparse_attention import BlockKeySummary
+
+        self.block_summaries = [BlockKeySummary.for_cache(k, block_size=block_size) for k in self.keys]
+        self.sparse_top_k = top_k_blocks
 
     @property
     def dtype(self) -> torch.dtype:
@@ -54,9 +64,15 @@ class KVCache:
             raise ValueError(f"cannot truncate a cache of {self.length} rows to {length}")
         self.length = length
         self.length_on_device.fill_(length)
+        for summary in self.block_summaries or ():
+            # a block's bounds may still cover rolled-back rows: looser, never wrong; the rows
+            # written next recompute every block they touch
+            summary.length = min(summary.length, length)
 
     def reset(self) -> None:
         """Clear data and lengths together, so job 2 sees exactly what a fresh cache shows."""
         for buffer in self.keys + self.values:
             buffer.zero_()
+        for summary in self.block_summaries or ():
+            summary.reset()
         self.truncate(0)

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from engine import fused
-from engine.attention import attend, kernel_available
+from engine.attention import attend_cached, kernel_available
 from engine.config import ModelConfig
 from engine.errors import CheckpointError
 from engine.kv_cache import KVCache
@@ -64,7 +64,7 @@ class Attention(nn.Module):
         v_cache.index_copy_(2, positions, v.to(v_cache.dtype))
         if observer is not None:
             observer(layer_idx, q, k_cache[:, :, : start + T], v_cache[:, :, : start + T], start)
-        out = attend(q.to(k_cache.dtype), k_cache, v_cache, start, self.scale, use_kernel, seq_len_on_device)
+        out = attend_cached(q.to(k_cache.dtype), cache, layer_idx, start, self.scale, use_kernel, seq_len_on_device)
         return project(out.to(x.dtype).transpose(1, 2).reshape(B, T, -1), self.o_proj)
 
 

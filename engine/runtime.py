@@ -57,7 +57,8 @@ def token_ids_sha256(ids: list[int]) -> str:
 class Engine:
     def __init__(self, model: Transformer, codec: Optional[TextCodec], *, max_context: int,
                  eos_ids: set[int], checkpoint_sha256: str = "", checkpoint_path: str = "",
-                 cuda_graphs: bool = True, prefill_chunk: int = 2048, attention: str = "dense"):
+                 cuda_graphs: bool = True, prefill_chunk: int = 2048, attention: str = "dense",
+                 sparse_top_k_blocks: int = 64):
         self.model = model
         self.config: ModelConfig = model.config
         self.codec = codec
@@ -74,6 +75,8 @@ class Engine:
         self.notes = check_features(self.config.architecture, self.device.type, attention=attention,
                                     cuda_graphs=cuda_graphs, head_dim=self.config.head_dim)
         self.cache = KVCache(self.config, max_context, self.device, model.dtype)
+        if attention == "sparse":
+            self.cache.enable_sparse_attention(sparse_top_k_blocks)
         model.setup_rope(max_context)
         self.runner = StepRunner(model, self.cache, cuda_graphs=cuda_graphs)
         self._drafters: dict[str, object] = {}  # drafter path -> loaded drafter (speculation)

@@ -17,7 +17,8 @@ MAX_GRAPH_WIDTH = 16
 class StepRunner:
     def __init__(self, model: Transformer, cache: KVCache, *, cuda_graphs: bool = True):
         self.model, self.cache = model, cache
-        self.cuda_graphs = cuda_graphs and cache.device.type == "cuda"
+        # sparse attention picks blocks from host-known lengths, so its steps run eagerly
+        self.cuda_graphs = cuda_graphs and cache.device.type == "cuda" and cache.block_summaries is None
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
         self._pool = None
 

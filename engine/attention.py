@@ -39,7 +39,7 @@ def attend_cached(q, cache, layer_idx: int, start: int, scale: float, use_kernel
 
     # dense below the point where sparse removes half the rows (the kernel's rule); exact there
     return sparse_decode_attention(q, k_cache, v_cache, start + T, summary, top_k=cache.sparse_top_k,
-                                   scale=scale, min_seq_len=start + 1)
+                                   scale=scale, min_seq_len=start + T)
 
 
 def attend(q, k_cache, v_cache, start: int, scale: float, use_kernel: bool, seq_len_on_device=None):

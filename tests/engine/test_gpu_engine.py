@@ -53,3 +53,20 @@ def test_kernel_attention_logits_close_to_sdpa(model):
         model.setup_rope(1024)
     err = ((with_kernel - with_sdpa).norm() / with_sdpa.norm()).item()
     assert err < 2e-2
+
+
+@pytest.mark.parametrize("shape", ["smollm2-135m", "qwen2.5-0.5b"])
+def test_verify_rows_equal_decode_steps_bitwise(shape):
+    """Greedy output may not change with speculation: row i of a q-token verify step must be the
+    very logits that one-token decode produces at that position (batch-invariant projections,
+    fixed attention splits)."""
+    config = preset(shape)
+    engine = Engine(build_model(config, "cuda", torch.bfloat16, seed=2), None, max_context=1024, eos_ids=set())
+    tokens = torch.randint(0, config.vocab_size, (1, 400), device="cuda", generator=None)
+    with torch.inference_mode():
+        engine.cache.reset()
+        engine.runner.prefill(tokens[:, :390], 256)
+        verify = engine.runner.step(tokens[:, 390:398]).clone()
+        engine.cache.truncate(390)
+        decode = torch.cat([engine.runner.step(tokens[:, i : i + 1]).clone() for i in range(390, 398)], dim=1)
+    assert torch.equal(verify, decode)

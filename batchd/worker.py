@@ -79,9 +79,9 @@ def run_worker(settings: Settings, engine, broker_url: str, *, relay: bool = Tru
     set_current_runner(runner)
     keeper = LeaseKeeper(runner, settings)
     keeper.start()
-    relay_stop = None
+    relay_thread, relay_stop = None, None
     if relay:
-        _, relay_stop = start_relay_thread(Relay(settings, Publisher(settings, app)))
+        relay_thread, relay_stop = start_relay_thread(Relay(settings, Publisher(settings, app)))
     if stop_when is not None:
         threading.Thread(target=_stop_when, args=(stop_when,), name="batchd-stop-when", daemon=True).start()
     try:
@@ -90,9 +90,12 @@ def run_worker(settings: Settings, engine, broker_url: str, *, relay: bool = Tru
                             without_mingle=True, without_gossip=True, optimization="fair")
         worker.start()
     finally:
+        # stop our threads before the interpreter tears down native libraries under them
         keeper.stop_event.set()
         if relay_stop is not None:
             relay_stop.set()
+            relay_thread.join(timeout=30)
+        keeper.join(timeout=30)
         set_current_runner(None)
 
 

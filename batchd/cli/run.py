@@ -11,7 +11,7 @@ from batchd.cli.options import generation_options, model_options, submit_options
 from batchd.cli.results import results_table
 from batchd.cli.status import progress_line
 from batchd.cli.submit import do_submit
-from batchd.cli.worker import model_settings
+from batchd.cli.worker import exit_now, model_settings
 from batchd.embedded import broker_url_for
 from batchd.jobs.export import result_rows
 from batchd.jobs.progress import batch_progress
@@ -41,6 +41,7 @@ def run(cli: CliContext, show_results: bool, loglevel: str, model_path, model_na
     if show_results:
         click.echo(results_table(list(result_rows(settings.database_url, batch))))
     click.echo(progress_line(progress))
+    exit_now(0 if progress.done else 1)
 
 
 class ProgressWatcher:

@@ -1,6 +1,9 @@
 """`batchd worker`: load the model once, then run jobs from its queue until stopped."""
 from __future__ import annotations
 
+import logging
+import os
+import sys
 from pathlib import Path
 
 import click
@@ -41,6 +44,17 @@ def worker(cli: CliContext, relay: bool, loglevel: str, model_path, model_name, 
     with broker_url_for(settings, start=True) as broker_url:
         click.echo(f"worker for model {settings.model_name} on {settings.device}, queue {settings.queue_name}", err=True)
         run_worker(settings, engine, broker_url, relay=relay, loglevel=loglevel)
+    exit_now()
+
+
+def exit_now(code: int = 0) -> None:
+    """Leave without the interpreter's teardown: with the model's native thread pools (and CUDA
+    contexts) still alive, finalisation can abort ("terminate called without an active
+    exception") after every job was already committed. Nothing is left to flush but stdio."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    logging.shutdown()
+    os._exit(code)
 
 
 COMMANDS = [worker]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
+from pathlib import Path
 from typing import Any, Iterable, Optional
 
 from sqlalchemy import insert, select
@@ -112,8 +113,7 @@ def _job_row(job: JobInput, batch_id: int, default_model: str, defaults: dict, n
         try:
             validate_input(job.prompt, job.messages)
             row["params"] = validate_params(row["params"])
-            if not MODEL_NAME_PATTERN.match(row["model"]):
-                raise BadInputError(f"model {row['model']!r} is not a model name (letters, digits, '.', '_', '-')")
+            check_model_name(row["model"])
         except BadInputError as exc:
             error = exc.message
     if error is not None:
@@ -126,6 +126,16 @@ def _job_row(job: JobInput, batch_id: int, default_model: str, defaults: dict, n
         row.update(status=JobStatus.FAILED, failed_at=now, error_kind="bad_input", error_message=error,
                    retryable=False)
     return row, error
+
+
+def check_model_name(model: object) -> None:
+    """A job names a model served by some worker; a checkpoint path is a person's likely mistake."""
+    if isinstance(model, str) and ("/" in model or model.endswith((".gguf", ".safetensors"))):
+        where = "" if Path(model).exists() else " (and nothing exists there)"
+        raise BadInputError(f"unknown model {model!r}{where}: a job names a model by the name its workers serve "
+                            "(`batchd worker --model PATH --model-name NAME`), not by path")
+    if not isinstance(model, str) or not MODEL_NAME_PATTERN.match(model):
+        raise BadInputError(f"model {model!r} is not a model name (letters, digits, '.', '_', '-')")
 
 
 def _insert_jobs(settings: Settings, pending_rows: list[dict], failed_rows: list[dict]) -> list[int]:

@@ -2,8 +2,8 @@
 
 The KV cache is filled with random rows up to the context length (speed does not depend on the
 values; a real 128K prefill would only add minutes), then the engine runs one-token decode steps
-and q-token verify steps at that length. Dense steps replay CUDA graphs; sparse steps run eagerly
-(block selection needs the length on the host) with the summary update and selection included.
+and q-token verify steps at that length. Both replay CUDA graphs; sparse steps include the block
+summary update and the top-k block selection.
 
     python bench/long_context.py --shape llama-3-8b --contexts 65536,131072
 """

@@ -12,6 +12,8 @@ from torch.nn.attention.bias import causal_lower_right
 
 # Widest verify the decode kernel serves; longer chunks (prefill) use SDPA.
 MAX_KERNEL_QUERY_ROWS = 16
+# Widest verify step (16 draft tokens + the last accepted one) that runs lane by lane on the CPU.
+MAX_VERIFY_ROWS = 17
 
 
 def kernel_available(device: torch.device) -> bool:
@@ -32,6 +34,8 @@ def attend_cached(q, cache, layer_idx: int, start: int, scale: float, use_kernel
     if cache.block_summaries is None:
         return attend(q, k_cache, v_cache, start, scale, use_kernel, seq_len_on_device)
     summary = cache.block_summaries[layer_idx]
+    if seq_len_on_device is not None:
+        return _attend_sparse_captured(q, cache, summary, k_cache, v_cache, start, scale, use_kernel, seq_len_on_device)
     summary.update(k_cache, summary.length, start + T)
     if T > MAX_KERNEL_QUERY_ROWS:
         return attend(q, k_cache, v_cache, start, scale, use_kernel)
@@ -40,6 +44,20 @@ def attend_cached(q, cache, layer_idx: int, start: int, scale: float, use_kernel
     # dense below the point where sparse removes half the rows (the kernel's rule); exact there
     return sparse_decode_attention(q, k_cache, v_cache, start + T, summary, top_k=cache.sparse_top_k,
                                    scale=scale, min_seq_len=start + T)
+
+
+def _attend_sparse_captured(q, cache, summary, k_cache, v_cache, start, scale, use_kernel, seq_len_on_device):
+    """A CUDA-graph step: the summary update and block choice read lengths on the device; whether
+    this graph is a sparse or a dense one was decided on the host (StepRunner, cache.sparse_step)."""
+    from kernels.sparse_attention import select_blocks, sparse_attention
+
+    T = q.shape[2]
+    summary.update_on_device(k_cache, seq_len_on_device - T, T)
+    if not cache.sparse_step:
+        return attend(q, k_cache, v_cache, start, scale, use_kernel, seq_len_on_device)
+    block_ids = select_blocks(q, summary, seq_len_on_device, top_k=cache.sparse_top_k)
+    return sparse_attention(q, k_cache, v_cache, seq_len_on_device, block_ids, block_size=summary.block_size,
+                            scale=scale)
 
 
 def attend(q, k_cache, v_cache, start: int, scale: float, use_kernel: bool, seq_len_on_device=None):
@@ -65,6 +83,12 @@ def attend(q, k_cache, v_cache, start: int, scale: float, use_kernel: bool, seq_
         return F.scaled_dot_product_attention(q, keys, values, scale=scale, enable_gqa=True)
     if start == 0:
         return F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=scale, enable_gqa=True)
+    if T <= MAX_VERIFY_ROWS and not q.is_cuda:
+        # a verify step: each lane runs exactly its own decode step's call, so greedy output does
+        # not change with speculation (a [T, S] SDPA moves the lanes' last bits with T)
+        return torch.cat([F.scaled_dot_product_attention(q[:, :, t : t + 1], keys[:, :, : start + t + 1],
+                                                         values[:, :, : start + t + 1], scale=scale, enable_gqa=True)
+                          for t in range(T)], dim=2)
     # CausalBias lets SDPA pick a fused kernel without materialising a [T, start + T] mask
     mask = causal_lower_right(T, start + T)
     return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)

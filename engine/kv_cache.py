@@ -26,6 +26,7 @@ class KVCache:
         # sparse attention: per-layer min/max key summaries per block (kernels.sparse_attention)
         self.block_summaries = None
         self.sparse_top_k = 0
+        self.sparse_step = False  # the step being captured or replayed attends sparsely (StepRunner)
 
     def enable_sparse_attention(self, top_k_blocks: int, block_size: int = 64) -> None:
         """Keep per-block key summaries so decode and verify attend to the top-k blocks only."""

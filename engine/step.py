@@ -17,9 +17,10 @@ MAX_GRAPH_WIDTH = 16
 class StepRunner:
     def __init__(self, model: Transformer, cache: KVCache, *, cuda_graphs: bool = True):
         self.model, self.cache = model, cache
-        # sparse attention picks blocks from host-known lengths, so its steps run eagerly
-        self.cuda_graphs = cuda_graphs and cache.device.type == "cuda" and cache.block_summaries is None
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
+        self.cuda_graphs = cuda_graphs and cache.device.type == "cuda"
+        # one graph per (width, sparse?): with sparse attention the host picks, per step, the graph
+        # whose attention the sparse rule asks for at this length
+        self._graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
         self._pool = None
 
     @torch.inference_mode()
@@ -29,12 +30,25 @@ class StepRunner:
         T = tokens.shape[1]
         if not self.cuda_graphs or T > MAX_GRAPH_WIDTH:
             return self.model(tokens, self.cache)
-        self.cache.reserve(T)
-        graph, static_tokens, static_logits = self._graphs.get(T) or self._capture(T)
+        cache = self.cache
+        cache.reserve(T)
+        cache.sparse_step = self._sparse_rule(T)
+        key = (T, cache.sparse_step)
+        graph, static_tokens, static_logits = self._graphs.get(key) or self._capture(key)
         static_tokens.copy_(tokens)
         graph.replay()
-        self.cache.advance(T)
+        cache.advance(T)
+        for summary in cache.block_summaries or ():
+            summary.length = cache.length  # the replay updated the summaries on the device
         return static_logits
+
+    def _sparse_rule(self, width: int) -> bool:
+        if self.cache.block_summaries is None:
+            return False
+        from kernels.sparse_attention import sparse_is_worthwhile
+
+        block_size = self.cache.block_summaries[0].block_size
+        return sparse_is_worthwhile(self.cache.length + width, width, self.cache.sparse_top_k, block_size)
 
     @torch.inference_mode()
     def prefill(self, tokens: torch.Tensor, chunk_size: int) -> torch.Tensor:
@@ -44,7 +58,8 @@ class StepRunner:
             logits = self.model(tokens[:, begin : begin + chunk_size], self.cache, last_only=True)
         return logits
 
-    def _capture(self, width: int):
+    def _capture(self, key: tuple[int, bool]):
+        width = key[0]
         cache, model = self.cache, self.model
         static_tokens = torch.zeros((1, width), dtype=torch.long, device=cache.device)
         saved_length = cache.length
@@ -65,5 +80,5 @@ class StepRunner:
             static_logits = run()
         self._pool = graph.pool()
         assert cache.length == saved_length
-        self._graphs[width] = (graph, static_tokens, static_logits)
-        return self._graphs[width]
+        self._graphs[key] = (graph, static_tokens, static_logits)
+        return self._graphs[key]

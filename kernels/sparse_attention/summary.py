@@ -69,5 +69,16 @@ class BlockKeySummary:
                 self.kmax[:, :, first + n_full] = tail.amax(dim=2)
         self.length = new_len
 
+    def update_on_device(self, k_cache: torch.Tensor, start: torch.Tensor, rows: int, *, backend: str = "auto") -> None:
+        """`update(k_cache, start, start + rows)` with `start` ([1] int64) read on the device, so a CUDA
+        graph can replay it at any length. The caller keeps `length` in step (it is host state)."""
+        if resolve_backend(backend, k_cache.device) == "triton":
+            from kernels.sparse_attention.triton_kernel import summary_update_at_triton
+
+            summary_update_at_triton(k_cache, self.kmin, self.kmax, self.block_size, start, rows)
+            return
+        first = int(start.reshape(-1)[0])  # the reference runs eagerly, where a read-back is fine
+        self.update(k_cache, first, first + rows, backend="reference")
+
     def reset(self) -> None:
         self.length = 0

@@ -233,3 +233,49 @@ def summary_update_triton(k_cache: torch.Tensor, kmin: torch.Tensor, kmax: torch
         HEAD_DIM=D, BLOCK_SIZE=block_size, BLOCK_D=triton.next_power_of_2(D),
         num_warps=4,
     )
+
+
+@triton.jit
+def _summary_update_at_kernel(
+    K, KMin, KMax, Start,       # K [B, Hkv, S_max, D]; KMin/KMax [B, Hkv, NB, D]; Start [1] int64 on the device
+    rows,
+    stride_kb, stride_kh, stride_kn,
+    stride_sb, stride_sh, stride_sn,
+    H_KV,
+    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    # Same as _summary_update_kernel, with the first row read on the device (CUDA-graph replays).
+    start = tl.load(Start).to(tl.int32)
+    new_len = start + rows
+    block = start // BLOCK_SIZE + tl.program_id(0)
+    if block * BLOCK_SIZE >= new_len:
+        return
+    pid_bh = tl.program_id(1)
+    b = pid_bh // H_KV
+    kvh = pid_bh % H_KV
+    offs_n = block * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    mask = (offs_n < new_len)[:, None] & d_ok[None, :]
+    keys = tl.load(K + b * stride_kb + kvh * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :],
+                   mask=mask, other=0.0).to(tl.float32)                                    # [BLOCK_SIZE, BLOCK_D]
+    lo = tl.min(tl.where(mask, keys, float("inf")), 0)
+    hi = tl.max(tl.where(mask, keys, float("-inf")), 0)
+    out = b * stride_sb + kvh * stride_sh + block * stride_sn + offs_d
+    tl.store(KMin + out, lo.to(KMin.dtype.element_ty), mask=d_ok)
+    tl.store(KMax + out, hi.to(KMax.dtype.element_ty), mask=d_ok)
+
+
+def summary_update_at_triton(k_cache: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, block_size: int,
+                             start: torch.Tensor, rows: int) -> None:
+    """Recompute the blocks that rows [start, start + rows) touch, start ([1] int64) on the device."""
+    B, Hkv, _, D = k_cache.shape
+    max_blocks = triton.cdiv(rows, block_size) + 1  # rows may straddle one block edge
+    _summary_update_at_kernel[(max_blocks, B * Hkv)](
+        k_cache, kmin, kmax, start, rows,
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        kmin.stride(0), kmin.stride(1), kmin.stride(2),
+        Hkv,
+        HEAD_DIM=D, BLOCK_SIZE=block_size, BLOCK_D=triton.next_power_of_2(D),
+        num_warps=4,
+    )

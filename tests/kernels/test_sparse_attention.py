@@ -63,6 +63,21 @@ def test_rollback_then_rewrite_matches_a_fresh_summary(backend):
     assert torch.equal(summary.kmax[:, :, :6], fresh.kmax[:, :, :6])
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_device_length_updates_match_a_fresh_summary(backend):
+    """update_on_device (the CUDA-graph form: start read on the device) equals a fresh summary."""
+    _, k, _ = make(1, 2, 2, 1, 8, 160, torch.bfloat16, seed=4)
+    summary = BlockKeySummary.for_cache(k, block_size=BS)
+    length = 0
+    for rows in (9, 1, 7, 16, 5, 17, 1):                   # within a block, at an edge, straddling one
+        summary.update_on_device(k, torch.tensor([length], device=DEVICE), rows, backend=backend)
+        length += rows
+        fresh = full_summary(k, length)
+        n = -(-length // BS)
+        assert torch.equal(summary.kmin[:, :, :n], fresh.kmin[:, :, :n])
+        assert torch.equal(summary.kmax[:, :, :n], fresh.kmax[:, :, :n])
+
+
 def test_bound_is_never_below_a_visible_score():
     q, k, _ = make(1, 4, 2, 3, 16, 96, torch.float32)
     seq_len = torch.tensor([90], device=DEVICE)

@@ -69,7 +69,7 @@ class LeaseKeeper(threading.Thread):
 
 
 def run_worker(settings: Settings, engine, broker_url: str, *, relay: bool = True,
-               stop_when: Optional[Callable[[], bool]] = None, loglevel: str = "INFO") -> None:
+               stop_when: Optional[Callable[[], bool]] = None, loglevel: str = "INFO", quiet: bool = False) -> None:
     """Consume this model's queue until SIGTERM/SIGINT (or until `stop_when()` is true)."""
     app = configure(settings, broker_url)
     import batchd.queue.tasks  # noqa: F401  registers the task on the app
@@ -87,7 +87,7 @@ def run_worker(settings: Settings, engine, broker_url: str, *, relay: bool = Tru
     try:
         worker = app.Worker(hostname=f"{settings.model_name}.{os.getpid()}@{socket.gethostname()}",
                             queues=[settings.queue_name], pool="solo", concurrency=1, loglevel=loglevel,
-                            without_mingle=True, without_gossip=True, optimization="fair")
+                            without_mingle=True, without_gossip=True, optimization="fair", quiet=quiet)
         worker.start()
     finally:
         # stop our threads before the interpreter tears down native libraries under them

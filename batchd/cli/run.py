@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import sys
 import time
+import warnings
 
 import click
 
@@ -36,7 +37,9 @@ def run(cli: CliContext, show_results: bool, loglevel: str, model_path, model_na
         batch = report.batch_name
         watcher = ProgressWatcher(settings.database_url, batch)
         if not watcher():
-            run_worker(settings, engine, broker_url, relay=True, stop_when=watcher, loglevel=loglevel)
+            # JSON only, never pickle: Celery's warning about running as root does not apply
+            warnings.filterwarnings("ignore", message=".*superuser privileges.*")
+            run_worker(settings, engine, broker_url, relay=True, stop_when=watcher, loglevel=loglevel, quiet=True)
     progress = batch_progress(settings.database_url, batch)
     if show_results:
         click.echo(results_table(list(result_rows(settings.database_url, batch))))

@@ -42,6 +42,7 @@ def celery_config(settings: Settings, broker_url: str) -> dict:
         "task_default_queue": settings.queue_name,
         "task_create_missing_queues": True,
         "worker_hijack_root_logger": False,
+        "worker_redirect_stdouts": False,  # `batchd run` prints its own progress and results
         "worker_send_task_events": True,  # for Flower
         "worker_cancel_long_running_tasks_on_connection_loss": False,  # the database decides, not the socket
         "enable_utc": True,

@@ -1,0 +1,82 @@
+"""The command line as a person meets it: submit from files, folders, globs and stdin; a
+mistake gets one line starting with "Error:" and never a traceback."""
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from tests.service.conftest import batchd_cli, service_env
+
+
+@pytest.fixture
+def env(database_url, redis_url, queue_prefix, tmp_path):
+    return service_env(database_url, redis_url, tmp_path / "data", queue_prefix)
+
+
+def one_line_error(result) -> str:
+    stderr = result.stderr.decode()
+    assert result.returncode != 0
+    assert "Traceback" not in stderr, stderr
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("Error:"), stderr
+    return lines[0]
+
+
+def test_submit_folder_glob_and_stdin_then_status_and_export(env, tmp_path, redis_client, queue_prefix):
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "a.txt").write_text("first document")
+    (tmp_path / "docs" / "b.txt").write_text("second document")
+    (tmp_path / "c.md").write_text("third document")
+    out = batchd_cli(["submit", str(tmp_path / "docs"), str(tmp_path / "*.md"), "--batch", "mixed",
+                      "--template", "Summarise:\n{document}", "--max-new-tokens", "8", "--chat"], env)
+    assert out.returncode == 0, out.stderr.decode()
+    assert "3 new job(s)" in out.stdout.decode() and "queued" in out.stdout.decode()
+    assert redis_client.llen(f"{queue_prefix}.smollm2-135m") == 3
+    stdin = json.dumps({"custom_id": "s1", "prompt": "from stdin", "params": {"seed": 7}}).encode()
+    out = batchd_cli(["submit", "-", "--batch", "mixed"], env, input=stdin)
+    assert out.returncode == 0, out.stderr.decode()
+
+    status = batchd_cli(["status", "--batch", "mixed", "--no-watch"], env).stdout.decode()
+    assert re.search(r"0/4 \| queued 4", status), status
+    exported = batchd_cli(["export", "--batch", "mixed"], env).stdout.decode().splitlines()
+    rows = [json.loads(line) for line in exported]
+    assert [r["status"] for r in rows] == ["queued"] * 4
+    csv_out = batchd_cli(["export", "--batch", "mixed", "--format", "csv"], env).stdout.decode()
+    assert csv_out.splitlines()[0].startswith("custom_id,status,output_text,output_sha256")
+    assert "mixed" in batchd_cli(["status"], env).stdout.decode()
+
+    cancelled = batchd_cli(["cancel", "--batch", "mixed"], env)
+    assert "cancelled 4 job(s)" in cancelled.stdout.decode()
+    retried = batchd_cli(["retry", "--batch", "mixed", "--status", "cancelled"], env)
+    assert "retrying 4 job(s); 4 queued now" in retried.stdout.decode(), retried.stderr.decode()
+
+
+@pytest.mark.parametrize("args, words", [
+    (["submit", "/no/such/file.txt", "--batch", "x"], "no such file or folder"),
+    (["submit", "/tmp/*.no-such-ext", "--batch", "x"], "no files match"),
+    (["submit", "-", "--batch", "x", "--max-new-tokens", "-3"], "max_new_tokens"),
+    (["submit", "-", "--batch", "x", "--template", "no placeholder"], "{document}"),
+    (["status", "--batch", "never-made"], "no batch named 'never-made'"),
+    (["results", "--batch", "never-made"], "no batch named"),
+    (["worker", "--model", "/models/missing.gguf"], "no checkpoint at /models/missing.gguf"),
+    (["run", "-", "--model", "/models/missing.gguf"], "no checkpoint at /models/missing.gguf"),
+    (["generate", "--model", "/models/missing.gguf", "--prompt", "hi"], "no checkpoint"),
+], ids=["missing-file", "empty-glob", "negative-tokens", "template", "status", "results", "worker-model",
+        "run-model", "generate-model"])
+def test_person_errors_are_one_line(env, args, words):
+    assert words in one_line_error(batchd_cli(args, env, input=b"some text"))
+
+
+def test_unreachable_database_is_one_line(tmp_path):
+    env = service_env("postgresql://nobody@127.0.0.1:1/none", None, tmp_path, "x")
+    assert "cannot use postgresql://nobody@127.0.0.1:1/none" in one_line_error(batchd_cli(["status"], env))
+
+
+def test_every_input_rejected_exits_non_zero(env, tmp_path):
+    (tmp_path / "empty.txt").write_bytes(b"")
+    out = batchd_cli(["submit", str(tmp_path / "empty.txt"), "--batch", "bad"], env)
+    assert out.returncode == 1 and "Traceback" not in out.stderr.decode()
+    assert out.stderr.decode().splitlines() == [f"rejected {tmp_path / 'empty.txt'}: empty file: nothing to generate from",
+                                                "Error: every input was rejected; nothing to run"]

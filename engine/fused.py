@@ -3,8 +3,9 @@
 Eagerly each is a handful of small kernels; at batch 1 a decode step of a 1.5B model would spend
 more time launching them than reading weights. On CUDA `enable_fusion()` swaps in
 `torch.compile`d versions (one Triton kernel each, dynamic in the token axis so one compile
-serves decode, every verify width and every prefill chunk). The maths is identical on CPU,
-where the eager versions run.
+serves decode, every verify width and every prefill chunk), and the q/k rope plus the cache
+write become one launch (kernels.rope_cache). The maths is identical on CPU, where the eager
+versions run.
 """
 from __future__ import annotations
 
@@ -39,15 +40,24 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+# kernels.rope_cache.rope_and_store on CUDA once enable_fusion() ran (None: the eager ops)
+rope_kernel = None
+
 _EAGER = {"rms_norm": rms_norm, "add_rms_norm": add_rms_norm, "rotate": rotate, "silu_mul": silu_mul}
 _fused_on = False
 
 
 def enable_fusion() -> None:
     """Replace the functions above by compiled ones (CUDA only; call once per process)."""
-    global _fused_on, rms_norm, add_rms_norm, rotate, silu_mul
+    global _fused_on, rms_norm, add_rms_norm, rotate, silu_mul, rope_kernel
     if _fused_on:
         return
+    try:
+        from kernels.rope_cache import rope_and_store
+
+        rope_kernel = rope_and_store
+    except ImportError:
+        rope_kernel = None
     compiled = {name: torch.compile(fn, dynamic=True, fullgraph=True) for name, fn in _EAGER.items()}
     rms_norm, add_rms_norm = compiled["rms_norm"], compiled["add_rms_norm"]
     rotate, silu_mul = compiled["rotate"], compiled["silu_mul"]

@@ -47,11 +47,30 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.split_sizes = (q_size, kv_size, kv_size)
         self.scale = self.head_dim**-0.5
+        self.rms_eps = config.rms_norm_eps
 
     def forward(self, x, cos, sin, cache: KVCache, layer_idx: int, start: int, positions, use_kernel: bool,
                 seq_len_on_device=None, observer: Optional[AttentionObserver] = None):
         B, T, _ = x.shape
-        q, k, v = project(x, self.qkv_proj).split(self.split_sizes, dim=-1)
+        qkv = project(x, self.qkv_proj)  # [B, T, (Hq + 2 Hkv) D]
+        k_cache, v_cache = cache.keys[layer_idx], cache.values[layer_idx]
+        if fused.rope_kernel is not None and qkv.is_cuda and qkv.dtype == k_cache.dtype:
+            # norm, rope and the cache write in one launch (kernels.rope_cache)
+            norms = (self.q_norm.weight, self.k_norm.weight) if self.q_norm is not None else (None, None)
+            q = fused.rope_kernel(qkv, cos, sin, positions, k_cache, v_cache, self.num_heads, self.num_kv_heads,
+                                  q_norm=norms[0], k_norm=norms[1], eps=self.rms_eps)
+        else:
+            q = self.rope_and_store(qkv, cos, sin, positions, k_cache, v_cache)
+        if observer is not None:
+            observer(layer_idx, q, k_cache[:, :, : start + T], v_cache[:, :, : start + T], start)
+        out = attend_cached(q.to(k_cache.dtype), cache, layer_idx, start, self.scale, use_kernel, seq_len_on_device)
+        return project(out.to(x.dtype).transpose(1, 2).reshape(B, T, -1), self.o_proj)
+
+    def rope_and_store(self, qkv, cos, sin, positions, k_cache, v_cache):
+        """Eager twin of kernels.rope_cache: q/k norm (qwen3), rope, k/v rows into the cache.
+        qkv: [B, T, (Hq + 2 Hkv) D] -> rotated q [B, Hq, T, D]."""
+        B, T, _ = qkv.shape
+        q, k, v = qkv.split(self.split_sizes, dim=-1)
         q = q.view(B, T, self.num_heads, self.head_dim)
         k = k.view(B, T, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
@@ -59,13 +78,9 @@ class Attention(nn.Module):
         q = fused.rotate(q.transpose(1, 2), cos, sin)  # [B, Hq, T, D]
         k = fused.rotate(k.transpose(1, 2), cos, sin)  # [B, Hkv, T, D]
         v = v.view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        k_cache, v_cache = cache.keys[layer_idx], cache.values[layer_idx]
         k_cache.index_copy_(2, positions, k.to(k_cache.dtype))
         v_cache.index_copy_(2, positions, v.to(v_cache.dtype))
-        if observer is not None:
-            observer(layer_idx, q, k_cache[:, :, : start + T], v_cache[:, :, : start + T], start)
-        out = attend_cached(q.to(k_cache.dtype), cache, layer_idx, start, self.scale, use_kernel, seq_len_on_device)
-        return project(out.to(x.dtype).transpose(1, 2).reshape(B, T, -1), self.o_proj)
+        return q
 
 
 class MLP(nn.Module):

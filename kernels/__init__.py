@@ -5,12 +5,17 @@
 - sparse_decode_attention (+ BlockKeySummary): top-k key blocks per lane at long context, exact
   dense attention where sparsity would keep half the rows or more.
 - score_tail_queries: the PFlash scoring pass, tail queries against all keys.
+- small_linear: a projection of up to 32 rows whose per-row result does not depend on the row
+  count (decode and verify agree bitwise), faster than cuBLAS at decode shapes.
+- rope_and_store: q/k rotary embedding (and qwen3's q/k norm) plus the k/v cache write, one launch.
 
 backend="auto" runs Triton on CUDA and the reference elsewhere. This package imports neither
 `batchd` nor `engine`, and imports `triton` only when a Triton kernel is used.
 """
 from kernels.chunk_scoring import score_tail_queries
 from kernels.decode_attention import decode_attention
+from kernels.rope_cache import rope_and_store
+from kernels.small_matmul import small_linear
 from kernels.sparse_attention import BlockKeySummary, sparse_decode_attention, sparse_is_worthwhile
 
 __all__ = [
@@ -19,4 +24,6 @@ __all__ = [
     "sparse_is_worthwhile",
     "BlockKeySummary",
     "score_tail_queries",
+    "small_linear",
+    "rope_and_store",
 ]

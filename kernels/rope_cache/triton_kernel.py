@@ -1,0 +1,90 @@
+"""One launch for what follows the q/k/v projection of a decode or verify step: optional per-head
+RMSNorm (qwen3), rotary embedding of q and k, and the k/v rows written into the cache.
+
+Program (row b*T + t, head h) handles one head vector: heads [0, Hq) are queries (rotated into the
+output), heads [Hq, Hq + Hkv) are key/value pairs (k rotated, both stored at cache row positions[t]).
+Eagerly this was four to six launches per layer; at batch 1 launches, not bytes, cost the time.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels._backend import interpreting, patch_interpreter_index
+
+if interpreting():
+    patch_interpreter_index()
+
+
+@triton.jit
+def _rope_and_store_kernel(
+    QKV, Cos, Sin, Pos, QNorm, KNorm, QOut, KCache, VCache,
+    T, eps,
+    stride_qkv_row,                       # QKV [B*T, (Hq + 2 Hkv) * D], row stride
+    stride_qo_b, stride_qo_h, stride_qo_t,  # QOut [B, Hq, T, D]
+    stride_cb, stride_ch, stride_cn,      # caches [B, Hkv, S_max, D]
+    HQ: tl.constexpr, HKV: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
+    USE_NORM: tl.constexpr,
+):
+    row = tl.program_id(0)                # b * T + t
+    head = tl.program_id(1)
+    b = row // T
+    t = row % T
+    offs = tl.arange(0, HALF)
+    is_query = head < HQ
+    col = head * HEAD_DIM                 # queries, then keys, in the fused projection
+    base = QKV + row * stride_qkv_row + col
+    x1 = tl.load(base + offs).to(tl.float32)
+    x2 = tl.load(base + HALF + offs).to(tl.float32)
+    dtype = QKV.dtype.element_ty
+    if USE_NORM:
+        inv = tl.rsqrt((tl.sum(x1 * x1, 0) + tl.sum(x2 * x2, 0)) / HEAD_DIM + eps)
+        if is_query:
+            w1 = tl.load(QNorm + offs).to(tl.float32)
+            w2 = tl.load(QNorm + HALF + offs).to(tl.float32)
+        else:
+            w1 = tl.load(KNorm + offs).to(tl.float32)
+            w2 = tl.load(KNorm + HALF + offs).to(tl.float32)
+        # as the eager norm: normalise in float32, round to the model dtype, then scale
+        x1 = (w1 * (x1 * inv).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+        x2 = (w2 * (x2 * inv).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+    cos1 = tl.load(Cos + t * HEAD_DIM + offs).to(dtype).to(tl.float32)
+    cos2 = tl.load(Cos + t * HEAD_DIM + HALF + offs).to(dtype).to(tl.float32)
+    sin1 = tl.load(Sin + t * HEAD_DIM + offs).to(dtype).to(tl.float32)
+    sin2 = tl.load(Sin + t * HEAD_DIM + HALF + offs).to(dtype).to(tl.float32)
+    y1 = x1 * cos1 - x2 * sin1            # rotate half: [x1, x2] -> [-x2, x1]
+    y2 = x2 * cos2 + x1 * sin2
+    if is_query:
+        out = QOut + b * stride_qo_b + head * stride_qo_h + t * stride_qo_t
+        tl.store(out + offs, y1.to(QOut.dtype.element_ty))
+        tl.store(out + HALF + offs, y2.to(QOut.dtype.element_ty))
+    else:
+        kvh = head - HQ
+        pos = tl.load(Pos + t)
+        dst = b * stride_cb + kvh * stride_ch + pos * stride_cn
+        tl.store(KCache + dst + offs, y1.to(KCache.dtype.element_ty))
+        tl.store(KCache + dst + HALF + offs, y2.to(KCache.dtype.element_ty))
+        v_src = QKV + row * stride_qkv_row + (HQ + HKV + kvh) * HEAD_DIM
+        tl.store(VCache + dst + offs, tl.load(v_src + offs))
+        tl.store(VCache + dst + HALF + offs, tl.load(v_src + HALF + offs))
+
+
+def rope_and_store_triton(qkv, cos, sin, positions, k_cache, v_cache, num_heads, num_kv_heads,
+                          q_norm=None, k_norm=None, eps=1e-6):
+    B, T, width = qkv.shape
+    D = k_cache.shape[-1]
+    rows = qkv.reshape(B * T, width)
+    q_out = torch.empty(B, num_heads, T, D, dtype=qkv.dtype, device=qkv.device)
+    use_norm = q_norm is not None
+    _rope_and_store_kernel[(B * T, num_heads + num_kv_heads)](
+        rows, cos, sin, positions, q_norm if use_norm else rows, k_norm if use_norm else rows,
+        q_out, k_cache, v_cache,
+        T, eps,
+        rows.stride(0),
+        q_out.stride(0), q_out.stride(1), q_out.stride(2),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        HQ=num_heads, HKV=num_kv_heads, HEAD_DIM=D, HALF=D // 2, USE_NORM=use_norm,
+        num_warps=1,
+    )
+    return q_out

@@ -51,6 +51,18 @@ def generate_plain(runner: StepRunner, prompt_ids: list[int], sampler: Sampler, 
 
     started = time.perf_counter()
     generated: list[int] = []
+    finish = decode_plain(runner, next_token, sampler, stopper, generated, sync_every=sync_every)
+    return TokenOutput(generated, finish, prefill_s, time.perf_counter() - started)
+
+
+def decode_plain(runner: StepRunner, next_token: torch.Tensor, sampler: Sampler, stopper: StopChecker,
+                 generated: list[int], *, sync_every: int = 16) -> str:
+    """Decode one token per step from `next_token` ([1] on the device: sampled, not yet fed) until
+    a stop rule applies; appends to `generated` and returns the finish reason. Also the fallback of
+    speculative decoding once it switches itself off (engine.speculative)."""
+    device = runner.cache.device
+    if device.type != "cuda":
+        sync_every = 1
     pending = [next_token]  # device ids not yet read back by the host
     finish = None
     budget = stopper.max_new_tokens
@@ -70,4 +82,4 @@ def generate_plain(runner: StepRunner, prompt_ids: list[int], sampler: Sampler, 
         pending.append(next_token)
         steps += 1
     synchronize(device)
-    return TokenOutput(generated, finish, prefill_s, time.perf_counter() - started)
+    return finish

@@ -50,14 +50,15 @@ def run(cli: CliContext, show_results: bool, loglevel: str, model_path, model_na
 class ProgressWatcher:
     """The worker's stop condition: true once every job of the batch finished; prints progress."""
 
-    def __init__(self, url: str, batch: str, every_s: float = 5.0):
+    def __init__(self, url: str, batch: str, every_s: float = 30.0):
         self.url, self.batch, self.every_s = url, batch, every_s
-        self.last_print = 0.0
+        self.last_print, self.last_counts = 0.0, None
 
     def __call__(self) -> bool:
+        """Prints when a job changed state, and every `every_s` seconds otherwise."""
         progress = batch_progress(self.url, self.batch)
-        if time.monotonic() - self.last_print > self.every_s or progress.done:
-            self.last_print = time.monotonic()
+        if progress.counts != self.last_counts or time.monotonic() - self.last_print > self.every_s:
+            self.last_print, self.last_counts = time.monotonic(), dict(progress.counts)
             click.echo(progress_line(progress), err=True)
             sys.stderr.flush()
         return progress.done

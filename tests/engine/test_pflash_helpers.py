@@ -104,15 +104,15 @@ def long_paper_text(min_words: int = 9000) -> str:
 
 
 def document_with_needles(codec, target_tokens: int, depths=NEEDLE_DEPTHS, needles=NEEDLES) -> str:
-    """Cut a real paper at paragraph ends to about `target_tokens` tokens and insert each fact as
-    its own paragraph at its depth (fraction of the document's tokens)."""
+    """A real paper's paragraphs, in order, up to about `target_tokens` tokens (a paragraph that
+    would overflow, like a giant appendix table, is skipped), with each fact inserted as its own
+    paragraph at its depth (fraction of the document's tokens)."""
     paragraphs, total = [], 0
     for para in long_paper_text().split("\n\n"):
         n = len(codec.encode(para + "\n\n", add_special_tokens=False))
-        if total + n > target_tokens:
-            break
-        paragraphs.append((para, total))
-        total += n
+        if total + n <= target_tokens:
+            paragraphs.append((para, total))
+            total += n
     out, facts = [], list(zip(depths, needles))
     for para, start in paragraphs:
         while facts and start >= facts[0][0] * total:

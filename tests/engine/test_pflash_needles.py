@@ -1,0 +1,82 @@
+"""Needles in a real 8K-token paper: five short facts at 2%, 20%, 50%, 80% and 98% depth, a
+question about each at the end. At keep ratio 0.1 PFlash (SmolLM2 drafting for itself) keeps
+all five, and SmolLM2 answers from the compressed prompt what it answers from the full one.
+
+Each answer is SmolLM2's greedy continuation after "Question: ...", with the assistant turn
+opened by the fact's own stem ("The secret password of the blue lighthouse is"), asked once
+after the full document and once after the compressed one (the document's KV rows are reused
+across the five questions). SmolLM2-135M itself misses some needles in a full 8K context (a
+135M model at the end of its context window), so the comparison is: every needle it finds in
+the full document it also finds, with the same answer, in the compressed one; and from the
+compressed document it finds all five.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.pflash import PromptCompressor, compress_for_request, set_compressor
+from engine.runtime import Engine
+from engine.types import CompressionOptions, GenerationRequest, Telemetry
+from tests.engine.test_pflash_helpers import NEEDLES, document_with_needles, smollm2_folder
+
+DOCUMENT_TOKENS = 7600  # + the questions: under SmolLM2's 8192-token context with the answers
+ANSWER_TOKENS = 8
+
+
+@torch.inference_mode()
+def answers_after(engine: Engine, context_ids: list[int]) -> list[str]:
+    """Greedy answer to each needle's question after `context_ids` (prefilled once)."""
+    engine.cache.reset()
+    engine.runner.prefill(torch.tensor([context_ids]), engine.prefill_chunk)
+    context_rows = engine.cache.length
+    out = []
+    for fact, question, answer in NEEDLES:
+        engine.cache.truncate(context_rows)
+        stem = fact[: fact.index(answer)].rstrip()
+        suffix = f"\n\nQuestion: {question}<|im_end|>\n<|im_start|>assistant\n{stem}"
+        logits = engine.runner.prefill(torch.tensor([engine.codec.encode(suffix, add_special_tokens=False)]), 64)
+        tokens = []
+        for _ in range(ANSWER_TOKENS):
+            token = int(logits[0, -1].argmax())
+            if token in engine.eos_ids:
+                break
+            tokens.append(token)
+            logits = engine.runner.step(torch.tensor([[token]]))
+        out.append(engine.codec.decode(tokens).strip().split("\n")[0])
+    return out
+
+
+@pytest.mark.slow
+def test_five_needles_survive_keep_ratio_0_1_and_answers_match():
+    engine = Engine.load(str(smollm2_folder()), max_context=8192)
+    set_compressor(engine, PromptCompressor(scoring_chunk=8192))
+    codec = engine.codec
+    document = document_with_needles(codec, DOCUMENT_TOKENS)
+    questions = "\n".join(f"{i + 1}. {question}" for i, (_, question, _) in enumerate(NEEDLES))
+    context_ids = codec.encode("<|im_start|>user\n" + document, add_special_tokens=False)
+    question_ids = codec.encode(f"\n\nAnswer each question in a few words.\n{questions}<|im_end|>\n"
+                                "<|im_start|>assistant\n", add_special_tokens=False)
+    prompt_ids = context_ids + question_ids
+    assert 7500 < len(prompt_ids) < 8192 - 64
+
+    telemetry = Telemetry()
+    request = GenerationRequest(prompt="(ids given)", compression=CompressionOptions(mode="always", keep_ratio=0.1))
+    compressed = compress_for_request(engine, prompt_ids, request, telemetry)
+    kept = codec.decode(compressed, skip_special_tokens=False)
+    for fact, _, _ in NEEDLES:
+        assert fact in kept, f"needle lost: {fact}"
+    assert len(compressed) <= 0.1 * len(prompt_ids) + 64
+    assert compressed[-len(question_ids):] == question_ids  # the questions are in the kept tail
+
+    # the same five questions after the compressed and after the full document
+    from_compressed = answers_after(engine, compressed[: -len(question_ids)])
+    from_full = answers_after(engine, context_ids)
+    print(f"\n{len(prompt_ids)} -> {len(compressed)} tokens, scoring {telemetry.scoring_s:.1f} s")
+    for (_, question, answer), c, f in zip(NEEDLES, from_compressed, from_full):
+        print(f"{question!r}: compressed {c!r}, full {f!r}")
+    for (_, _, answer), c, f in zip(NEEDLES, from_compressed, from_full):
+        assert answer in c
+        if answer in f:
+            assert c == f
+    assert sum(answer in f for (_, _, answer), f in zip(NEEDLES, from_full)) >= 2

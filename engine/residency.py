@@ -99,14 +99,15 @@ def free_device_bytes(device: torch.device) -> float:
     return math.inf
 
 
-def drafter_bytes_needed(ckpt: Checkpoint, dtype: torch.dtype, tokens: int, prefill_chunk: int) -> int:
-    """Weights + a KV cache of `tokens` rows + one prefill chunk's activations (an estimate)."""
+def drafter_bytes_needed(ckpt: Checkpoint, dtype: torch.dtype, tokens: int, rows: int) -> int:
+    """Weights + a KV cache of `tokens` rows + the activations of one `rows`-row forward (an
+    estimate) + the tail scoring's [Hq, 8, tokens] float32 probabilities."""
     c = ckpt.config
     element = torch.empty((), dtype=dtype).element_size()
     weights = sum(t.numel() for t in ckpt.tensors.values()) * element
     kv = 2 * c.num_layers * c.num_kv_heads * c.head_dim * tokens * element
     per_row = 4 * c.hidden_size + 3 * c.intermediate_size + (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
-    activations = min(tokens, prefill_chunk) * per_row * 4 + c.num_heads * 8 * tokens * 4 * 3
+    activations = min(tokens, rows) * per_row * 4 + c.num_heads * 8 * tokens * 4 * 3
     return weights + kv + activations
 
 
@@ -119,7 +120,7 @@ class Residency:
     worker runs one job at a time)."""
 
     def __init__(self, *, park: ParkPolicy = "auto", strategy: ParkStrategy = DEFAULT_PARK_STRATEGY,
-                 headroom_bytes: int = DEFAULT_HEADROOM_BYTES, prefill_chunk: int = 2048,
+                 headroom_bytes: int = DEFAULT_HEADROOM_BYTES, activation_rows: int = 8192,
                  read_checkpoint: Callable[..., Checkpoint] = load_checkpoint,
                  synchronize: Callable[[torch.device], None] = synchronize_all_streams,
                  free_bytes: Callable[[torch.device], float] = free_device_bytes,
@@ -129,7 +130,7 @@ class Residency:
         if strategy not in ("host", "reload"):
             raise ValueError(f"strategy must be host or reload, got {strategy!r}")
         self.park_policy, self.strategy = park, strategy
-        self.headroom_bytes, self.prefill_chunk = headroom_bytes, prefill_chunk
+        self.headroom_bytes, self.activation_rows = headroom_bytes, activation_rows
         self.read_checkpoint, self.synchronize, self.free_bytes = read_checkpoint, synchronize, free_bytes
         self.step_hook = step_hook or (lambda step, obj: None)
         self.host_weights: dict[str, torch.Tensor] = {}  # pinned copies, reused across jobs
@@ -139,9 +140,10 @@ class Residency:
     # ---- the job ---------------------------------------------------------------------------
 
     def with_drafter(self, engine, drafter_path: str, work: Callable[[Drafter], T], telemetry: Telemetry, *,
-                     prompt_tokens: int) -> T:
+                     prompt_tokens: int, activation_rows: Optional[int] = None) -> T:
         """Load the drafter (parking the target when both do not fit), return work(drafter);
-        the drafter is released and the target restored whatever happens."""
+        the drafter is released and the target restored whatever happens. `prompt_tokens` and
+        `activation_rows` (rows per drafter forward) size the drafter's memory estimate."""
         self.ensure_resident(engine, telemetry)
         device = engine.device
         if device.type == "cuda":
@@ -149,7 +151,8 @@ class Residency:
         failure: Optional[EngineError] = None
         result = None
         try:
-            result = self._load_and_run(engine, drafter_path, work, telemetry, prompt_tokens)
+            rows = activation_rows or self.activation_rows
+            result = self._load_and_run(engine, drafter_path, work, telemetry, prompt_tokens, rows)
         except Exception as exc:  # noqa: BLE001 - every drafter failure becomes the job's error
             failure = self._job_error(exc, drafter_path)
             forget_frames(exc)  # the traceback's frames would keep a half-built drafter alive
@@ -165,13 +168,13 @@ class Residency:
             raise failure
         return result
 
-    def _load_and_run(self, engine, path: str, work, telemetry: Telemetry, prompt_tokens: int):
+    def _load_and_run(self, engine, path: str, work, telemetry: Telemetry, prompt_tokens: int, rows: int):
         dtype, device = engine.model.dtype, engine.device
         started = time.perf_counter()
         ckpt = self.read_checkpoint(path, dtype=dtype)
         telemetry.drafter_load_s += time.perf_counter() - started
         # drafter tokens are not known before its tokenizer runs; twice the target's is ample
-        needed = drafter_bytes_needed(ckpt, dtype, 2 * prompt_tokens, self.prefill_chunk)
+        needed = drafter_bytes_needed(ckpt, dtype, 2 * prompt_tokens, rows)
         self.park_if_needed(engine, needed, telemetry)
         started = time.perf_counter()
         drafter = self._place(ckpt, device, dtype)

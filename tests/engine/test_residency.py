@@ -79,7 +79,7 @@ def test_parking_is_skipped_when_both_fit(engine, drafter_path, original_weights
 def test_auto_parks_what_the_drafter_needs(engine, drafter_path, original_weights, short_by):
     job = compressing_job(drafter_path)
     prompt_tokens = len(engine.codec.encode_request(job.prompt, None, True))
-    needed = drafter_bytes_needed(load_checkpoint(drafter_path), torch.float32, 2 * prompt_tokens, 2048)
+    needed = drafter_bytes_needed(load_checkpoint(drafter_path), torch.float32, 2 * prompt_tokens, 8192)
     cache = engine.cache.nbytes
     if short_by == "everything":  # freeing the cache is not enough: the weights go too
         residency, parked = Residency(headroom_bytes=cache, free_bytes=lambda device: 0), "KV cache and weights"

@@ -1,0 +1,235 @@
+"""Speculative decoding on tiny random models: greedy output equal to plain decoding at every
+width and method, stop rules inside an accepted run, a nearly full cache, telemetry, refusals."""
+from __future__ import annotations
+
+import pytest
+import torch
+from tokenizers import Tokenizer
+from tokenizers.models import WordLevel
+
+from engine.errors import BadInputError
+from engine.generate import generate_plain
+from engine.runtime import Engine
+from engine.sampling import Sampler
+from engine.speculative import (PromptLookupProposer, WidthPolicy, generate_speculative, register_drafter,
+                                self_drafter, truncated_drafter)
+from engine.stopping import StopChecker
+from engine.text import TextCodec
+from engine.types import GenerationRequest, SamplingParams, SpeculationOptions, Telemetry
+from tests.engine.tiny_models import TINY, hf_model, ours_from_hf
+
+pytest.importorskip("transformers")
+
+WIDTHS = [1, 2, 4, 8, 16, None]
+DRAFTERS = {"self": lambda e: self_drafter(e), "first-layer": lambda e: truncated_drafter(e, 1)}
+
+
+def tiny_engine(arch: str = "llama", max_context: int = 256, vocab_size: int = 512) -> Engine:
+    hf = hf_model(arch) if vocab_size == TINY["vocab_size"] else _hf_with_vocab(arch, vocab_size)
+    engine = Engine(ours_from_hf(hf), None, max_context=max_context, eos_ids=set())
+    for name, build in DRAFTERS.items():
+        register_drafter(engine, name, build(engine))
+    return engine
+
+
+def _hf_with_vocab(arch: str, vocab_size: int):
+    import tests.engine.tiny_models as tiny
+
+    saved = dict(tiny.TINY)
+    tiny.TINY["vocab_size"] = vocab_size
+    try:
+        return hf_model(arch)
+    finally:
+        tiny.TINY.clear()
+        tiny.TINY.update(saved)
+
+
+# random tokens, then a repeat of their first half: prompt lookup has something to copy
+_tokens = torch.randint(0, 512, (70,), generator=torch.Generator().manual_seed(0)).tolist()
+PROMPT = _tokens + _tokens[:35]
+
+
+def generate(engine: Engine, spec: SpeculationOptions, max_new_tokens: int = 48, **sampling):
+    telemetry = Telemetry()
+    params = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=not engine.eos_ids, **sampling)
+    out = engine.generate_ids(PROMPT, GenerationRequest(sampling=params, speculation=spec), telemetry)
+    return out, telemetry
+
+
+def spec_options(method: str, width) -> SpeculationOptions:
+    if method == "lookup":
+        return SpeculationOptions("lookup", width=width)
+    return SpeculationOptions("draft", drafter_path=method.removeprefix("draft-"), width=width)
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
+def engine_and_plain(request):
+    engine = tiny_engine(request.param)
+    return engine, generate(engine, SpeculationOptions())[0]
+
+
+@pytest.mark.parametrize("width", WIDTHS, ids=lambda w: f"w{w or 'auto'}")
+@pytest.mark.parametrize("method", ["lookup", "draft-self", "draft-first-layer"])
+def test_greedy_ids_identical_to_plain(engine_and_plain, method, width):
+    engine, plain = engine_and_plain
+    spec, telemetry = generate(engine, spec_options(method, width))
+    assert spec.token_ids == plain.token_ids
+    assert spec.finish_reason == plain.finish_reason == "length"
+    assert telemetry.spec_steps > 0
+
+
+def run_direct(engine: Engine, stopper: StopChecker, spec: SpeculationOptions | None):
+    """Below Engine.generate_ids: no context-fit check, a hand-made stop checker."""
+    engine.cache.reset()
+    sampler = Sampler(SamplingParams(), engine.device)
+    if spec is None:
+        return generate_plain(engine.runner, PROMPT, sampler, stopper)
+    return generate_speculative(engine, PROMPT, sampler, stopper, spec, Telemetry())
+
+
+def first_new_position(tokens: list[int], after: int) -> int:
+    """An index >= after whose token does not occur earlier in `tokens`."""
+    return next(i for i in range(after, len(tokens)) if tokens[i] not in tokens[:i])
+
+
+@pytest.mark.parametrize("method", ["lookup", "draft-self"])
+def test_eos_inside_an_accepted_run_ends_the_output_there(method):
+    engine = tiny_engine()
+    plain_ids = generate(engine, SpeculationOptions())[0].token_ids
+    k = first_new_position(plain_ids, 12)
+    engine.eos_ids = {plain_ids[k]}
+    plain, _ = generate(engine, SpeculationOptions())
+    spec, telemetry = generate(engine, spec_options(method, 8))
+    assert plain.token_ids == plain_ids[:k] and plain.finish_reason == "eos"
+    assert spec.token_ids == plain.token_ids and spec.finish_reason == "eos"
+    if method == "draft-self":  # runs of 9 tokens from token 1: the EOS sits inside one
+        assert telemetry.acceptance_rate == 1.0 and k % 9 != 1
+
+
+@pytest.mark.parametrize("max_new_tokens", [1, 2, 13, 17])
+def test_max_new_tokens_is_respected_mid_run(max_new_tokens):
+    engine = tiny_engine()
+    plain, _ = generate(engine, SpeculationOptions(), max_new_tokens=max_new_tokens)
+    spec, _ = generate(engine, spec_options("draft-self", 8), max_new_tokens=max_new_tokens)
+    assert len(spec.token_ids) == max_new_tokens and spec.finish_reason == "length"
+    assert spec.token_ids == plain.token_ids
+
+
+def test_stop_string_inside_an_accepted_run():
+    engine = tiny_engine()
+    decode = lambda ids: "".join(f"<{i}>" for i in ids)  # noqa: E731
+    plain_ids = run_direct(engine, StopChecker(set(), 40), None).token_ids
+    k = first_new_position(plain_ids, 12)
+    stop = f"<{plain_ids[k]}>"
+    results = [run_direct(engine, StopChecker(set(), 40, (stop,), decode), spec)
+               for spec in (None, spec_options("draft-self", 8), spec_options("lookup", 16))]
+    for out in results:
+        assert out.finish_reason == "stop" and out.token_ids == plain_ids[: k + 1]
+
+
+@pytest.mark.parametrize("method", ["lookup", "draft-self"])
+def test_nearly_full_cache_ends_like_plain_decoding(method):
+    engine = tiny_engine(max_context=len(PROMPT) + 10)
+    plain = run_direct(engine, StopChecker(set(), 40), None)
+    spec = run_direct(engine, StopChecker(set(), 40), spec_options(method, 16))
+    assert plain.finish_reason == spec.finish_reason == "length"
+    assert spec.token_ids == plain.token_ids and len(plain.token_ids) == 11
+    assert engine.cache.length <= engine.cache.max_len
+
+
+@pytest.mark.parametrize("method", ["lookup", "draft-first-layer"])
+def test_sampling_is_reproducible_with_a_seed(method):
+    engine = tiny_engine()
+    options = spec_options(method, 4)
+    runs = [generate(engine, options, temperature=0.9, top_k=50, seed=seed)[0].token_ids for seed in (3, 3, 4)]
+    assert runs[0] == runs[1] and runs[0] != runs[2]
+
+
+def test_self_drafting_accepts_every_draft_and_fills_telemetry():
+    engine = tiny_engine()
+    out, t = generate(engine, spec_options("draft-self", 4), max_new_tokens=41)
+    assert t.spec_method == "draft" and not t.spec_disabled
+    assert t.acceptance_rate == 1.0 and t.spec_draft_tokens_accepted == t.spec_draft_tokens_offered
+    assert t.acceptance_per_position == [1.0] * 4
+    assert t.spec_steps == 8 and t.mean_accepted_length == 5.0  # 1 prefill token + 8 steps of 4 + bonus
+    assert t.draft_s > 0 and t.verify_s > 0
+    row = t.as_dict()
+    for key in ("spec_steps", "acceptance_rate", "mean_accepted_length", "acceptance_per_position", "draft_s",
+                "verify_s", "spec_disabled", "spec_disabled_reason"):
+        assert key in row
+
+
+def test_speculation_that_does_not_pay_switches_itself_off():
+    engine = tiny_engine()
+    plain, _ = generate(engine, SpeculationOptions(), max_new_tokens=120)
+    # one layer of two drafts at ~10% acceptance: each step costs more than a plain step
+    spec, t = generate(engine, spec_options("draft-first-layer", None), max_new_tokens=120)
+    assert t.spec_disabled and "plain decode" in t.spec_disabled_reason
+    assert spec.token_ids == plain.token_ids
+
+
+def test_width_policy_adapts_and_switches_off():
+    policy = WidthPolicy()
+    assert [policy.width() for _ in range(2)] == [0, 0]  # timing plain steps first
+    for _ in range(4):
+        policy.record_plain_step(0.010)
+    assert policy.width() == 8  # prior acceptance 0.7, free drafts: 0.7^8 > 0.05
+    for _ in range(20):
+        policy.record_spec_step(offered=16, accepted=16, tokens=17, seconds=0.012, draft_s=0.0)
+    assert policy.width() == 16 and not policy.disabled
+    widths = []
+    for _ in range(30):  # drafts rejected, but cheap steps: narrower and narrower, still on
+        policy.record_spec_step(offered=2, accepted=0, tokens=1, seconds=0.009, draft_s=0.001)
+        widths.append(policy.width())
+    assert widths == sorted(widths, reverse=True) and widths[9] < 4 and widths[-1] == 1
+    assert not policy.disabled
+    for _ in range(12):  # a window of steps dearer per token than plain decoding
+        policy.record_spec_step(offered=1, accepted=0, tokens=1, seconds=0.015, draft_s=0.004)
+    assert policy.disabled and "plain decode's 10.00 ms" in policy.disabled_reason
+    assert policy.width() == 0
+    fixed = WidthPolicy(4)
+    for _ in range(20):
+        fixed.record_spec_step(offered=4, accepted=0, tokens=1, seconds=1.0, draft_s=0.5)
+    assert fixed.width() == 4 and not fixed.disabled  # a width the job fixed is honoured
+
+
+def test_prompt_lookup_prefers_the_longest_match_then_the_latest():
+    lookup = PromptLookupProposer("cpu")
+    lookup.begin([])
+    # "1 2 3" was followed by 4; the later "2 3" by 5: the 3-gram wins
+    assert lookup.propose([1, 2, 3, 4, 7, 2, 3, 5, 1, 2, 3], 3).tokens.tolist() == [4, 7, 2]
+    lookup.begin([])
+    assert lookup.propose([9, 8, 9, 7, 9], 2).tokens.tolist() == [7, 9]  # latest "9" is followed by 7
+    lookup.begin([])
+    assert lookup.propose([1, 2, 3], 4).tokens.tolist() == []  # the suffix never matches itself
+
+
+def test_mismatched_vocabulary_is_refused_with_both_sizes():
+    target = tiny_engine()
+    small = Engine(ours_from_hf(_hf_with_vocab("llama", 256)), None, max_context=256, eos_ids=set())
+    with pytest.raises(BadInputError, match=r"256 tokens, the target 512"):
+        register_drafter(target, "small", small)
+
+
+def word_codec(words: list[str]) -> TextCodec:
+    return TextCodec(Tokenizer(WordLevel({w: i for i, w in enumerate(words)}, unk_token=words[0])))
+
+
+def test_same_size_but_different_tokenizer_is_refused():
+    target, drafter = tiny_engine(), tiny_engine()
+    target.codec = word_codec([f"w{i}" for i in range(512)])
+    drafter.codec = word_codec([f"v{i}" for i in range(512)])
+    with pytest.raises(BadInputError, match="tokenizer"):
+        register_drafter(target, "other", drafter)
+
+
+@pytest.mark.parametrize("options, message", [
+    (SpeculationOptions("lookup", width=0), "between 1 and 16"),
+    (SpeculationOptions("lookup", width=17), "between 1 and 16"),
+    (SpeculationOptions("draft"), "needs --drafter"),
+    (SpeculationOptions("draft", drafter_path="/nonexistent/drafter.gguf"), "does not exist"),
+    (SpeculationOptions("draft", drafter_path="x.gguf#depth=3"), "#layers=N"),
+], ids=["width-0", "width-17", "draft-without-drafter", "missing-drafter", "bad-suffix"])
+def test_bad_options_are_refused(options, message):
+    with pytest.raises(BadInputError, match=message):
+        generate(tiny_engine(), options)

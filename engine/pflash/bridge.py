@@ -44,7 +44,9 @@ class BridgeInfo:
 
 
 def same_tokenizer(a: TextCodec, b: TextCodec) -> bool:
-    return a is b or a.tokenizer.to_str() == b.tokenizer.to_str()
+    if a is b or a.tokenizer is b.tokenizer:
+        return True
+    return a.vocab_size == b.vocab_size and a.tokenizer.to_str() == b.tokenizer.to_str()
 
 
 def drafter_view(target: TextCodec, drafter: TextCodec, target_ids: list[int], *,
@@ -53,10 +55,19 @@ def drafter_view(target: TextCodec, drafter: TextCodec, target_ids: list[int], *
     if same_tokenizer(target, drafter):
         return DrafterView(list(target_ids), None, None, len(target_ids) - instruction_tokens)
     text = target.decode(target_ids, skip_special_tokens=False)
-    head = target.decode(target_ids[: len(target_ids) - instruction_tokens], skip_special_tokens=False)
     encoding = drafter.tokenizer.encode(text, add_special_tokens=True)
     return DrafterView(encoding.ids, text, token_bounds(encoding.offsets, len(text)),
-                       common_prefix_length(text, head))
+                       instruction_start(target, target_ids, text, instruction_tokens))
+
+
+def instruction_start(target: TextCodec, ids: list[int], text: str, instruction_tokens: int) -> int:
+    """Where the text of the last `instruction_tokens` ids begins in `text` (the decode of ids)."""
+    tail = target.decode(ids[len(ids) - instruction_tokens:], skip_special_tokens=False)
+    if tail and text.endswith(tail):
+        return len(text) - len(tail)
+    # a character split across the boundary decodes differently on its own: compare prefixes
+    head = target.decode(ids[: len(ids) - instruction_tokens], skip_special_tokens=False)
+    return common_prefix_length(text, head)
 
 
 def token_bounds(offsets: list[tuple[int, int]], text_length: int) -> list[int]:

@@ -16,10 +16,11 @@ from sqlalchemy.engine import URL, make_url
 from sqlalchemy.orm import Session, sessionmaker
 
 SQLITE_BUSY_TIMEOUT_MS = 30_000
+READ_ONLY = "batchd_read_only"
 
 
 _engines: dict[str, Engine] = {}
-_factories: dict[str, sessionmaker[Session]] = {}
+_factories: dict[tuple[str, bool], sessionmaker[Session]] = {}
 
 
 def db_engine(url: str) -> Engine:
@@ -29,7 +30,9 @@ def db_engine(url: str) -> Engine:
         if parsed.get_backend_name() == "sqlite":
             _engines[url] = _sqlite_engine(url, parsed.database)
         else:
-            _engines[url] = create_engine(with_driver(parsed), pool_pre_ping=True, pool_size=5, max_overflow=5)
+            # no pre-ping (a round trip per checkout): a dropped connection surfaces as an
+            # OperationalError, which the worker treats as transient and retries
+            _engines[url] = create_engine(with_driver(parsed), pool_recycle=1800, pool_size=5, max_overflow=5)
     return _engines[url]
 
 
@@ -62,21 +65,32 @@ def _sqlite_engine(url: str, database: str | None) -> Engine:
 
     @event.listens_for(engine, "begin")
     def _on_begin(connection):
-        connection.exec_driver_sql("BEGIN IMMEDIATE")
+        # readers (status, export) take no lock; in WAL mode they see the last commit
+        read_only = connection.get_execution_options().get(READ_ONLY, False)
+        connection.exec_driver_sql("BEGIN" if read_only else "BEGIN IMMEDIATE")
 
     return engine
 
 
-def session_factory(url: str) -> sessionmaker[Session]:
-    if url not in _factories:
-        _factories[url] = sessionmaker(db_engine(url), expire_on_commit=False)
-    return _factories[url]
+def session_factory(url: str, read_only: bool = False) -> sessionmaker[Session]:
+    key = (url, read_only)
+    if key not in _factories:
+        bind = db_engine(url).execution_options(**{READ_ONLY: True}) if read_only else db_engine(url)
+        _factories[key] = sessionmaker(bind, expire_on_commit=False)
+    return _factories[key]
 
 
 @contextmanager
 def session_scope(url: str) -> Iterator[Session]:
     """A session whose transaction commits on success and rolls back on error."""
     with session_factory(url).begin() as session:
+        yield session
+
+
+@contextmanager
+def read_scope(url: str) -> Iterator[Session]:
+    """A session for reading only (on SQLite it takes no write lock)."""
+    with session_factory(url, read_only=True).begin() as session:
         yield session
 
 

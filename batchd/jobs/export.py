@@ -10,7 +10,7 @@ from typing import IO, Iterator, Optional
 
 from sqlalchemy import text
 
-from batchd.db.session import session_scope
+from batchd.db.session import read_scope
 
 EXPORT_COLUMNS_FIRST = ("custom_id", "status", "output_text", "output_sha256", "error_kind", "error_message")
 
@@ -27,7 +27,7 @@ def result_rows(url: str, batch: str, statuses: Optional[list[str]] = None) -> I
 
         statement = statement.bindparams(bindparam("statuses", expanding=True))
         params["statuses"] = statuses
-    with session_scope(url) as session:
+    with read_scope(url) as session:
         for row in session.execute(statement, params).mappings():
             yield _plain(dict(row))
 

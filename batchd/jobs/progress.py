@@ -8,7 +8,7 @@ from typing import Optional
 from sqlalchemy import func, select
 
 from batchd.db.models import Batch, FINISHED, Job, JobStatus, Result
-from batchd.db.session import session_scope
+from batchd.db.session import read_scope
 from batchd.db.types import utcnow
 
 
@@ -64,7 +64,7 @@ class BatchProgress:
 
 
 def batch_progress(url: str, name: str) -> BatchProgress:
-    with session_scope(url) as session:
+    with read_scope(url) as session:
         batch = session.scalar(select(Batch).where(Batch.name == name))
         if batch is None:
             raise UnknownBatch(f"no batch named {name!r}; `batchd status` lists them")
@@ -72,7 +72,7 @@ def batch_progress(url: str, name: str) -> BatchProgress:
 
 
 def all_batches(url: str) -> list[BatchProgress]:
-    with session_scope(url) as session:
+    with read_scope(url) as session:
         return [_progress(session, b) for b in session.scalars(select(Batch).order_by(Batch.id))]
 
 

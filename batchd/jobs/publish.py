@@ -8,9 +8,12 @@ Sending is pipelined (one Redis round trip per `SEND_BATCH` messages).
 from __future__ import annotations
 
 import logging
+from collections import defaultdict
 from datetime import timedelta
 from typing import Optional, Sequence
 
+from kombu.common import maybe_declare
+from kombu.utils.uuid import uuid
 from sqlalchemy import insert, select, update
 from sqlalchemy.sql import func
 
@@ -35,12 +38,23 @@ class Publisher:
         return queue_name(self.settings.queue_prefix, model or self.settings.model_name)
 
     def send(self, jobs: Sequence[tuple[int, Optional[str]]]) -> None:
-        """Publish (job id, model) pairs, each to its model's queue."""
+        """Publish (job id, model) pairs, each to its model's queue: the task messages Celery's
+        `send_task` builds, with each queue declared once per call (not once per message) and
+        the Redis commands pipelined. A failure raises; the caller puts the jobs back."""
         if not jobs:
             return
+        by_queue: dict[str, list[int]] = defaultdict(list)
+        for job_id, model in jobs:
+            by_queue[self.queue_for(model)].append(job_id)
+        amqp = self.app.amqp
         with self.app.producer_or_acquire() as producer, producer.batch(SEND_BATCH):
-            for job_id, model in jobs:
-                self.app.send_task(TASK_NAME, args=[job_id], queue=self.queue_for(model), producer=producer)
+            for name, job_ids in by_queue.items():
+                queue = amqp.queues[name]  # created on first use (task_create_missing_queues)
+                maybe_declare(queue, producer.channel)
+                for job_id in job_ids:
+                    message = amqp.create_task_message(uuid(), TASK_NAME, [job_id], {}, argsrepr=f"[{job_id}]",
+                                                       kwargsrepr="{}")
+                    amqp.send_task_message(producer, TASK_NAME, message, queue=queue, declare=[], retry=False)
 
     def publish_pending(self, job_ids: Optional[Sequence[int]] = None, limit: int = 10_000) -> int:
         """pending -> queued for these jobs (or the oldest `limit`), then send; how many were sent."""

@@ -43,20 +43,21 @@ class SubmitReport:
         return len(self.job_ids) + len(self.rejected)
 
 
-def get_or_create_batch(settings: Settings, name: str, *, model: Optional[str],
-                        defaults: dict[str, Any]) -> tuple[int, bool]:
-    """(batch id, created?). Two submitters racing on one name both end up with the same batch."""
+def open_batch(settings: Settings, name: str, *, model: Optional[str],
+               defaults: dict[str, Any]) -> tuple[int, bool, dict[str, Optional[str]]]:
+    """(batch id, created?, its jobs' custom_id -> input_sha256), in one transaction. Two
+    submitters racing on one name both end up with the same batch."""
     for _ in range(2):
-        with session_scope(settings.database_url) as session:
-            batch_id = session.scalar(select(Batch.id).where(Batch.name == name))
-            if batch_id is not None:
-                return batch_id, False
         try:
             with session_scope(settings.database_url) as session:
+                batch_id = session.scalar(select(Batch.id).where(Batch.name == name))
+                if batch_id is not None:
+                    existing = session.execute(select(Job.custom_id, Job.input_sha256).where(Job.batch_id == batch_id))
+                    return batch_id, False, dict(existing.all())
                 batch = Batch(name=name, model=model, params=defaults)
                 session.add(batch)
                 session.flush()
-                return batch.id, True
+                return batch.id, True, {}
         except IntegrityError:
             continue  # created by someone else in between: read it
     raise RuntimeError(f"could not create or find batch {name!r}")
@@ -65,18 +66,17 @@ def get_or_create_batch(settings: Settings, name: str, *, model: Optional[str],
 def submit_jobs(settings: Settings, batch_name: str, inputs: Iterable[JobInput], *,
                 defaults: Optional[dict[str, Any]] = None, model: Optional[str] = None,
                 expires_in_s: Optional[float] = None, publisher=None) -> SubmitReport:
-    """Insert the inputs as jobs of `batch_name` and publish the valid ones when `publisher`
-    is given (else the relay publishes them). `defaults` are params every job starts from."""
+    """Insert the inputs as jobs of `batch_name`. With a `publisher`, valid jobs are written as
+    `queued` and their ids sent after the commit (back to `pending` if sending fails); without
+    one they are written `pending` for the relay. `defaults` are params every job starts from."""
     defaults = validate_params(defaults or {})
     model = model or settings.model_name
-    batch_id, created = get_or_create_batch(settings, batch_name, model=model, defaults=defaults)
+    batch_id, created, existing = open_batch(settings, batch_name, model=model, defaults=defaults)
     report = SubmitReport(batch_id=batch_id, batch_name=batch_name, batch_created=created)
-    with session_scope(settings.database_url) as session:
-        existing = dict(session.execute(select(Job.custom_id, Job.input_sha256).where(Job.batch_id == batch_id)).all())
     now = utcnow()
     expires_at = now + timedelta(seconds=expires_in_s) if expires_in_s else None
     seen: dict[str, str] = {}
-    pending_rows, failed_rows = [], []
+    valid_rows, failed_rows = [], []
     for job in inputs:
         if job.custom_id in seen:
             report.duplicates.append((job.source, f"duplicate custom_id {job.custom_id!r} (first at {seen[job.custom_id]}); "
@@ -93,10 +93,20 @@ def submit_jobs(settings: Settings, batch_name: str, inputs: Iterable[JobInput],
             failed_rows.append(row)
             report.rejected.append((job.custom_id, error))
         else:
-            pending_rows.append(row)
-    report.job_ids = _insert_jobs(settings, pending_rows, failed_rows)
+            valid_rows.append(row)
+    if publisher is not None:
+        for row in valid_rows:
+            row.update(status=JobStatus.QUEUED, queued_at=now,
+                       lease_expires_at=now + timedelta(seconds=settings.queue_lease_s))
+    report.job_ids = _insert_jobs(settings, valid_rows, failed_rows)
     if publisher is not None and report.job_ids:
-        report.published = publisher.publish_pending(report.job_ids)
+        models = [row["model"] for row in valid_rows]
+        try:
+            publisher.send(list(zip(report.job_ids, models)))
+        except Exception:
+            publisher.unmark(report.job_ids)
+            raise
+        report.published = len(report.job_ids)
     return report
 
 
@@ -138,17 +148,18 @@ def check_model_name(model: object) -> None:
         raise BadInputError(f"model {model!r} is not a model name (letters, digits, '.', '_', '-')")
 
 
-def _insert_jobs(settings: Settings, pending_rows: list[dict], failed_rows: list[dict]) -> list[int]:
+def _insert_jobs(settings: Settings, valid_rows: list[dict], failed_rows: list[dict]) -> list[int]:
     """Bulk INSERT ... RETURNING id, plus one event per job, in one transaction."""
     pending_ids: list[int] = []
     with session_factory(settings.database_url).begin() as session:
-        for rows, event in ((pending_rows, "submitted"), (failed_rows, "rejected")):
+        for rows, event in ((valid_rows, "submitted"), (failed_rows, "rejected")):
             for start in range(0, len(rows), INSERT_CHUNK):
                 chunk = rows[start:start + INSERT_CHUNK]
                 ids = list(session.scalars(insert(Job).returning(Job.id, sort_by_parameter_order=True), chunk))
                 if event == "submitted":
                     pending_ids.extend(ids)
-                details = [None if event == "submitted" else row["error_message"] for row in chunk]
+                details = [row.get("error_message") or (row["status"].value if event == "submitted" else None)
+                           for row in chunk]
                 session.execute(insert(JobEvent), [{"job_id": i, "event": event, "detail": d}
                                                    for i, d in zip(ids, details)])
     return pending_ids

@@ -52,9 +52,21 @@ def celery_config(settings: Settings, broker_url: str) -> dict:
 def configure(settings: Settings, broker_url: str) -> Celery:
     """Point the app at a broker; a different broker than before drops the pooled connections."""
     if app.conf.broker_url not in (None, broker_url):
-        app.close()
+        _drop_pooled_connections()
     app.conf.update(celery_config(settings, broker_url))
     return app
+
+
+def _drop_pooled_connections() -> None:
+    """Celery caches a connection pool and a producer pool for the first broker it meets and
+    offers no public reset short of `close()` (which also deregisters the app); a process that
+    switches brokers (tests, benchmarks) resets them the way Celery does after a fork."""
+    for pool in (app._pool, getattr(app.__dict__.get("amqp"), "_producer_pool", None)):
+        if pool is not None:
+            pool.force_close_all()
+    app._pool = None
+    if "amqp" in app.__dict__:
+        app.__dict__["amqp"]._producer_pool = None
 
 
 if os.environ.get("BATCHD_BROKER_URL"):  # a real broker (Flower, or `celery` tools): configure from env

@@ -69,7 +69,12 @@ def main() -> int:
     parser.add_argument("--max-new-tokens", type=int, default=80)
     parser.add_argument("--batch", default="demo-aclsum")
     parser.add_argument("--data-dir", default=os.environ.get("BATCHD_DATA_DIR", "./batchd-data"))
+    parser.add_argument("--write-only", metavar="JSONL", help="Only write the batch file here (e.g. to carry it).")
     args = parser.parse_args()
+    if args.write_only:
+        write_batch(Path(args.write_only), args.papers)
+        print(f"wrote {args.papers} jobs to {args.write_only}")
+        return 0
     data_dir = Path(args.data_dir)
     batch_file = data_dir / "demo" / f"{args.batch}.jsonl"
     write_batch(batch_file, args.papers)

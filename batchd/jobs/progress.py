@@ -26,6 +26,7 @@ class BatchProgress:
     last_finished_at: Optional[datetime] = None
     generated_tokens: int = 0
     prompt_tokens: int = 0
+    worked: int = 0  # finished jobs a worker ran (not those refused at submit)
 
     @property
     def total(self) -> int:
@@ -48,8 +49,7 @@ class BatchProgress:
 
     @property
     def jobs_per_s(self) -> float:
-        ran = self.counts.get("succeeded", 0) + self.counts.get("failed", 0)
-        return ran / self.elapsed_s if self.elapsed_s > 0 else 0.0
+        return self.worked / self.elapsed_s if self.elapsed_s > 0 else 0.0
 
     @property
     def tokens_per_s(self) -> float:
@@ -81,10 +81,12 @@ def _progress(session, batch: Batch) -> BatchProgress:
     for status, count in session.execute(select(Job.status, func.count()).where(Job.batch_id == batch.id)
                                          .group_by(Job.status)):
         progress.counts[JobStatus(status).value] = count
-    first, last = session.execute(
-        select(func.min(Job.running_at), func.max(func.coalesce(Job.succeeded_at, Job.failed_at)))
+    first, last, worked = session.execute(
+        select(func.min(Job.running_at), func.max(func.coalesce(Job.succeeded_at, Job.failed_at)),
+               func.count(Job.running_at).filter(Job.status.in_((JobStatus.SUCCEEDED, JobStatus.FAILED))))
         .where(Job.batch_id == batch.id)).one()
     progress.first_started_at, progress.last_finished_at = _aware(first), _aware(last)
+    progress.worked = int(worked)
     tokens = session.execute(select(func.coalesce(func.sum(Result.generated_tokens), 0),
                                     func.coalesce(func.sum(Result.prompt_tokens), 0))
                              .join(Job, Job.id == Result.job_id).where(Job.batch_id == batch.id)).one()

@@ -33,7 +33,7 @@ from engine.residency import Drafter, Residency
 from engine.types import CompressionOptions, GenerationRequest, Telemetry
 
 __all__ = ["PromptCompressor", "CompressionReport", "compress_for_request", "compressor_for", "set_compressor",
-           "check_compression_options", "drafter_architecture"]
+           "check_compression_options", "drafter_architecture", "ensure_target_resident", "default_scoring_chunk"]
 
 # gguf general.architecture -> ours
 GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
@@ -119,6 +119,14 @@ def compressor_for(engine) -> PromptCompressor:
 def set_compressor(engine, compressor: PromptCompressor) -> None:
     """Configure an engine's PFlash (park strategy, constants, test hooks)."""
     _compressors[engine] = compressor
+
+
+def ensure_target_resident(engine) -> None:
+    """For the worker before any job: if an earlier job's restore failed and left the target
+    parked, restore it now (raises TargetRestoreError if it still cannot)."""
+    compressor = _compressors.get(engine)
+    if compressor is not None:
+        compressor.residency.ensure_resident(engine)
 
 
 def compress_for_request(engine, prompt_ids: list[int], request: GenerationRequest, telemetry: Telemetry) -> list[int]:

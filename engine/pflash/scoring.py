@@ -7,9 +7,10 @@ forward, over the final `tail_rows` (8) tokens, an attention observer takes each
 rows against all S cached keys. A key's score in one layer is the max over heads of the tail
 rows' mean softmax probability; its final score is the max over layers (DESIGN.md section 3).
 
-The per-layer reduction is `kernels.chunk_scoring.score_tail_queries` when that kernel is
-installed, else `score_tail_queries_torch` below: with 8 query rows the [Hq, 8, S] float32
-probabilities are small (14 heads x 8 x 128K x 4 B = 59 MB), so a plain PyTorch pass is enough.
+The per-layer reduction is `kernels.chunk_scoring.score_tail_queries` (Triton on CUDA, which
+never stores the probabilities; its reference elsewhere), or `score_tail_queries_torch` below
+when the kernels package is absent: with 8 query rows the [Hq, 8, S] float32 probabilities are
+small anyway (14 heads x 8 x 128K x 4 B = 59 MB).
 """
 from __future__ import annotations
 
@@ -74,7 +75,7 @@ def score_prompt(model: Transformer, ids: list[int], *, tail_rows: int = TAIL_RO
 
     def observe(layer_idx: int, q, keys, values, start: int) -> None:
         # q: [1, Hq, T, D] post-rope tail queries; keys: [1, Hkv, S, D], this layer's whole cache
-        torch.maximum(scores, scorer(q[0], keys[0], scale=scale), out=scores)
+        torch.maximum(scores, scorer(q[0].to(keys.dtype), keys[0], scale=scale), out=scores)
 
     model(tokens[:, S - T :], cache, observer=observe, last_only=True)
     return scores

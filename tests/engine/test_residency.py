@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from engine.errors import CheckpointError, EngineError
-from engine.pflash import PromptCompressor, set_compressor
+from engine.pflash import PromptCompressor, ensure_target_resident, set_compressor
 from engine.checkpoint import load_checkpoint
 from engine.residency import DrafterError, Residency, TargetRestoreError, drafter_bytes_needed
 from engine.runtime import Engine
@@ -177,10 +177,13 @@ def test_unpark_failing_both_ways_is_reported_and_retried_by_the_next_job(engine
         engine.generate(compressing_job(drafter_path))
     assert info.value.kind == "internal"
     assert residency.parked is not None
-    result = engine.generate(compressing_job(drafter_path))  # restores first, then compresses
-    assert result.telemetry.compressed and residency.parked is None
+    hook.times = 2  # still failing both ways: the next compressing job tries to restore first, and says so
+    with pytest.raises(TargetRestoreError):
+        engine.generate(compressing_job(drafter_path))
+    ensure_target_resident(engine)  # what the worker calls before any job: now it works
     assert_target_restored(engine, residency, original_weights)
     assert engine.generate(PLAIN_JOB).output_sha256 == fresh_sha
+    assert engine.generate(compressing_job(drafter_path)).telemetry.compressed
 
 
 def test_a_corrupt_drafter_checkpoint_fails_the_job_cleanly(engine, drafter_path, tmp_path, fresh_sha,

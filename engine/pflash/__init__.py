@@ -49,6 +49,8 @@ class CompressionReport:
     seconds: float
     selection: Optional[Selection] = None
     view: Optional[DrafterView] = None  # the drafter's tokens and, across tokenizers, the text
+    drafter_path: str = ""
+    drafter_sha256: str = ""  # for the job's configuration fingerprint
 
 
 class PromptCompressor:
@@ -70,7 +72,10 @@ class PromptCompressor:
         params = replace(self.selection, keep_ratio=options.keep_ratio)
         chunk = self.scoring_chunk or default_scoring_chunk(engine.device)
 
+        drafter_sha = []
+
         def score(drafter: Drafter):
+            drafter_sha.append(drafter.sha256)
             view = drafter_view(engine.codec, drafter.codec, prompt_ids, instruction_tokens=self.instruction_tokens)
             began = time.perf_counter()
             scores = score_prompt(drafter.model, view.ids, tail_rows=self.tail_rows, prefill_chunk=chunk).cpu()
@@ -93,7 +98,8 @@ class PromptCompressor:
         if len(ids) >= len(prompt_ids):
             telemetry.notes.append(f"PFlash kept all {len(prompt_ids)} prompt tokens: nothing was compressed")
         self.last_report = CompressionReport(len(prompt_ids), len(view.ids), info.drafter_tokens_kept, len(ids),
-                                             info.instruction_reappended, seconds, selection, view)
+                                             info.instruction_reappended, seconds, selection, view,
+                                             drafter_path, drafter_sha[0])
         return ids
 
 

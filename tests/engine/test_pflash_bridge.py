@@ -2,16 +2,16 @@
 SmolLM2's tokenizer on one side and Llama 3's (another vocabulary) on the other."""
 from __future__ import annotations
 
+import json
+
 import pytest
+import torch
 from tokenizers import Tokenizer
 
 from engine.pflash.bridge import drafter_view, kept_text, same_tokenizer, target_ids_after, token_bounds
 from engine.pflash.selection import SelectionParams, chunk_spans, select_chunks
 from engine.text import TextCodec
 from tests.engine.test_pflash_helpers import llama3_tokenizer_json, long_paper_text, smollm2_folder
-
-import json
-import torch
 
 QUESTION = "\n\nQuestion: which datasets does the paper evaluate on, and what is the main result?"
 

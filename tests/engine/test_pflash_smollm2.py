@@ -72,6 +72,17 @@ def test_cross_tokenizer_keeps_fraction_head_tail_question_in_order(engine, llam
     assert tel.compress_s >= tel.scoring_s + tel.drafter_load_s
 
 
+def test_cross_tokenizer_reappends_a_cut_instruction(engine, llama3_drafter):
+    ids, out, tel = compress(engine, paper_prompt(2600), mode="always", keep_ratio=0.02, drafter_path=llama3_drafter)
+    report = compressor_for(engine).last_report
+    assert report.instruction_reappended
+    assert any("re-appended it whole" in n for n in tel.notes)
+    text = engine.codec.decode(out, skip_special_tokens=False)
+    instruction = engine.codec.decode(ids[-96:], skip_special_tokens=False)
+    assert text.endswith(instruction) and text.count(QUESTION) == 1
+    assert len(out) < 0.1 * len(ids)
+
+
 @pytest.mark.slow
 def test_self_drafting_compresses_and_generates(engine):
     """No drafter given: SmolLM2 scores its own prompt (real attention), then answers."""

@@ -64,7 +64,9 @@ class Publisher:
         for chunk in chunks:
             marked = self.mark_queued(chunk)
             if not marked:
-                break
+                if chunk is None:
+                    break  # no pending jobs left
+                continue
             try:
                 self.send(marked)
             except Exception:

@@ -143,7 +143,7 @@ def run_setup(label: str, database_url: str, broker_url: str | None, data_dir: P
         latency = measure_latency(settings, env, args.latency_jobs, data_dir / "worker.log")
     finally:
         client = redis.Redis.from_url(broker_url)
-        for key in client.scan_iter(f"{prefix}.*"):
+        for key in client.scan_iter(f"*{prefix}*"):  # its queues and their kombu bindings
             client.delete(key)
         if broker is not None:
             broker.stop()

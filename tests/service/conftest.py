@@ -4,8 +4,9 @@
   the PostgreSQL test database (reached through `search_path` in the URL, so a worker
   subprocess given the URL lands in the same schema). PostgreSQL at BATCHD_TEST_POSTGRES_URL,
   else postgresql://postgres@127.0.0.1:5432/test, else the same as user root (CI).
-- `redis_url` is Redis db BATCHD_TEST_REDIS_DB (default 11) on 127.0.0.1:6379, flushed per
-  test; every test also gets its own queue prefix.
+- `redis_url` is Redis db BATCHD_TEST_REDIS_DB (default 11) on 127.0.0.1:6379. Every test gets
+  its own queue prefix and deletes only its own keys afterwards (never FLUSHDB: another test
+  run on the same machine may be using the same database).
 """
 from __future__ import annotations
 
@@ -101,17 +102,34 @@ def sqlite_url(tmp_path) -> str:
     dispose_all()
 
 
+def delete_queue_keys(url: str, prefix: str) -> None:
+    """Remove the lists and kombu bindings of one test's queues, nothing else."""
+    client = redis.Redis.from_url(url)
+    for key in client.scan_iter(f"*{prefix}*"):
+        client.delete(key)
+    for tag, message in client.hscan_iter("unacked"):  # a killed worker's message, held for redelivery
+        if prefix.encode() in message:
+            client.hdel("unacked", tag)
+            client.zrem("unacked_index", tag)
+    client.close()
+
+
 @pytest.fixture
-def redis_url() -> str:
+def queue_prefix() -> str:
+    return f"test{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture
+def redis_url(queue_prefix) -> str:
     client = redis.Redis(host=REDIS_HOST, port=REDIS_PORT, db=REDIS_DB)
     try:
         client.ping()
     except redis.ConnectionError:
         pytest.fail(f"no Redis at {REDIS_HOST}:{REDIS_PORT}")
-    client.flushdb()
-    yield f"redis://{REDIS_HOST}:{REDIS_PORT}/{REDIS_DB}"
-    client.flushdb()
     client.close()
+    url = f"redis://{REDIS_HOST}:{REDIS_PORT}/{REDIS_DB}"
+    yield url
+    delete_queue_keys(url, queue_prefix)
 
 
 @pytest.fixture
@@ -119,11 +137,6 @@ def redis_client(redis_url) -> redis.Redis:
     client = redis.Redis.from_url(redis_url)
     yield client
     client.close()
-
-
-@pytest.fixture
-def queue_prefix() -> str:
-    return f"test{uuid.uuid4().hex[:8]}"
 
 
 def service_env(database_url: str, broker_url: Optional[str], data_dir: Path, queue_prefix: str,

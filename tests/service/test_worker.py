@@ -9,13 +9,12 @@ import socket
 import uuid
 
 import pytest
-import redis
 import sqlalchemy as sa
 
 from batchd.db import migrate
 from batchd.db.session import db_engine, dispose_all
-from tests.service.conftest import (REDIS_HOST, REDIS_PORT, WorkerProcess, _make_database, batchd_cli, service_env,
-                                    wait_for)
+from tests.service.conftest import (REDIS_HOST, REDIS_PORT, WorkerProcess, _make_database, batchd_cli,
+                                    delete_queue_keys, service_env, wait_for)
 
 pytestmark = pytest.mark.slow
 
@@ -53,12 +52,13 @@ def live(request, tmp_path_factory):
     database_url = _make_database(request.param, tmp, request)
     migrate.upgrade(database_url)
     broker_url = f"redis://{REDIS_HOST}:{REDIS_PORT}/{LIVE_REDIS_DB}"
-    redis.Redis.from_url(broker_url).flushdb()
-    env = service_env(database_url, broker_url, tmp / "data", f"live{uuid.uuid4().hex[:8]}", BATCHD_LEASE_S="10")
+    prefix = f"live{uuid.uuid4().hex[:8]}"
+    env = service_env(database_url, broker_url, tmp / "data", prefix, BATCHD_LEASE_S="10")
     worker = WorkerProcess(env, tmp / "worker.log")
     yield LiveService(database_url, env, worker, tmp)
     code = worker.stop()
     dispose_all()
+    delete_queue_keys(broker_url, prefix)
     assert code == 0, worker.output()[-3000:]
 
 

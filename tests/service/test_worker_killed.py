@@ -10,12 +10,12 @@ import json
 import uuid
 
 import pytest
-import redis
 import sqlalchemy as sa
 
 from batchd.db import migrate
 from batchd.db.session import db_engine, dispose_all
-from tests.service.conftest import REDIS_HOST, REDIS_PORT, WorkerProcess, batchd_cli, service_env, wait_for
+from tests.service.conftest import (REDIS_HOST, REDIS_PORT, WorkerProcess, batchd_cli, delete_queue_keys, service_env,
+                                    wait_for)
 
 pytestmark = pytest.mark.slow
 
@@ -29,12 +29,12 @@ def job_states(url: str) -> dict[str, dict]:
         return {r["custom_id"]: dict(r) for r in rows}
 
 
-def test_sigkill_mid_job_then_new_worker_finishes_every_job_once(database_url, tmp_path):
+def test_sigkill_mid_job_then_new_worker_finishes_every_job_once(database_url, tmp_path, request):
     migrate.upgrade(database_url)
     broker_url = f"redis://{REDIS_HOST}:{REDIS_PORT}/{KILL_REDIS_DB}"
-    redis.Redis.from_url(broker_url).flushdb()
-    env = service_env(database_url, broker_url, tmp_path / "data", f"kill{uuid.uuid4().hex[:8]}",
-                      BATCHD_LEASE_S="3")
+    prefix = f"kill{uuid.uuid4().hex[:8]}"
+    env = service_env(database_url, broker_url, tmp_path / "data", prefix, BATCHD_LEASE_S="3")
+    request.addfinalizer(lambda: delete_queue_keys(broker_url, prefix))
     jobs = "\n".join(json.dumps({"custom_id": f"doc-{i}", "prompt": f"Count from {i} to twenty:"}) for i in range(3))
     out = batchd_cli(["submit", "-", "--batch", "kill", "--max-new-tokens", "12"], env, input=jobs.encode())
     assert out.returncode == 0, out.stderr.decode()

@@ -2,7 +2,15 @@
 from __future__ import annotations
 
 import importlib.metadata
+import os
 from pathlib import Path
+
+import torch
+
+# Triton decides at decoration time whether kernels run compiled or interpreted, so without a GPU
+# the interpreter must be on before any test module imports a kernel (engine tests do, too).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
 

@@ -21,11 +21,12 @@ import torch
 from engine import fused
 from engine.capabilities import check_features
 from engine.config import ModelConfig
-from engine.errors import BadInputError, DeviceOutOfMemoryError, PromptTooLongError, UnsupportedFeatureError
+from engine.errors import BadInputError, DeviceOutOfMemoryError, PromptTooLongError
 from engine.generate import TokenOutput, generate_plain, synchronize
 from engine.kv_cache import KVCache
 from engine.linear import enable_invariant_kernel
 from engine.model import Transformer
+from engine.pflash import compress_for_request, ensure_target_resident
 from engine.sampling import Sampler
 from engine.step import StepRunner
 from engine.stopping import StopChecker, cut_at_stop_string
@@ -118,6 +119,7 @@ class Engine:
         if self.codec is None:
             raise BadInputError("this engine was built without a tokenizer; use generate_ids")
         telemetry = Telemetry(device=str(self.device), notes=list(self.notes))
+        ensure_target_resident(self)  # an earlier job's failed unpark is retried before this one
         prompt_ids = self.codec.encode_request(request.prompt, request.messages, request.chat)
         prompt_tokens = len(prompt_ids)
         effective_ids = self.compress(prompt_ids, request, telemetry)
@@ -140,8 +142,8 @@ class Engine:
         self.check_fits(len(prompt_ids), sampling.max_new_tokens)
         stopper = StopChecker(self.eos_ids, sampling.max_new_tokens, sampling.stop,
                               decode=self.codec.decode if self.codec else None, ignore_eos=sampling.ignore_eos)
-        if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
+        if self.device.type == "cuda" and telemetry.peak_device_memory_bytes is None:
+            torch.cuda.reset_peak_memory_stats(self.device)  # else compression already opened the window
         self.cache.reset()
         try:
             out = self._decode(prompt_ids, request, sampler, stopper, telemetry)
@@ -152,7 +154,8 @@ class Engine:
         telemetry.prefill_tokens_per_s = len(prompt_ids) / out.prefill_s if out.prefill_s else 0.0
         telemetry.decode_tokens_per_s = len(out.token_ids) / out.decode_s if out.decode_s else 0.0
         if self.device.type == "cuda":
-            telemetry.peak_device_memory_bytes = torch.cuda.max_memory_allocated(self.device)
+            telemetry.peak_device_memory_bytes = max(telemetry.peak_device_memory_bytes or 0,
+                                                     torch.cuda.max_memory_allocated(self.device))
         return out
 
     def _decode(self, prompt_ids, request, sampler, stopper, telemetry) -> TokenOutput:
@@ -168,10 +171,6 @@ class Engine:
         """PFlash prompt compression when the job asks for it (engine.pflash)."""
         if request.compression.mode == "off":
             return prompt_ids
-        try:
-            from engine.pflash import compress_for_request
-        except ImportError:
-            raise UnsupportedFeatureError("--compress needs engine.pflash, which this build lacks") from None
         return compress_for_request(self, prompt_ids, request, telemetry)
 
     def check_fits(self, prompt_tokens: int, max_new_tokens: int) -> None:

@@ -8,6 +8,7 @@ in test_worker.py.
 from __future__ import annotations
 
 import threading
+import time
 from datetime import timedelta
 
 import pytest
@@ -50,12 +51,14 @@ def result_count(settings, job_id) -> int:
 class EngineDouble:
     """Test double of engine.runtime.Engine.generate for runner mechanics tests (no model)."""
 
-    def __init__(self, raises: Exception | None = None):
+    def __init__(self, raises: Exception | None = None, sleep_s: float = 0.0):
         self.raises = raises
+        self.sleep_s = sleep_s
         self.calls = 0
 
     def generate(self, request):
         self.calls += 1
+        time.sleep(self.sleep_s)
         if self.raises is not None:
             raise self.raises
         text = "double output"
@@ -140,6 +143,17 @@ def test_engine_errors_fail_the_job_with_kind_message_retryable(settings, error,
     assert (failed.status, failed.error_kind, failed.retryable) == (JobStatus.FAILED, kind, retryable)
     assert str(error) in failed.error_message and failed.failed_at is not None
     assert result_count(settings, job_id) == 0
+
+
+def test_a_job_past_its_time_limit_fails_as_timeout(settings):
+    [job_id] = submit(settings)
+    make_queued(settings, [job_id])
+    limited = settings.replace(job_time_limit_s=1.0)  # soft limit: 1 s (at least)
+    started = time.monotonic()
+    assert JobRunner(limited, EngineDouble(sleep_s=5), "w1").run(job_id) == "failed"
+    assert time.monotonic() - started < 4
+    timed_out = job(settings, job_id)
+    assert timed_out.error_kind == "timeout" and timed_out.retryable and "BATCHD_JOB_TIME_LIMIT_S" in timed_out.error_message
 
 
 def test_bad_params_written_by_sql_fail_in_the_worker(settings):

@@ -3,8 +3,9 @@
 Eagerly each is a handful of small kernels; at batch 1 a decode step of a 1.5B model would spend
 more time launching them than reading weights. On CUDA `enable_fusion()` swaps in
 `torch.compile`d versions (one Triton kernel each, dynamic in the token axis so one compile
-serves decode, every verify width and every prefill chunk), and the q/k rope plus the cache
-write become one launch (kernels.rope_cache). The maths is identical on CPU, where the eager
+serves decode, every verify width and every prefill chunk); norms run kernels.rms_norm (one
+reduction order for any row count) and the q/k rope plus the cache write one launch
+(kernels.rope_cache). The maths is identical on CPU, where the eager
 versions run.
 """
 from __future__ import annotations
@@ -52,13 +53,23 @@ def enable_fusion() -> None:
     global _fused_on, rms_norm, add_rms_norm, rotate, silu_mul, rope_kernel
     if _fused_on:
         return
-    try:
-        from kernels.rope_cache import rope_and_store
-
-        rope_kernel = rope_and_store
-    except ImportError:
-        rope_kernel = None
     compiled = {name: torch.compile(fn, dynamic=True, fullgraph=True) for name, fn in _EAGER.items()}
     rms_norm, add_rms_norm = compiled["rms_norm"], compiled["add_rms_norm"]
     rotate, silu_mul = compiled["rotate"], compiled["silu_mul"]
+    try:
+        from kernels.rms_norm import rms_norm as norm_kernel
+        from kernels.rope_cache import rope_and_store
+    except ImportError:
+        pass
+    else:
+        # Norms reduce over a row: torch.compile specialises one-row shapes and may split the
+        # reduction there, so a decode row and the same row inside a verify step would differ
+        # in the last bits. The kernel keeps one reduction order for any number of rows.
+        rms_norm = lambda x, weight, eps: norm_kernel(x, weight, eps)[0]  # noqa: E731
+
+        def add_rms_norm(x, residual, weight, eps):
+            normed, h = norm_kernel(x, weight, eps, residual)
+            return h, normed
+
+        rope_kernel = rope_and_store
     _fused_on = True

@@ -7,6 +7,7 @@
 - score_tail_queries: the PFlash scoring pass, tail queries against all keys.
 - small_linear: a projection of up to 32 rows whose per-row result does not depend on the row
   count (decode and verify agree bitwise), faster than cuBLAS at decode shapes.
+- rms_norm: RMSNorm (after an optional residual add), one program and reduction order per row.
 - rope_and_store: q/k rotary embedding (and qwen3's q/k norm) plus the k/v cache write, one launch.
 
 backend="auto" runs Triton on CUDA and the reference elsewhere. This package imports neither
@@ -14,6 +15,7 @@ backend="auto" runs Triton on CUDA and the reference elsewhere. This package imp
 """
 from kernels.chunk_scoring import score_tail_queries
 from kernels.decode_attention import decode_attention
+from kernels.rms_norm import rms_norm
 from kernels.rope_cache import rope_and_store
 from kernels.small_matmul import small_linear
 from kernels.sparse_attention import BlockKeySummary, sparse_decode_attention, sparse_is_worthwhile
@@ -26,4 +28,5 @@ __all__ = [
     "score_tail_queries",
     "small_linear",
     "rope_and_store",
+    "rms_norm",
 ]

@@ -55,7 +55,7 @@ def test_kernel_attention_logits_close_to_sdpa(model):
     assert err < 2e-2
 
 
-@pytest.mark.parametrize("shape", ["smollm2-135m", "qwen2.5-0.5b"])
+@pytest.mark.parametrize("shape", ["smollm2-135m", "qwen2.5-0.5b", "qwen2.5-1.5b", "llama-3-8b"])
 def test_verify_rows_equal_decode_steps_bitwise(shape):
     """Greedy output may not change with speculation: row i of a q-token verify step must be the
     very logits that one-token decode produces at that position (batch-invariant projections,

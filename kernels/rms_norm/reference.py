@@ -1,0 +1,12 @@
+"""PyTorch twin of the row-invariant RMSNorm: the engine's eager ops."""
+from __future__ import annotations
+
+import torch
+
+
+def rms_norm_reference(x, weight, eps, residual=None):
+    """x, residual: [..., H]. Returns (normed, x + residual or x), statistics in float32."""
+    h = x if residual is None else x + residual
+    h32 = h.float()
+    normed = weight * (h32 * torch.rsqrt(h32.pow(2).mean(-1, keepdim=True) + eps)).to(h.dtype)
+    return normed, h

@@ -1,0 +1,28 @@
+"""rms_norm: the Triton kernel against its twin, and each row independent of how many rows run."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.rms_norm import rms_norm, rms_norm_reference
+from tests.kernels.conftest import DEVICE, needs_triton, rel_err
+
+LOW = torch.bfloat16 if DEVICE == "cuda" else torch.float16  # the interpreter truncates bf16
+
+
+@needs_triton
+@pytest.mark.triton
+@pytest.mark.parametrize("dtype", [torch.float32, LOW], ids=["f32", "half"])
+@pytest.mark.parametrize("residual", [False, True], ids=["plain", "add"])
+def test_triton_matches_reference_and_rows_are_invariant(dtype, residual):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(7, 300, generator=g).to(dtype).to(DEVICE)
+    res = torch.randn(7, 300, generator=g).to(dtype).to(DEVICE) if residual else None
+    w = (torch.rand(300, generator=g) + 0.5).to(dtype).to(DEVICE)
+    out, h = rms_norm(x, w, 1e-5, res, backend="triton")
+    ref_out, ref_h = rms_norm_reference(x, w, 1e-5, res)
+    assert rel_err(out, ref_out) < (1e-6 if dtype == torch.float32 else 1e-2)
+    assert torch.equal(h, ref_h) if residual else h is x
+    for i in range(7):  # one row alone, as a decode step normalises it
+        one, _ = rms_norm(x[i : i + 1], w, 1e-5, None if res is None else res[i : i + 1], backend="triton")
+        assert torch.equal(one[0], out[i])

@@ -3,7 +3,7 @@
 Width. Acceptance is modelled as geometric: each draft is accepted with probability alpha given the
 ones before it were, so the i-th draft pays off with probability alpha^i. A draft is worth adding
 while that exceeds its marginal cost relative to a plain decode step (the drafter's time per token
-plus a small verify-lane cost), so q = floor(log(cost ratio) / log(alpha)), clamped to 1..16.
+plus what one more verify lane costs, both measured as the job runs), so q = floor(log(cost ratio) / log(alpha)), clamped to 1..16.
 alpha is the censored-geometric estimate accepted / (accepted + rejections) over recent steps
 (exponentially decayed), starting from a prior.
 
@@ -31,12 +31,12 @@ def check_width(width: Optional[int]) -> None:
 
 
 class WidthPolicy:
-    def __init__(self, fixed_width: Optional[int] = None, *, prior_acceptance: float = 0.7, prior_weight: float = 2.0,
+    def __init__(self, fixed_width: Optional[int] = None, *, prior_acceptance: float = 0.7, prior_weight: float = 1.0,
                  decay: float = 0.7, lane_cost: float = 0.05, calibration_steps: int = 4, window: int = 12):
         check_width(fixed_width)
         self.fixed_width = fixed_width
         self.prior_acceptance, self.prior_weight, self.decay = prior_acceptance, prior_weight, decay
-        self.lane_cost = lane_cost  # extra verify cost of one more lane, relative to a decode step
+        self.lane_cost = lane_cost  # extra verify cost of one more lane, relative to a decode step (measured)
         self.calibration_steps = calibration_steps
         self.accepted_weight = 0.0  # decayed counts of accepted drafts and of rejections
         self.rejected_weight = 0.0
@@ -90,13 +90,14 @@ class WidthPolicy:
         stop rules) and took `seconds` in all, `draft_s` of it drafting."""
         self.accepted_weight = self.decay * self.accepted_weight + accepted
         self.rejected_weight = self.decay * self.rejected_weight + (1 if accepted < offered else 0)
-        per_token = draft_s / offered
-        self.draft_s_per_token = per_token if self.draft_s_per_token is None else \
-            0.7 * self.draft_s_per_token + 0.3 * per_token
         if offered not in self.widths_seen:
             # a width's first step may include one-off work (a CUDA graph capture): not timed
             self.widths_seen.add(offered)
             return
+        self.draft_s_per_token = _ema(self.draft_s_per_token, draft_s / offered)
+        if self.plain_step_s:  # what one more verify lane costs, relative to a decode step
+            plain = statistics.median(self.plain_step_s)
+            self.lane_cost = _ema(self.lane_cost, max(0.0, (seconds - draft_s) / plain - 1.0) / offered)
         self.spec_window.append((seconds, tokens))
         if self.adaptive and not self.disabled:
             self.disabled_reason = self._switch_off_reason()
@@ -111,3 +112,7 @@ class WidthPolicy:
         return (f"speculation cost {spec * 1e3:.2f} ms per generated token over the last "
                 f"{len(self.spec_window)} steps (acceptance {self.acceptance:.2f}), more than plain decode's "
                 f"{plain * 1e3:.2f} ms: plain decode for the rest of the job")
+
+
+def _ema(average: Optional[float], value: float, weight: float = 0.3) -> float:
+    return value if average is None else (1 - weight) * average + weight * value

@@ -1,0 +1,186 @@
+"""Speculative decoding: what a verify step costs, and what speculation buys end to end.
+
+CPU (default): the real SmolLM2-135M GGUF in float32 summarising aclsum papers. Per method
+(plain decode, prompt lookup adaptive and at fixed widths): decode tokens/s, speed-up over plain,
+acceptance rate, mean accepted length (bonus token included), whether speculation switched itself
+off; the greedy outputs are checked to be identical. Then the cost of one verify step of q + 1
+rows over a one-token decode step at the prompt's context.
+
+    python bench/speculative.py                      # CPU, 6 papers, 128 new tokens
+    python bench/speculative.py --papers 3 --new-tokens 64
+
+GPU (`--device cuda`): random weights at the Qwen2.5-1.5B and Llama-3-8B shapes (speed does not
+depend on weight values), bf16, CUDA graphs. Per shape: verify-step time for q = 1, 2, 4, 8, 16
+over the one-token decode step at 1K context, and end-to-end decode tokens/s of self-drafting (the
+target drafts for itself: acceptance 1.0, the upper bound of the machinery's own cost) at q = 4
+and 8 over plain decode. One table.
+
+    python bench/speculative.py --device cuda
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import print_table  # noqa: E402
+from engine.generate import synchronize  # noqa: E402
+from engine.runtime import Engine  # noqa: E402
+from engine.speculative import register_drafter, self_drafter  # noqa: E402
+from engine.types import GenerationRequest, SamplingParams, SpeculationOptions, Telemetry  # noqa: E402
+
+VERIFY_WIDTHS = (1, 2, 4, 8, 16)
+
+
+def step_seconds(engine: Engine, width: int, repeats: int) -> float:
+    """Median seconds of one target step over `width` tokens at the cache's current length
+    (the rows are rolled back after each step, as a fully rejected verify would be)."""
+    runner, cache = engine.runner, engine.cache
+    base = cache.length
+    tokens = torch.randint(0, engine.config.vocab_size, (1, width), device=engine.device)
+    times = []
+    for i in range(repeats + 2):
+        synchronize(engine.device)
+        started = time.perf_counter()
+        runner.step(tokens)
+        synchronize(engine.device)
+        if i >= 2:  # warm-up: graph capture, allocator
+            times.append(time.perf_counter() - started)
+        cache.truncate(base)
+    return statistics.median(times)
+
+
+def verify_costs(engine: Engine, prompt: list[int], repeats: int) -> dict[int, float]:
+    """{q: verify step (q + 1 rows) seconds / decode step seconds} at len(prompt) context; [0] holds
+    the decode step's seconds."""
+    engine.cache.reset()
+    with torch.inference_mode():
+        engine.runner.prefill(torch.tensor([prompt], device=engine.device), engine.prefill_chunk)
+        decode = step_seconds(engine, 1, repeats)
+        costs = {0: decode}
+        for q in VERIFY_WIDTHS:
+            costs[q] = step_seconds(engine, q + 1, repeats) / decode
+    engine.cache.reset()
+    return costs
+
+
+def run(engine: Engine, prompt_ids: list[int], spec: SpeculationOptions, new_tokens: int):
+    telemetry = Telemetry()
+    request = GenerationRequest(sampling=SamplingParams(max_new_tokens=new_tokens, ignore_eos=True), speculation=spec)
+    out = engine.generate_ids(prompt_ids, request, telemetry)
+    return out, telemetry
+
+
+# ---- CPU: SmolLM2 on aclsum ---------------------------------------------------------------------
+
+def summary_prompt(paper, chars: int) -> str:
+    return f"Summarise the paper below in three sentences.\n\n{paper.title}\n\n{paper.abstract}\n\n{paper.body[:chars]}"
+
+
+def bench_cpu(args) -> None:
+    from batchd.samples import aclsum_papers
+    from tests.conftest import smollm2_gguf_path
+
+    engine = Engine.load(str(smollm2_gguf_path()), device="cpu", dtype="float32", max_context=4096)
+    methods = {"plain": SpeculationOptions(), "lookup adaptive": SpeculationOptions("lookup")}
+    methods.update({f"lookup q={w}": SpeculationOptions("lookup", width=w) for w in args.widths})
+    totals = {name: dict(tokens=0, seconds=0.0, offered=0, accepted=0, steps=0, disabled=0) for name in methods}
+    prompts = []
+    for paper in aclsum_papers(limit=args.papers):
+        ids = engine.codec.encode_request(summary_prompt(paper, args.chars), None, True)
+        prompts.append(ids)
+        outputs = {}
+        for name, spec in methods.items():  # interleaved per paper: the machine's load hits all alike
+            out, t = run(engine, ids, spec, args.new_tokens)
+            outputs[name] = out.token_ids
+            row = totals[name]
+            row["tokens"] += len(out.token_ids)
+            row["seconds"] += out.decode_s
+            row["offered"] += t.spec_draft_tokens_offered
+            row["accepted"] += t.spec_draft_tokens_accepted
+            row["steps"] += t.spec_steps
+            row["disabled"] += t.spec_disabled
+        same = all(ids_ == outputs["plain"] for ids_ in outputs.values())
+        print(f"{paper.paper_id}: {len(ids)} prompt tokens, outputs identical: {same}", flush=True)
+    plain_rate = totals["plain"]["tokens"] / totals["plain"]["seconds"]
+    rows = []
+    for name, r in totals.items():
+        rate = r["tokens"] / r["seconds"]
+        rows.append({"method": name, "decode tok/s": rate, "vs plain": rate / plain_rate,
+                     "acceptance": r["accepted"] / r["offered"] if r["offered"] else None,
+                     "mean accepted len": (r["accepted"] + r["steps"]) / r["steps"] if r["steps"] else None,
+                     "spec steps": r["steps"], "switched off": f"{r['disabled']}/{args.papers}"})
+    print(f"\nSmolLM2-135M fp32 on CPU ({torch.get_num_threads()} threads), {args.papers} aclsum summaries, "
+          f"{args.new_tokens} new tokens each, greedy")
+    print_table(rows)
+    costs = verify_costs(engine, prompts[0], repeats=args.repeats)
+    print(f"\nverify step (q + 1 rows) / decode step at {len(prompts[0])} tokens of context "
+          f"(decode step {costs[0] * 1e3:.1f} ms)")
+    print_table([{f"q={q}": costs[q] for q in VERIFY_WIDTHS}])
+
+
+# ---- GPU: random weights at real shapes -------------------------------------------------------
+
+def bench_cuda(args) -> None:
+    from engine.presets import preset
+
+    rows = []
+    for shape in args.shapes:
+        engine = Engine.from_config(preset(shape), device="cuda", dtype="bf16", max_context=args.context + 1024)
+        register_drafter(engine, "self", self_drafter(engine))
+        prompt = torch.randint(0, engine.config.vocab_size, (args.context,),
+                               generator=torch.Generator().manual_seed(0)).tolist()
+        costs = verify_costs(engine, prompt, repeats=args.repeats)
+        row = {"shape": shape, "decode ms": costs[0] * 1e3}
+        row.update({f"verify q={q} / decode": costs[q] for q in VERIFY_WIDTHS})
+        plain_rate = None
+        for name, spec in [("plain", SpeculationOptions())] + [
+                (f"self q={q}", SpeculationOptions("draft", drafter_path="self", width=q)) for q in (4, 8)]:
+            run(engine, prompt, spec, 32)  # warm-up: graphs of every width
+            out, t = run(engine, prompt, spec, args.new_tokens)
+            rate = len(out.token_ids) / out.decode_s
+            if plain_rate is None:
+                plain_rate, plain_ids = rate, out.token_ids
+                row["plain tok/s"] = rate
+                continue
+            row[f"{name} tok/s"] = rate
+            row[f"{name} / plain"] = rate / plain_rate
+            row[f"{name} acc"] = t.acceptance_rate
+            row[f"{name} same ids"] = out.token_ids == plain_ids
+        rows.append(row)
+        engine.close()
+        del engine
+        torch.cuda.empty_cache()
+    print(f"\nrandom weights, bf16, CUDA graphs, {args.context}-token context, {args.new_tokens} new tokens; "
+          "verify q=16 is 17 rows: past the 16-row graphs and invariant kernels, it runs eagerly")
+    # one row per shape is wide; print it transposed
+    print_table([{"metric": key, **{r["shape"]: r.get(key) for r in rows}} for key in rows[0] if key != "shape"])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--papers", type=int, default=6)
+    parser.add_argument("--chars", type=int, default=3000, help="paper body characters in each prompt (CPU)")
+    parser.add_argument("--new-tokens", type=int, default=None)
+    parser.add_argument("--widths", type=int, nargs="*", default=[4, 8], help="fixed lookup widths (CPU)")
+    parser.add_argument("--shapes", nargs="*", default=["qwen2.5-1.5b", "llama-3-8b"])
+    parser.add_argument("--context", type=int, default=1024)
+    parser.add_argument("--repeats", type=int, default=None)
+    args = parser.parse_args()
+    if args.device == "cuda":
+        args.new_tokens, args.repeats = args.new_tokens or 256, args.repeats or 50
+        bench_cuda(args)
+    else:
+        args.new_tokens, args.repeats = args.new_tokens or 128, args.repeats or 5
+        bench_cpu(args)
+
+
+if __name__ == "__main__":
+    main()

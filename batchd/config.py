@@ -46,6 +46,8 @@ class Settings:
     device: str = "cpu"
     dtype: Optional[str] = None  # None: the engine's default for the device
     max_context: Optional[int] = None
+    attention: str = "dense"  # or "sparse" (engine.capabilities gates it)
+    sparse_top_k_blocks: int = 64
     queue_prefix: str = "batchd"
     job_time_limit_s: float = 3600.0  # hard limit per job; the soft limit is 30 s earlier
     lease_s: float = 60.0  # a running job's lease, renewed every lease_s / 3 by its worker
@@ -107,6 +109,8 @@ class Settings:
             "device": str(get("device") or "cpu"),
             "dtype": get("dtype"),
             "max_context": _opt_int(get("max_context")),
+            "attention": str(get("attention") or "dense"),
+            "sparse_top_k_blocks": _opt_int(get("sparse_top_k_blocks")) or 64,
             "queue_prefix": str(get("queue_prefix") or "batchd"),
         }
         for name, convert in (("job_time_limit_s", float), ("lease_s", float), ("queue_lease_s", float),

@@ -37,7 +37,8 @@ def load_engine(settings: Settings):
 
     started = time.perf_counter()
     engine = Engine.load(settings.model_path, device=settings.device, dtype=settings.dtype,
-                         max_context=settings.max_context)
+                         max_context=settings.max_context, attention=settings.attention,
+                         sparse_top_k_blocks=settings.sparse_top_k_blocks)
     log.info("loaded %s on %s in %.1f s", settings.model_path, settings.device, time.perf_counter() - started)
     return engine
 

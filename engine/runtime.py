@@ -190,7 +190,7 @@ class Engine:
             "seed": s.seed, "max_new_tokens": s.max_new_tokens, "spec_method": spec.method,
             "spec_width": spec.width, "drafter_path": spec.drafter_path or comp.drafter_path,
             "compress": comp.mode, "keep_ratio": comp.keep_ratio if comp.mode != "off" else None,
-            "attention": self.attention,
+            "attention": self.attention if self.attention == "dense" else f"sparse-top{self.cache.sparse_top_k}",
         }
 
     def close(self) -> None:

@@ -20,10 +20,13 @@ from batchd.jobs.params import build_request
 @click.option("--device", envvar="BATCHD_DEVICE", default="cpu", show_default=True, help="cpu, cuda or cuda:N.")
 @click.option("--dtype", envvar="BATCHD_DTYPE", help="float32, bfloat16 or float16 (default: by device).")
 @click.option("--max-context", type=int, help="KV cache rows (default: the model's, at most 8192).")
+@click.option("--attention", type=click.Choice(["dense", "sparse"]), default="dense", show_default=True,
+              help="sparse: top-k key blocks past 2 x budget rows (faster at 128K; may change outputs).")
+@click.option("--sparse-top-k-blocks", type=int, default=64, show_default=True, help="Sparse budget in 64-row blocks.")
 @generation_options
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (text, token ids, SHA, telemetry).")
 def generate(model_path: str, prompt: Optional[str], prompt_file: Optional[str], device: str, dtype: Optional[str],
-             max_context: Optional[int], as_json: bool, **options) -> None:
+             max_context: Optional[int], attention: str, sparse_top_k_blocks: int, as_json: bool, **options) -> None:
     """Generate from one prompt with the engine and print the text (or --json)."""
     if (prompt is None) == (prompt_file is None):
         raise click.UsageError("give exactly one of --prompt and --prompt-file")
@@ -39,7 +42,8 @@ def generate(model_path: str, prompt: Optional[str], prompt_file: Optional[str],
     request = build_request(prompt, None, params_from_options(options))
     from engine.runtime import Engine
 
-    engine = Engine.load(model_path, device=device, dtype=dtype, max_context=max_context)
+    engine = Engine.load(model_path, device=device, dtype=dtype, max_context=max_context, attention=attention,
+                         sparse_top_k_blocks=sparse_top_k_blocks)
     result = engine.generate(request)
     if as_json:
         click.echo(json.dumps(result.as_dict(), ensure_ascii=False))

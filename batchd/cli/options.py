@@ -63,6 +63,11 @@ def model_options(func: Callable) -> Callable:
         click.option("--device", envvar="BATCHD_DEVICE", help="cpu, cuda or cuda:N (default cpu)."),
         click.option("--dtype", envvar="BATCHD_DTYPE", help="float32, bfloat16 or float16 (default: by device)."),
         click.option("--max-context", type=int, envvar="BATCHD_MAX_CONTEXT", help="KV cache rows (default: model's)."),
+        click.option("--attention", type=click.Choice(["dense", "sparse"]), envvar="BATCHD_ATTENTION",
+                     help="Decode/verify attention: dense (default; exact) or sparse top-k key blocks past "
+                          "2 x budget rows (faster at 128K, may change outputs)."),
+        click.option("--sparse-top-k-blocks", type=int, envvar="BATCHD_SPARSE_TOP_K_BLOCKS",
+                     help="Sparse budget: 64-row key blocks kept per lane (default 64)."),
     )(func)
 
 

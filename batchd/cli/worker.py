@@ -25,9 +25,10 @@ def checked_model_path(settings: Settings) -> Settings:
     return settings
 
 
-def model_settings(cli: CliContext, model_path, model_name, device, dtype, max_context) -> Settings:
+def model_settings(cli: CliContext, model_path, model_name, device, dtype, max_context, attention=None,
+                   sparse_top_k_blocks=None) -> Settings:
     settings = cli.settings(model_path=model_path, model_name=model_name, device=device, dtype=dtype,
-                            max_context=max_context)
+                            max_context=max_context, attention=attention, sparse_top_k_blocks=sparse_top_k_blocks)
     return checked_model_path(cli.database(settings))
 
 
@@ -37,9 +38,10 @@ def model_settings(cli: CliContext, model_path, model_name, device, dtype, max_c
               help="Also run the relay in this process (pending jobs, lost messages, expired leases).")
 @click.option("--loglevel", default="INFO", show_default=True, type=click.Choice(["DEBUG", "INFO", "WARNING"]))
 @pass_cli
-def worker(cli: CliContext, relay: bool, loglevel: str, model_path, model_name, device, dtype, max_context) -> None:
+def worker(cli: CliContext, relay: bool, loglevel: str, model_path, model_name, device, dtype, max_context,
+           attention, sparse_top_k_blocks) -> None:
     """Serve one model on one device from its queue (SIGTERM: finish the job, then stop)."""
-    settings = model_settings(cli, model_path, model_name, device, dtype, max_context)
+    settings = model_settings(cli, model_path, model_name, device, dtype, max_context, attention, sparse_top_k_blocks)
     engine = load_engine(settings)
     with broker_url_for(settings, start=True) as broker_url:
         click.echo(f"worker for model {settings.model_name} on {settings.device}, queue {settings.queue_name}", err=True)

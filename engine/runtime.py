@@ -31,7 +31,7 @@ from engine.sampling import Sampler
 from engine.step import StepRunner
 from engine.stopping import StopChecker, cut_at_stop_string
 from engine.text import TextCodec
-from engine.types import GenerationRequest, GenerationResult, Telemetry
+from engine.types import GenerationRequest, GenerationResult, SamplingParams, Telemetry
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16, "f16": torch.float16}
@@ -172,6 +172,16 @@ class Engine:
         if request.compression.mode == "off":
             return prompt_ids
         return compress_for_request(self, prompt_ids, request, telemetry)
+
+    def warm_up(self) -> float:
+        """Compile the fused kernels and capture the decode graph before the first job, so its
+        telemetry measures the job (a worker calls this once at start). Returns seconds spent."""
+        started = time.perf_counter()
+        prompt = list(range(min(16, self.config.vocab_size)))
+        request = GenerationRequest(sampling=SamplingParams(max_new_tokens=4, ignore_eos=True))
+        self.generate_ids(prompt, request)
+        self.cache.reset()
+        return time.perf_counter() - started
 
     def check_fits(self, prompt_tokens: int, max_new_tokens: int) -> None:
         if prompt_tokens + max_new_tokens > self.max_context:

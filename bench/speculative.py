@@ -6,7 +6,7 @@ acceptance rate, mean accepted length (bonus token included), whether speculatio
 off; the greedy outputs are checked to be identical. Then the cost of one verify step of q + 1
 rows over a one-token decode step at the prompt's context.
 
-    python bench/speculative.py                      # CPU, 6 papers, 128 new tokens
+    python bench/speculative.py                      # CPU, 4 papers, 128 new tokens
     python bench/speculative.py --papers 3 --new-tokens 64
 
 GPU (`--device cuda`): random weights at the Qwen2.5-1.5B and Llama-3-8B shapes (speed does not
@@ -32,23 +32,25 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import print_table  # noqa: E402
 from engine.generate import synchronize  # noqa: E402
 from engine.runtime import Engine  # noqa: E402
-from engine.speculative import register_drafter, self_drafter  # noqa: E402
+from engine.sampling import Sampler  # noqa: E402
+from engine.speculative import Proposal, register_drafter, self_drafter, verify_step  # noqa: E402
 from engine.types import GenerationRequest, SamplingParams, SpeculationOptions, Telemetry  # noqa: E402
 
 VERIFY_WIDTHS = (1, 2, 4, 8, 16)
 
 
-def step_seconds(engine: Engine, width: int, repeats: int) -> float:
-    """Median seconds of one target step over `width` tokens at the cache's current length
-    (the rows are rolled back after each step, as a fully rejected verify would be)."""
-    runner, cache = engine.runner, engine.cache
+def verify_seconds(engine: Engine, q: int, repeats: int) -> float:
+    """Median seconds of one greedy step at the cache's current length: a plain decode step for
+    q = 0, else a verify step of q drafts (q + 1 rows) as the speculative loop runs it, decision
+    included; the rows are rolled back after each step."""
+    cache, sampler = engine.cache, Sampler(SamplingParams(), engine.device)
     base = cache.length
-    tokens = torch.randint(0, engine.config.vocab_size, (1, width), device=engine.device)
+    drafts = Proposal(torch.randint(0, engine.config.vocab_size, (q,), device=engine.device))
     times = []
     for i in range(repeats + 2):
         synchronize(engine.device)
         started = time.perf_counter()
-        runner.step(tokens)
+        verify_step(engine.runner, sampler, 7, drafts)
         synchronize(engine.device)
         if i >= 2:  # warm-up: graph capture, allocator
             times.append(time.perf_counter() - started)
@@ -57,15 +59,14 @@ def step_seconds(engine: Engine, width: int, repeats: int) -> float:
 
 
 def verify_costs(engine: Engine, prompt: list[int], repeats: int) -> dict[int, float]:
-    """{q: verify step (q + 1 rows) seconds / decode step seconds} at len(prompt) context; [0] holds
-    the decode step's seconds."""
+    """{q: verify step seconds / decode step seconds} at len(prompt) context; [0]: decode seconds."""
     engine.cache.reset()
     with torch.inference_mode():
         engine.runner.prefill(torch.tensor([prompt], device=engine.device), engine.prefill_chunk)
-        decode = step_seconds(engine, 1, repeats)
+        decode = verify_seconds(engine, 0, repeats)
         costs = {0: decode}
         for q in VERIFY_WIDTHS:
-            costs[q] = step_seconds(engine, q + 1, repeats) / decode
+            costs[q] = verify_seconds(engine, q, repeats) / decode
     engine.cache.reset()
     return costs
 
@@ -95,10 +96,10 @@ def bench_cpu(args) -> None:
     for paper in aclsum_papers(limit=args.papers):
         ids = engine.codec.encode_request(summary_prompt(paper, args.chars), None, True)
         prompts.append(ids)
-        outputs = {}
+        outputs, seconds = {}, {}
         for name, spec in methods.items():  # interleaved per paper: the machine's load hits all alike
             out, t = run(engine, ids, spec, args.new_tokens)
-            outputs[name] = out.token_ids
+            outputs[name], seconds[name] = out.token_ids, out.decode_s
             row = totals[name]
             row["tokens"] += len(out.token_ids)
             row["seconds"] += out.decode_s
@@ -107,7 +108,8 @@ def bench_cpu(args) -> None:
             row["steps"] += t.spec_steps
             row["disabled"] += t.spec_disabled
         same = all(ids_ == outputs["plain"] for ids_ in outputs.values())
-        print(f"{paper.paper_id}: {len(ids)} prompt tokens, outputs identical: {same}", flush=True)
+        rates = ", ".join(f"{name} {len(outputs[name]) / seconds[name]:.1f}" for name in methods)
+        print(f"{paper.paper_id}: {len(ids)} prompt tokens, outputs identical: {same}; tok/s {rates}", flush=True)
     plain_rate = totals["plain"]["tokens"] / totals["plain"]["seconds"]
     rows = []
     for name, r in totals.items():
@@ -166,7 +168,7 @@ def bench_cuda(args) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    parser.add_argument("--papers", type=int, default=6)
+    parser.add_argument("--papers", type=int, default=4)
     parser.add_argument("--chars", type=int, default=3000, help="paper body characters in each prompt (CPU)")
     parser.add_argument("--new-tokens", type=int, default=None)
     parser.add_argument("--widths", type=int, nargs="*", default=[4, 8], help="fixed lookup widths (CPU)")

@@ -142,17 +142,18 @@ class Transformer(nn.Module):
         self.use_attention_kernel = kernel_available(self.device)
 
     def forward(self, tokens: torch.Tensor, cache: KVCache, *, observer: Optional[AttentionObserver] = None,
-                last_only: bool = False):
+                last_only: bool = False, head: bool = True):
         """tokens: [B, T] -> logits [B, T, V] float32 ([B, 1, V] with last_only, which spares a
-        long prefill the [T, V] logits); appends T rows to `cache`."""
+        long prefill the [T, V] logits); appends T rows to `cache`. With head=False: the final
+        normed hidden states [B, T, H] instead (speculative greedy verification applies the head)."""
         T = tokens.shape[1]
         cache.reserve(T)
-        logits = self.forward_at(tokens, cache, cache.length, observer=observer, last_only=last_only)
+        logits = self.forward_at(tokens, cache, cache.length, observer=observer, last_only=last_only, head=head)
         cache.advance(T)
         return logits
 
     def forward_at(self, tokens, cache: KVCache, start: int, *, start_on_device=None, observer=None,
-                   last_only: bool = False):
+                   last_only: bool = False, head: bool = True):
         """The step itself, without touching host state: with `start_on_device` ([1] long) the
         positions come from the device, so a captured CUDA graph replays at any cache length."""
         T = tokens.shape[1]
@@ -174,6 +175,8 @@ class Transformer(nn.Module):
                                      self.use_attention_kernel, seq_len_on_device, observer)
         if last_only:
             normed = normed[:, -1:]
+        if not head:
+            return normed
         return project(normed, self.lm_head).float()
 
     # ---- weights ---------------------------------------------------------------------------

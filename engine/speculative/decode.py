@@ -25,7 +25,7 @@ from engine.speculative.adaptive import MAX_WIDTH, WidthPolicy, check_width
 from engine.speculative.drafters import load_drafter
 from engine.speculative.proposers import DraftModelProposer, PromptLookupProposer, Proposal, Proposer
 from engine.speculative.stats import SpecStats
-from engine.speculative.verify import Verdict, rejection_sample, verify_greedy
+from engine.speculative.verify import Verdict, certified_argmax, rejection_sample, verify_greedy
 from engine.step import MAX_GRAPH_WIDTH
 from engine.stopping import StopChecker
 from engine.types import SpeculationOptions, Telemetry
@@ -117,17 +117,29 @@ def generate_speculative(engine, prompt_ids: list[int], sampler: Sampler, stoppe
 def verify_step(runner, sampler: Sampler, last_token: int, proposal: Proposal) -> Verdict:
     """One target forward over [last_token, d_1 .. d_q]; the cache keeps the rows of last_token
     and of the accepted drafts."""
-    cache = runner.cache
+    cache, model = runner.cache, runner.model
     start = cache.length
     last = torch.tensor([last_token], dtype=torch.long, device=cache.device)
     tokens = torch.cat([last, proposal.tokens]).view(1, -1)  # [1, q + 1]
-    logits = runner.step(tokens)[0]  # [q + 1, V]; a static buffer on CUDA: used before the next step
-    if sampler.greedy:
-        verdict = verify_greedy(logits, proposal.tokens)
+    if sampler.greedy and certifies_head(model):
+        # CPU float32: every layer runs lane by lane as decode does (engine.linear), but the head,
+        # a fifth of SmolLM2's weights, runs as one GEMM whose argmax is certified per lane
+        hidden = model(tokens, cache, head=False)[0]  # [q + 1, H]
+        verdict = verify_greedy(certified_argmax(hidden, model.lm_head), proposal.tokens)
     else:
-        verdict = rejection_sample(sampler.probabilities(logits), proposal.tokens, proposal.probs, sampler)
+        logits = runner.step(tokens)[0]  # [q + 1, V]; a static buffer on CUDA: used before the next step
+        if sampler.greedy:
+            verdict = verify_greedy(logits.argmax(-1), proposal.tokens)
+        else:
+            verdict = rejection_sample(sampler.probabilities(logits), proposal.tokens, proposal.probs, sampler)
     cache.truncate(start + 1 + verdict.accepted)
     return verdict
+
+
+def certifies_head(model) -> bool:
+    """Greedy verification takes the head's argmax from one GEMM (verify.certified_argmax): on
+    the CPU in float32, where steps run eagerly (no graphs to keep the head inside)."""
+    return model.device.type == "cpu" and model.dtype == torch.float32 and model.lm_head.bias is None
 
 
 def _decode_rest_plainly(runner, sampler, stopper, generated: list[int], last_token: int) -> str:

@@ -19,11 +19,15 @@ Greedy decoding is the temperature -> 0 limit: accept while the draft equals the
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 
+from engine.linear import project
 from engine.sampling import Sampler
 
 # accept_rule(uniforms [q], p_target(d) [q], p_draft(d) [q]) -> accepted [q] bool
@@ -47,18 +51,55 @@ def accepted_prefix(accepted: torch.Tensor) -> torch.Tensor:
     return accepted.long().cumprod(0).sum()
 
 
-def verify_greedy(target_logits: torch.Tensor, draft_tokens: torch.Tensor) -> Verdict:
+def verify_greedy(target_tokens: torch.Tensor, draft_tokens: torch.Tensor) -> Verdict:
     """Accept the longest prefix where the draft equals the target's argmax, plus the target's
     token after it. One host sync.
 
-    target_logits: [q + 1, V]; draft_tokens: [q] long, same device."""
+    target_tokens: [q + 1] long, the target's argmax per lane; draft_tokens: [q] long."""
     q = draft_tokens.shape[0]
-    target_tokens = target_logits.argmax(-1)  # [q + 1]
     n = accepted_prefix(target_tokens[:q] == draft_tokens)
     host = torch.cat([n.view(1), target_tokens]).tolist()
     n = host[0]
     # the accepted drafts equal the target's own tokens at their lanes
     return Verdict(n, host[1 : n + 2])
+
+
+def certified_argmax(hidden: torch.Tensor, head: nn.Linear) -> torch.Tensor:
+    """Per-row argmax of `head(hidden)` exactly as one-row products (decode steps) pick it, for
+    the price of one [T, H] x [H, V] GEMM. float32 only.
+
+    The GEMM sums each dot product in another order than a one-row product, so the logits differ
+    in the last bits. Any order is within gamma_H * ||h|| * ||w_n|| of the exact value (Higham,
+    "Accuracy and Stability of Numerical Algorithms", 2nd ed., eq. 3.5 and Cauchy-Schwarz), so two
+    orders differ by at most twice that: a row whose top-2 margin exceeds 4 * gamma_H * ||h|| *
+    max_n ||w_n|| has the same argmax either way (and no tie). The other rows are recomputed as
+    one-row products, through the very call a decode step makes.
+
+    hidden: [T, H] float32, the final normed hidden states -> [T] long."""
+    assert hidden.dtype == head.weight.dtype == torch.float32 and head.bias is None
+    logits = F.linear(hidden, head.weight)  # [T, V]
+    top2 = logits.topk(2, dim=-1).values.double()
+    H = hidden.shape[-1]
+    gamma = H * 2.0**-24 / (1 - H * 2.0**-24)
+    bound = gamma * hidden.double().norm(dim=-1) * _max_row_norm(head.weight)  # [T]
+    tokens = logits.argmax(-1)
+    unsure = (top2[:, 0] - top2[:, 1] <= 4 * bound).nonzero().flatten().tolist()
+    for row in unsure:
+        tokens[row] = project(hidden[None, row : row + 1], head).argmax(-1).view(())
+    return tokens
+
+
+_row_norms: dict[int, tuple] = {}  # id(weight) -> (weakref, (data_ptr, version), max row norm)
+
+
+def _max_row_norm(weight: torch.Tensor) -> float:
+    """max_n ||weight[n]||, cached per tensor and recomputed if the tensor changed."""
+    key = (weight.data_ptr(), weight._version)
+    cached = _row_norms.get(id(weight))
+    if cached is None or cached[0]() is not weight or cached[1] != key:
+        cached = (weakref.ref(weight), key, weight.double().norm(dim=-1).max().item())
+        _row_norms[id(weight)] = cached
+    return cached[2]
 
 
 def rejection_sample(target_probs: torch.Tensor, draft_tokens: torch.Tensor, draft_probs: Optional[torch.Tensor],

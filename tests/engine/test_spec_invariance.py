@@ -14,6 +14,7 @@ from torch import nn
 
 from engine.kv_cache import KVCache
 from engine.linear import project
+from engine.speculative.verify import certified_argmax
 from tests.engine.tiny_models import ARCHITECTURES, hf_model, ours_from_hf
 
 pytest.importorskip("transformers")
@@ -51,3 +52,20 @@ def test_verify_lanes_equal_decode_steps_bitwise(arch, width):
     tokens = torch.randint(0, 512, (1, 90), generator=torch.Generator().manual_seed(width))
     decoded, verified = decode_then_verify_logits(model, tokens[:, :40], tokens[:, 40:], width)
     assert torch.equal(decoded, verified)
+
+
+def one_row_argmax(hidden: torch.Tensor, head: nn.Linear) -> torch.Tensor:
+    return torch.stack([project(hidden[None, t : t + 1], head).argmax(-1).view(()) for t in range(hidden.shape[0])])
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 17])
+def test_certified_head_argmax_equals_decode_argmax_even_on_near_ties(rows):
+    g = torch.Generator().manual_seed(rows)
+    head = nn.Linear(64, 300, bias=False)
+    with torch.no_grad():
+        head.weight.normal_(0, 1, generator=g)
+        # token 7 is token 3 nudged by one ulp here and there: ties and near-ties everywhere
+        head.weight[7] = torch.nextafter(head.weight[3], torch.full_like(head.weight[3], 1e9))
+        hidden = torch.randn(rows, 64, generator=g)
+        hidden[::2] = head.weight[3] * 5  # rows that pick token 3 or 7 by a hair
+        assert torch.equal(certified_argmax(hidden, head), one_row_argmax(hidden, head))

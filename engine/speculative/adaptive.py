@@ -32,7 +32,7 @@ def check_width(width: Optional[int]) -> None:
 
 class WidthPolicy:
     def __init__(self, fixed_width: Optional[int] = None, *, prior_acceptance: float = 0.7, prior_weight: float = 1.0,
-                 decay: float = 0.7, lane_cost: float = 0.05, calibration_steps: int = 4, window: int = 12):
+                 decay: float = 0.7, lane_cost: float = 0.05, calibration_steps: int = 4, window: int = 32):
         check_width(fixed_width)
         self.fixed_width = fixed_width
         self.prior_acceptance, self.prior_weight, self.decay = prior_acceptance, prior_weight, decay

@@ -52,9 +52,10 @@ def make_proposer(engine, options: SpeculationOptions, sampler: Sampler, telemet
 @torch.inference_mode()
 def generate_speculative(engine, prompt_ids: list[int], sampler: Sampler, stopper: StopChecker,
                          options: SpeculationOptions, telemetry: Telemetry, *,
-                         policy: Optional[WidthPolicy] = None) -> TokenOutput:
+                         policy: Optional[WidthPolicy] = None, proposer: Optional[Proposer] = None) -> TokenOutput:
+    """`policy` and `proposer` replace the ones `options` implies (tests, benchmarks)."""
     check_width(options.width)
-    proposer = make_proposer(engine, options, sampler, telemetry)
+    proposer = proposer or make_proposer(engine, options, sampler, telemetry)
     policy = policy or WidthPolicy(options.width)
     max_width = max_width_on(engine)
     if options.width is not None and options.width > max_width:

@@ -72,19 +72,24 @@ def engine_and_plain(request):
 @pytest.mark.parametrize("method", ["lookup", "draft-self", "draft-first-layer"])
 def test_greedy_ids_identical_to_plain(engine_and_plain, method, width):
     engine, plain = engine_and_plain
-    spec, telemetry = generate(engine, spec_options(method, width))
+    if method == "lookup":  # random models rarely repeat a bigram: let single tokens match
+        telemetry = Telemetry()
+        spec = run_direct(engine, StopChecker(set(), 48), spec_options(method, width), telemetry,
+                          proposer=PromptLookupProposer("cpu", min_n=1, max_n=4))
+    else:
+        spec, telemetry = generate(engine, spec_options(method, width))
     assert spec.token_ids == plain.token_ids
     assert spec.finish_reason == plain.finish_reason == "length"
     assert telemetry.spec_steps > 0
 
 
-def run_direct(engine: Engine, stopper: StopChecker, spec: SpeculationOptions | None):
+def run_direct(engine: Engine, stopper: StopChecker, spec: SpeculationOptions | None, telemetry=None, **kwargs):
     """Below Engine.generate_ids: no context-fit check, a hand-made stop checker."""
     engine.cache.reset()
     sampler = Sampler(SamplingParams(), engine.device)
     if spec is None:
         return generate_plain(engine.runner, PROMPT, sampler, stopper)
-    return generate_speculative(engine, PROMPT, sampler, stopper, spec, Telemetry())
+    return generate_speculative(engine, PROMPT, sampler, stopper, spec, telemetry or Telemetry(), **kwargs)
 
 
 def first_new_position(tokens: list[int], after: int) -> int:
@@ -194,14 +199,18 @@ def test_width_policy_adapts_and_switches_off():
 
 
 def test_prompt_lookup_prefers_the_longest_match_then_the_latest():
-    lookup = PromptLookupProposer("cpu")
+    lookup = PromptLookupProposer("cpu", min_n=1, max_n=3)
     lookup.begin([])
-    # "1 2 3" was followed by 4; the later "2 3" by 5: the 3-gram wins
+    # "1 2 3" was followed by 4; the later "2 3" by 5: the 3-gram wins, with the full width
     assert lookup.propose([1, 2, 3, 4, 7, 2, 3, 5, 1, 2, 3], 3).tokens.tolist() == [4, 7, 2]
     lookup.begin([])
-    assert lookup.propose([9, 8, 9, 7, 9], 2).tokens.tolist() == [7, 9]  # latest "9" is followed by 7
+    # the latest "9" is followed by 7; a 1-gram match proposes a third of the width
+    assert lookup.propose([9, 8, 9, 7, 9], 6).tokens.tolist() == [7, 9]
     lookup.begin([])
     assert lookup.propose([1, 2, 3], 4).tokens.tolist() == []  # the suffix never matches itself
+    default = PromptLookupProposer("cpu")
+    default.begin([])
+    assert default.propose([9, 8, 9, 7, 9], 6).tokens.tolist() == []  # single-token matches: no proposal
 
 
 def test_mismatched_vocabulary_is_refused_with_both_sizes():

@@ -107,8 +107,8 @@ def generate_speculative(engine, prompt_ids: list[int], sampler: Sampler, stoppe
             policy.record_plain_step(done - step_started)
 
     # 3. speculation switched itself off: plain decoding from the last accepted token
+    telemetry.spec_disabled, telemetry.spec_disabled_reason = policy.disabled, policy.disabled_reason
     if finish is None:
-        telemetry.spec_disabled, telemetry.spec_disabled_reason = True, policy.disabled_reason
         finish = _decode_rest_plainly(runner, sampler, stopper, generated, context[-1])
     synchronize(device)
     stats.fill(telemetry)

@@ -17,7 +17,7 @@ from engine.runtime import Engine
 from engine.types import GenerationRequest, SamplingParams, SpeculationOptions
 
 WIDTHS = [1, 2, 4, 8, 16]
-MAX_NEW_TOKENS = 32
+MAX_NEW_TOKENS = 24
 
 
 def summary(paper, chars: int = 1500) -> str:
@@ -32,9 +32,11 @@ def extraction(paper, chars: int = 1800) -> str:
 
 @functools.cache
 def prompts() -> dict[str, str]:
-    papers = aclsum_papers(limit=4)
-    out = {f"summary-{p.paper_id}": summary(p) for p in papers[:3]}
-    out[f"extraction-{papers[3].paper_id}"] = extraction(papers[3])
+    # two summaries and an extraction: on 2 CPU cores each wide verify step costs q + 1 decode
+    # steps (lanes computed as decode rows), so the set is kept small enough for CI
+    papers = aclsum_papers(limit=3)
+    out = {f"summary-{p.paper_id}": summary(p) for p in papers[:2]}
+    out[f"extraction-{papers[2].paper_id}"] = extraction(papers[2])
     return out
 
 
@@ -80,7 +82,7 @@ def test_prompt_lookup_leaves_greedy_output_unchanged(engine, plain, prompt, wid
 
 
 @pytest.mark.parametrize("width", WIDTHS, ids=lambda w: f"w{w}")
-@pytest.mark.parametrize("prompt", list(prompts())[::3])  # a summary and the extraction: drafting is slow
+@pytest.mark.parametrize("prompt", list(prompts())[::2])  # a summary and the extraction: drafting is slow
 def test_first_layers_drafter_leaves_greedy_output_unchanged(engine, plain, prompt, width):
     spec = SpeculationOptions("draft", drafter_path=drafter(engine, "first-6-layers"), width=width)
     result = engine.generate(request(prompts()[prompt], spec))

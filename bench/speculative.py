@@ -175,7 +175,10 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="*", default=["qwen2.5-1.5b", "llama-3-8b"])
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's choice)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if args.device == "cuda":
         args.new_tokens, args.repeats = args.new_tokens or 256, args.repeats or 50
         bench_cuda(args)

@@ -194,15 +194,9 @@ def sparse_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 
 
 @triton.jit
-def _summary_update_kernel(
-    K, KMin, KMax,              # K [B, Hkv, S_max, D]; KMin/KMax [B, Hkv, NB, D] in K's dtype
-    first_block, new_len,
-    stride_kb, stride_kh, stride_kn,
-    stride_sb, stride_sh, stride_sn,
-    H_KV,
-    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_D: tl.constexpr,
-):
-    block = first_block + tl.program_id(0)
+def _summarise_block(K, KMin, KMax, block, new_len, stride_kb, stride_kh, stride_kn, stride_sb, stride_sh, stride_sn,
+                     H_KV, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_D: tl.constexpr):
+    # min and max over the rows of `block` below new_len, for this program's (batch, KV head)
     pid_bh = tl.program_id(1)
     b = pid_bh // H_KV
     kvh = pid_bh % H_KV
@@ -217,6 +211,20 @@ def _summary_update_kernel(
     out = b * stride_sb + kvh * stride_sh + block * stride_sn + offs_d
     tl.store(KMin + out, lo.to(KMin.dtype.element_ty), mask=d_ok)
     tl.store(KMax + out, hi.to(KMax.dtype.element_ty), mask=d_ok)
+
+
+@triton.jit
+def _summary_update_kernel(
+    K, KMin, KMax,              # K [B, Hkv, S_max, D]; KMin/KMax [B, Hkv, NB, D] in K's dtype
+    first_block, new_len,
+    stride_kb, stride_kh, stride_kn,
+    stride_sb, stride_sh, stride_sn,
+    H_KV,
+    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    block = first_block + tl.program_id(0)
+    _summarise_block(K, KMin, KMax, block, new_len, stride_kb, stride_kh, stride_kn, stride_sb, stride_sh, stride_sn,
+                     H_KV, HEAD_DIM, BLOCK_SIZE, BLOCK_D)
 
 
 def summary_update_triton(k_cache: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, block_size: int,
@@ -250,20 +258,8 @@ def _summary_update_at_kernel(
     block = start // BLOCK_SIZE + tl.program_id(0)
     if block * BLOCK_SIZE >= new_len:
         return
-    pid_bh = tl.program_id(1)
-    b = pid_bh // H_KV
-    kvh = pid_bh % H_KV
-    offs_n = block * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
-    offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < HEAD_DIM
-    mask = (offs_n < new_len)[:, None] & d_ok[None, :]
-    keys = tl.load(K + b * stride_kb + kvh * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :],
-                   mask=mask, other=0.0).to(tl.float32)                                    # [BLOCK_SIZE, BLOCK_D]
-    lo = tl.min(tl.where(mask, keys, float("inf")), 0)
-    hi = tl.max(tl.where(mask, keys, float("-inf")), 0)
-    out = b * stride_sb + kvh * stride_sh + block * stride_sn + offs_d
-    tl.store(KMin + out, lo.to(KMin.dtype.element_ty), mask=d_ok)
-    tl.store(KMax + out, hi.to(KMax.dtype.element_ty), mask=d_ok)
+    _summarise_block(K, KMin, KMax, block, new_len, stride_kb, stride_kh, stride_kn, stride_sb, stride_sh, stride_sn,
+                     H_KV, HEAD_DIM, BLOCK_SIZE, BLOCK_D)
 
 
 def summary_update_at_triton(k_cache: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, block_size: int,

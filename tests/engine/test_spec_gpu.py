@@ -10,7 +10,10 @@ import torch
 
 from engine.presets import preset
 from engine.runtime import Engine
-from engine.speculative import register_drafter, self_drafter, truncated_drafter
+from engine.sampling import Sampler
+from engine.speculative import (PromptLookupProposer, generate_speculative, register_drafter, self_drafter,
+                                truncated_drafter)
+from engine.stopping import StopChecker
 from engine.types import GenerationRequest, SamplingParams, SpeculationOptions, Telemetry
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -35,6 +38,16 @@ def generate(engine: Engine, spec: SpeculationOptions, new_tokens: int = 64):
     return engine.generate_ids(PROMPT, request, telemetry), telemetry
 
 
+def generate_with_lookup(engine: Engine, width: int, new_tokens: int = 64):
+    """Prompt lookup that also matches single tokens: random models rarely repeat a bigram."""
+    telemetry = Telemetry()
+    engine.cache.reset()
+    out = generate_speculative(engine, PROMPT, Sampler(SamplingParams(), engine.device),
+                               StopChecker(set(), new_tokens), SpeculationOptions("lookup", width=width), telemetry,
+                               proposer=PromptLookupProposer(engine.device, min_n=1, max_n=4))
+    return out, telemetry
+
+
 @pytest.fixture(scope="module")
 def plain(engine):
     return generate(engine, SpeculationOptions())[0].token_ids
@@ -44,10 +57,9 @@ def plain(engine):
 @pytest.mark.parametrize("method", ["lookup", "draft-self", "draft-first-6-layers"])
 def test_greedy_ids_identical_to_plain_on_gpu(engine, plain, method, width):
     if method == "lookup":
-        spec = SpeculationOptions("lookup", width=width)
+        out, t = generate_with_lookup(engine, width)
     else:
-        spec = SpeculationOptions("draft", drafter_path=method.removeprefix("draft-"), width=width)
-    out, t = generate(engine, spec)
+        out, t = generate(engine, SpeculationOptions("draft", drafter_path=method.removeprefix("draft-"), width=width))
     assert out.token_ids == plain
     assert t.spec_steps > 0
     if method == "draft-self":

@@ -36,6 +36,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import print_table  # noqa: E402
+from engine.model import unfuse_hf_tensors  # noqa: E402
 from engine.presets import hf_config_dict, preset  # noqa: E402
 from engine.pflash import PromptCompressor, compress_for_request, set_compressor  # noqa: E402
 from engine.pflash.scoring import score_prompt  # noqa: E402
@@ -72,24 +73,8 @@ def save_hf_folder(folder: Path, model, config, tokenizer) -> Path:
 
 def hf_tensors(model, config) -> dict[str, torch.Tensor]:
     """Our fused parameters back to Hugging Face names, on the CPU."""
-    out = {}
-    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
-    for name, p in model.named_parameters():
-        t = p.detach().to("cpu").contiguous()
-        if ".qkv_proj." in name:
-            for part, chunk in zip("qkv", t.split([q, kv, kv], dim=0)):
-                out["model." + name.replace("qkv_proj", f"{part}_proj")] = chunk.contiguous()
-        elif ".gate_up_proj." in name:
-            gate, up = t.chunk(2, dim=0)
-            out["model." + name.replace("gate_up_proj", "gate_proj")] = gate.contiguous()
-            out["model." + name.replace("gate_up_proj", "up_proj")] = up.contiguous()
-        elif name == "lm_head.weight":
-            out[name] = t
-        else:
-            out["model." + name] = t
-    if config.tie_word_embeddings:
-        out.pop("lm_head.weight", None)
-    return out
+    state = {name: p.detach().to("cpu") for name, p in model.named_parameters()}
+    return {name: t.contiguous() for name, t in unfuse_hf_tensors(state, config).items()}
 
 
 def sync(device) -> None:

@@ -20,6 +20,7 @@ from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from engine.model import unfuse_hf_tensors  # noqa: E402
 from engine.presets import hf_config_dict, preset  # noqa: E402
 from engine.runtime import build_model  # noqa: E402
 
@@ -38,22 +39,8 @@ def export_tokenizer(checkpoint: str, out: Path) -> None:
 def write_checkpoint(preset_name: str, tokenizer_dir: Path, out: Path, device: str, seed: int) -> None:
     config = preset(preset_name)
     model = build_model(config, device, torch.bfloat16, seed=seed)
-    # HF names, q/k/v and gate/up split again (the engine fuses them on load)
-    tensors = {}
-    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
-    for name, value in model.state_dict().items():
-        value = value.detach().cpu().contiguous()
-        if name == "lm_head.weight" and config.tie_word_embeddings:
-            continue
-        if ".qkv_proj." in name:
-            for part, chunk in zip("qkv", value.split([q, kv, kv], dim=0)):
-                tensors["model." + name.replace("qkv_proj", f"{part}_proj")] = chunk.contiguous()
-        elif ".gate_up_proj." in name:
-            gate, up = value.chunk(2, dim=0)
-            tensors["model." + name.replace("gate_up_proj", "gate_proj")] = gate.contiguous()
-            tensors["model." + name.replace("gate_up_proj", "up_proj")] = up.contiguous()
-        else:
-            tensors[name if name.startswith("lm_head") else "model." + name] = value
+    state = {name: value.detach().cpu() for name, value in model.state_dict().items()}
+    tensors = {name: value.contiguous() for name, value in unfuse_hf_tensors(state, config).items()}
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     cfg = hf_config_dict(config)

@@ -220,3 +220,23 @@ def fuse_hf_tensors(tensors: dict[str, torch.Tensor], config: ModelConfig) -> di
         if gate is not None and up is not None:
             out[f"{mlp}.gate_up_proj.weight"] = torch.cat([gate, up], dim=0)
     return out
+
+
+def unfuse_hf_tensors(tensors: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
+    """The inverse of `fuse_hf_tensors`: this module's names -> HF names (model. prefix, q/k/v and
+    gate/up split again), for writing a checkpoint. A tied lm_head is left out, as HF writes it."""
+    q_size, kv_size = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    out: dict[str, torch.Tensor] = {}
+    for name, value in tensors.items():
+        if name == "lm_head.weight":
+            if not config.tie_word_embeddings:
+                out[name] = value
+        elif ".qkv_proj." in name:
+            for part, piece in zip("qkv", value.split([q_size, kv_size, kv_size], dim=0)):
+                out["model." + name.replace("qkv_proj", f"{part}_proj")] = piece
+        elif ".gate_up_proj." in name:
+            for part, piece in zip(("gate", "up"), value.chunk(2, dim=0)):
+                out["model." + name.replace("gate_up_proj", f"{part}_proj")] = piece
+        else:
+            out["model." + name] = value
+    return out

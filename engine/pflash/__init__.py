@@ -29,11 +29,13 @@ from engine.errors import CheckpointError, UnsupportedFeatureError
 from engine.pflash.bridge import INSTRUCTION_TOKENS, MIN_INSTRUCTION_KEPT, DrafterView, drafter_view, target_ids_after
 from engine.pflash.scoring import TAIL_ROWS, score_prompt
 from engine.pflash.selection import SelectionParams, Selection, select_chunks
+from engine.pflash.window import DEFAULT_SCORING_WINDOW, ScoringWindow
 from engine.residency import Drafter, Residency
 from engine.types import CompressionOptions, GenerationRequest, Telemetry
 
-__all__ = ["PromptCompressor", "CompressionReport", "compress_for_request", "compressor_for", "set_compressor",
-           "check_compression_options", "drafter_architecture", "ensure_target_resident", "default_scoring_chunk"]
+__all__ = ["PromptCompressor", "CompressionReport", "ScoringWindow", "DEFAULT_SCORING_WINDOW", "compress_for_request",
+           "compressor_for", "set_compressor", "check_compression_options", "drafter_architecture",
+           "ensure_target_resident", "default_scoring_chunk"]
 
 # gguf general.architecture -> ours
 GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
@@ -51,19 +53,24 @@ class CompressionReport:
     view: Optional[DrafterView] = None  # the drafter's tokens and, across tokenizers, the text
     drafter_path: str = ""
     drafter_sha256: str = ""  # for the job's configuration fingerprint
+    windowed_scoring: bool = False  # the drafter's prefill used the scoring window (engine.pflash.window)
 
 
 class PromptCompressor:
     """The PFlash pipeline for one engine: every DESIGN.md constant is a parameter here or in
-    `selection` (SelectionParams; its keep_ratio is replaced by each job's own)."""
+    `selection` (SelectionParams; its keep_ratio is replaced by each job's own). Drafter prompts
+    longer than `scoring_window.exact_tokens` are scored with a windowed prefill
+    (engine.pflash.window); `scoring_window=None` scores every length exactly."""
 
     def __init__(self, residency: Optional[Residency] = None, *, selection: SelectionParams = SelectionParams(),
                  tail_rows: int = TAIL_ROWS, instruction_tokens: int = INSTRUCTION_TOKENS,
-                 min_instruction_kept: float = MIN_INSTRUCTION_KEPT, scoring_chunk: Optional[int] = None):
+                 min_instruction_kept: float = MIN_INSTRUCTION_KEPT, scoring_chunk: Optional[int] = None,
+                 scoring_window: Optional[ScoringWindow] = DEFAULT_SCORING_WINDOW):
         self.residency = residency or Residency()
         self.selection, self.tail_rows = selection, tail_rows
         self.instruction_tokens, self.min_instruction_kept = instruction_tokens, min_instruction_kept
         self.scoring_chunk = scoring_chunk  # None: default_scoring_chunk(device)
+        self.scoring_window = scoring_window  # None: exact scoring at every length
         self.last_report: Optional[CompressionReport] = None
 
     def compress(self, engine, prompt_ids: list[int], options: CompressionOptions, telemetry: Telemetry) -> list[int]:
@@ -78,7 +85,8 @@ class PromptCompressor:
             drafter_sha.append(drafter.sha256)
             view = drafter_view(engine.codec, drafter.codec, prompt_ids, instruction_tokens=self.instruction_tokens)
             began = time.perf_counter()
-            scores = score_prompt(drafter.model, view.ids, tail_rows=self.tail_rows, prefill_chunk=chunk).cpu()
+            scores = score_prompt(drafter.model, view.ids, tail_rows=self.tail_rows, prefill_chunk=chunk,
+                                  window=self.scoring_window).cpu()
             telemetry.scoring_s += time.perf_counter() - began
             return view, scores
 
@@ -92,6 +100,11 @@ class PromptCompressor:
         telemetry.compress_tokens_before = len(prompt_ids)
         telemetry.compress_drafter_tokens_kept = info.drafter_tokens_kept
         telemetry.compress_s = seconds
+        windowed = self.scoring_window is not None and self.scoring_window.applies(len(view.ids))
+        if windowed:
+            telemetry.notes.append(f"PFlash scored {len(view.ids)} drafter tokens with a windowed prefill "
+                                   f"({self.scoring_window.describe()}; exact up to "
+                                   f"{self.scoring_window.exact_tokens} tokens)")
         if info.instruction_reappended:
             telemetry.notes.append(f"PFlash kept {info.instruction_kept:.0%} of the final instruction; "
                                    "re-appended it whole")
@@ -99,7 +112,7 @@ class PromptCompressor:
             telemetry.notes.append(f"PFlash kept all {len(prompt_ids)} prompt tokens: nothing was compressed")
         self.last_report = CompressionReport(len(prompt_ids), len(view.ids), info.drafter_tokens_kept, len(ids),
                                              info.instruction_reappended, seconds, selection, view,
-                                             drafter_path, drafter_sha[0])
+                                             drafter_path, drafter_sha[0], windowed)
         return ids
 
 

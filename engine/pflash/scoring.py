@@ -7,6 +7,10 @@ forward, over the final `tail_rows` (8) tokens, an attention observer takes each
 rows against all S cached keys. A key's score in one layer is the max over heads of the tail
 rows' mean softmax probability; its final score is the max over layers (DESIGN.md section 3).
 
+Prompts longer than `window.exact_tokens` (12,288 by default) are prefilled with sliding-window
++ sink attention (engine.pflash.window: linear in S instead of quadratic; the approximation is
+documented there); the tail pass over all keys stays exact. Shorter prompts are scored exactly.
+
 The per-layer reduction is `kernels.chunk_scoring.score_tail_queries` (Triton on CUDA, which
 never stores the probabilities; its reference elsewhere), or `score_tail_queries_torch` below
 when the kernels package is absent: with 8 query rows the [Hq, 8, S] float32 probabilities are
@@ -20,6 +24,7 @@ import torch
 
 from engine.kv_cache import KVCache
 from engine.model import Transformer
+from engine.pflash.window import DEFAULT_SCORING_WINDOW, ScoringWindow, prefill_windowed
 
 TAIL_ROWS = 8
 
@@ -55,27 +60,43 @@ def default_tail_scorer() -> TailScorer:
 
 @torch.inference_mode()
 def score_prompt(model: Transformer, ids: list[int], *, tail_rows: int = TAIL_ROWS, prefill_chunk: int = 2048,
-                 scorer: Optional[TailScorer] = None) -> torch.Tensor:
+                 scorer: Optional[TailScorer] = None,
+                 window: Optional[ScoringWindow] = DEFAULT_SCORING_WINDOW) -> torch.Tensor:
     """Prefill `ids` through `model` and return per-token scores [len(ids)] float32 (device of
-    the model). The KV cache is this call's own, sized to the prompt, and freed on return."""
+    the model). The KV cache is this call's own, sized to the prompt, and freed on return.
+    A prompt longer than window.exact_tokens is prefilled with windowed attention
+    (engine.pflash.window); window=None: always exact."""
     if not ids:
         raise ValueError("cannot score an empty prompt")
     if prefill_chunk < 1:
         raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
-    scorer = scorer or default_tail_scorer()
     S, T = len(ids), min(tail_rows, len(ids))
-    device = model.device
-    cache = KVCache(model.config, S, device, model.dtype)
-    tokens = torch.tensor([ids], dtype=torch.long, device=device)  # [1, S]
+    cache = KVCache(model.config, S, model.device, model.dtype)
+    tokens = torch.tensor([ids], dtype=torch.long, device=model.device)  # [1, S]
+    windowed = window is not None and window.applies(S)
     for begin in range(0, S - T, prefill_chunk):
-        model(tokens[:, begin : min(begin + prefill_chunk, S - T)], cache, last_only=True)
+        rows = tokens[:, begin : min(begin + prefill_chunk, S - T)]
+        if windowed:
+            prefill_windowed(model, rows, cache, window.attend)
+        else:
+            model(rows, cache, last_only=True)
+    return score_tail(model, tokens[:, S - T :], cache, scorer)
 
-    scores = torch.zeros(S, dtype=torch.float32, device=device)
+
+@torch.inference_mode()
+def score_tail(model: Transformer, tail: torch.Tensor, cache: KVCache,
+               scorer: Optional[TailScorer] = None) -> torch.Tensor:
+    """tail: [1, T] the prompt's last T tokens, after the rest is in `cache`. Runs their forward
+    (exact: every tail row attends to all keys) and returns [S] float32 scores, S = cache rows
+    after it: the max over layers of `scorer` on each layer's tail queries and whole cache."""
+    scorer = scorer or default_tail_scorer()
+    S = cache.length + tail.shape[1]
+    scores = torch.zeros(S, dtype=torch.float32, device=model.device)
     scale = model.layers[0].self_attn.scale
 
     def observe(layer_idx: int, q, keys, values, start: int) -> None:
         # q: [1, Hq, T, D] post-rope tail queries; keys: [1, Hkv, S, D], this layer's whole cache
         torch.maximum(scores, scorer(q[0].to(keys.dtype), keys[0], scale=scale), out=scores)
 
-    model(tokens[:, S - T :], cache, observer=observe, last_only=True)
+    model(tail, cache, observer=observe, last_only=True)
     return scores

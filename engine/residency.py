@@ -35,6 +35,7 @@ import time
 import traceback
 import weakref
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable, Literal, Optional, TypeVar
 
 import torch
@@ -85,6 +86,7 @@ class _Parked:
     cache_shapes: list[torch.Size]
     weight_shapes: dict[str, torch.Size] = field(default_factory=dict)
     moved: set[str] = field(default_factory=set)  # weights whose device memory was dropped
+    stamp: list[tuple[str, int, int]] = field(default_factory=list)  # the checkpoint files (reload)
 
 
 def synchronize_all_streams(device: torch.device) -> None:
@@ -254,6 +256,8 @@ class Residency:
         if weights:
             params = dict(engine.model.named_parameters())
             parked.weight_shapes = {name: p.shape for name, p in params.items()}
+            if self.strategy == "reload" and engine.checkpoint_path and Path(engine.checkpoint_path).is_dir():
+                parked.stamp = checkpoint_stamp(engine.checkpoint_path)
             if self.strategy == "host":
                 self._copy_to_host(params, device)
             for name, p in params.items():
@@ -335,7 +339,12 @@ class Residency:
             params[name].data = torch.empty(parked.weight_shapes[name], dtype=dtype, device=device)
         self.step_hook("unpark", engine)
         path, sha = engine.checkpoint_path, engine.checkpoint_sha256
-        if path:
+        if path and Path(path).is_dir():
+            if parked.stamp and checkpoint_stamp(path) != parked.stamp:
+                raise RuntimeError(f"{path} changed on disk since the target was parked; its weights would "
+                                   "not match the job's checkpoint hash")
+            reload_hf_weights(engine.model, path)
+        elif path:  # GGUF: dequantised on load, through the full reader
             engine.model.load_hf_tensors(self.read_checkpoint(path, dtype=dtype).tensors, path)
         elif sha.startswith("random-seed-"):  # Engine.from_config: the same random weights again
             init_random(engine.model, int(sha.removeprefix("random-seed-")))
@@ -370,3 +379,59 @@ def _drop_step_graphs(engine) -> None:
 
     runner = engine.runner
     engine.runner = StepRunner(engine.model, engine.cache, cuda_graphs=runner.cuda_graphs)
+
+
+def checkpoint_stamp(folder: str) -> list[tuple[str, int, int]]:
+    """(name, size, mtime_ns) of a Hugging Face folder's weight files: a reload checks that they
+    are the files the target was loaded from, without hashing them again."""
+    from engine.checkpoint.hf import _weight_files
+
+    files, _ = _weight_files(Path(folder))
+    return [(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files]
+
+
+def hf_weight_slots(config) -> dict[str, tuple[str, int]]:
+    """Hugging Face tensor name -> (our parameter, first row): q/k/v and gate/up are row blocks of
+    one fused matrix (engine.model.fuse_hf_tensors); every other tensor is a whole parameter."""
+    q_size, kv_size = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    slots = {}
+    for i in range(config.num_layers):
+        attn, mlp = f"layers.{i}.self_attn", f"layers.{i}.mlp"
+        for kind in ("weight", "bias"):
+            for part, row in zip("qkv", (0, q_size, q_size + kv_size)):
+                slots[f"model.{attn}.{part}_proj.{kind}"] = (f"{attn}.qkv_proj.{kind}", row)
+        slots[f"model.{mlp}.gate_proj.weight"] = (f"{mlp}.gate_up_proj.weight", 0)
+        slots[f"model.{mlp}.up_proj.weight"] = (f"{mlp}.gate_up_proj.weight", config.intermediate_size)
+    return slots
+
+
+@torch.no_grad()
+def reload_hf_weights(model: Transformer, folder: str) -> None:
+    """Read a Hugging Face folder's safetensors straight into the model's (allocated) parameters,
+    one tensor at a time: each is read from disk, copied to the device and cast there, q/k/v and
+    gate/up into their rows of the fused matrices. No hash, no full host copy of the model (what
+    load_checkpoint costs: the reload strategy's unpark). Every parameter must be written."""
+    from safetensors import safe_open
+
+    from engine.checkpoint.hf import _weight_files
+    from engine.checkpoint.validate import IGNORED_SUFFIXES
+
+    params = dict(model.named_parameters())
+    slots = hf_weight_slots(model.config)
+    tied = model.config.tie_word_embeddings
+    rows_left = {name: p.shape[0] for name, p in params.items()}
+    files, _ = _weight_files(Path(folder))
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            for hf_name in f.keys():
+                if hf_name.endswith(IGNORED_SUFFIXES) or (tied and hf_name == "lm_head.weight"):
+                    continue
+                name, row = slots.get(hf_name, (hf_name.removeprefix("model."), 0))
+                if name not in params:
+                    raise RuntimeError(f"{path}: tensor {hf_name} has no place in the model")
+                value = f.get_tensor(hf_name).to(params[name].device, non_blocking=False)
+                params[name].data[row : row + value.shape[0]].copy_(value)
+                rows_left[name] -= value.shape[0]
+    unfilled = sorted(name for name, rows in rows_left.items() if rows)
+    if unfilled:
+        raise RuntimeError(f"{folder}: reload left parameters unfilled or overfilled: {unfilled[:4]}")

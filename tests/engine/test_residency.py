@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import weakref
+from pathlib import Path
 
 import pytest
 import torch
@@ -200,3 +201,37 @@ def test_a_corrupt_drafter_checkpoint_fails_the_job_cleanly(engine, drafter_path
     assert isinstance(info.value, EngineError) and info.value.kind == "model_error"
     assert_target_restored(engine, residency, original_weights)
     assert engine.generate(PLAIN_JOB).output_sha256 == fresh_sha
+
+
+@pytest.fixture(scope="module")
+def tiny_engine(tmp_path_factory) -> Engine:
+    folder = tiny_drafter(tmp_path_factory.mktemp("tiny-target"), llama3_tokenizer_json(), seed=3,
+                          architecture="qwen2")  # q/k/v biases too
+    return Engine.load(str(folder), max_context=256)
+
+
+def test_reload_reads_the_folder_into_the_fused_weights(tiny_engine):
+    before = {name: p.detach().clone() for name, p in tiny_engine.model.named_parameters()}
+    residency = Residency(park="always", strategy="reload")
+    residency.park(tiny_engine)
+    assert all(p.numel() == 0 for p in tiny_engine.model.parameters())
+    residency.unpark(tiny_engine)
+    for name, p in tiny_engine.model.named_parameters():
+        assert torch.equal(p, before[name]), name  # q/k/v biases and gate/up rows included
+
+
+def test_reload_refuses_a_checkpoint_changed_since_the_park(tiny_engine):
+    import os
+
+    weights = Path(tiny_engine.checkpoint_path) / "model.safetensors"
+    stat = weights.stat()
+    residency = Residency(park="always", strategy="reload")
+    residency.park(tiny_engine)
+    os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+    try:
+        with pytest.raises(TargetRestoreError, match="changed on disk since the target was parked"):
+            residency.unpark(tiny_engine)
+    finally:
+        os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    residency.ensure_resident(tiny_engine)  # the same files again: the restore goes through
+    assert residency.parked is None and all(p.numel() > 0 for p in tiny_engine.model.parameters())

@@ -19,6 +19,7 @@ from engine.attention import attend_cached, kernel_available
 from engine.config import ModelConfig
 from engine.errors import CheckpointError
 from engine.kv_cache import KVCache
+from engine import linear
 from engine.linear import project
 from engine.rope import rope_tables
 
@@ -49,10 +50,16 @@ class Attention(nn.Module):
         self.scale = self.head_dim**-0.5
         self.rms_eps = config.rms_norm_eps
 
-    def forward(self, x, cos, sin, cache: KVCache, layer_idx: int, start: int, positions, use_kernel: bool,
-                seq_len_on_device=None, observer: Optional[AttentionObserver] = None):
-        B, T, _ = x.shape
-        qkv = project(x, self.qkv_proj)  # [B, T, (Hq + 2 Hkv) D]
+    def forward(self, hidden, norm: RMSNorm, cos, sin, cache: KVCache, layer_idx: int, start: int, positions,
+                use_kernel: bool, seq_len_on_device=None, observer: Optional[AttentionObserver] = None,
+                fuse: bool = False):
+        """hidden: the residual stream [B, T, H] -> attention output before o_proj [B, T, Hq * D].
+        `norm` (the layer's input norm) is applied first, folded into the qkv projection if `fuse`."""
+        B, T, _ = hidden.shape
+        if fuse:
+            qkv = fused_project(hidden, self.qkv_proj, norm=norm)  # [B, T, (Hq + 2 Hkv) D]
+        else:
+            qkv = project(norm(hidden), self.qkv_proj)
         k_cache, v_cache = cache.keys[layer_idx], cache.values[layer_idx]
         if fused.rope_kernel is not None and qkv.is_cuda and qkv.dtype == k_cache.dtype:
             # norm, rope and the cache write in one launch (kernels.rope_cache)
@@ -64,7 +71,7 @@ class Attention(nn.Module):
         if observer is not None:
             observer(layer_idx, q, k_cache[:, :, : start + T], v_cache[:, :, : start + T], start)
         out = attend_cached(q.to(k_cache.dtype), cache, layer_idx, start, self.scale, use_kernel, seq_len_on_device)
-        return project(out.to(x.dtype).transpose(1, 2).reshape(B, T, -1), self.o_proj)
+        return out.to(hidden.dtype).transpose(1, 2).reshape(B, T, -1)
 
     def rope_and_store(self, qkv, cos, sin, positions, k_cache, v_cache):
         """Eager twin of kernels.rope_cache: q/k norm (qwen3), rope, k/v rows into the cache.
@@ -101,16 +108,44 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, residual, normed, next_norm: RMSNorm, cos, sin, cache, layer_idx, start, positions,
-                use_kernel, seq_len_on_device, observer):
-        """residual: the stream [B, T, H]; normed: its input_layernorm. Returns the new stream and
-        its `next_norm` (the next layer's input norm, or the final norm): each residual add is
-        fused with the norm after it."""
-        attn_out = self.self_attn(normed, cos, sin, cache, layer_idx, start, positions, use_kernel,
-                                  seq_len_on_device, observer)
-        post = self.post_attention_layernorm
-        residual, normed = fused.add_rms_norm(attn_out, residual, post.weight, post.eps)
-        return fused.add_rms_norm(self.mlp(normed), residual, next_norm.weight, next_norm.eps)
+    def forward(self, hidden, cos, sin, cache, layer_idx, start, positions, use_kernel, seq_len_on_device,
+                observer):
+        """hidden: the residual stream [B, T, H] -> the stream after this layer.
+
+        A decode or verify step on CUDA (`decode_fusion_applies`) runs the layer in six launches:
+        norm+qkv, rope+cache write, attention (two at long context), o+residual, norm+gate/up+silu*mul,
+        down+residual; their rows stay independent of the step's width (kernels.small_matmul).
+        Prefill chunks and CPU steps run the same maths op by op."""
+        fuse = decode_fusion_applies(hidden)
+        attn = self.self_attn(hidden, self.input_layernorm, cos, sin, cache, layer_idx, start, positions, use_kernel,
+                              seq_len_on_device, observer, fuse=fuse)
+        post, mlp = self.post_attention_layernorm, self.mlp
+        if fuse:
+            hidden = fused_project(attn, self.self_attn.o_proj, residual=hidden)
+            act = fused_project(hidden, mlp.gate_up_proj, norm=post, gated=True)
+            return fused_project(act, mlp.down_proj, residual=hidden)
+        hidden, normed = fused.add_rms_norm(project(attn, self.self_attn.o_proj), hidden, post.weight, post.eps)
+        return hidden + mlp(normed)
+
+
+def decode_fusion_applies(x: torch.Tensor) -> bool:
+    """True for a step of few rows on CUDA with the invariant kernel on: the fused layer path."""
+    return linear._small_linear is not None and x.is_cuda and x.shape[0] * x.shape[1] <= linear.MAX_INVARIANT_ROWS
+
+
+def fused_project(x: torch.Tensor, layer: nn.Linear, *, norm: Optional[RMSNorm] = None,
+                  residual: Optional[torch.Tensor] = None, gated: bool = False) -> torch.Tensor:
+    """x: [B, T, K] -> [B, T, N] through kernels.small_matmul with its fusions: RMSNorm of x first,
+    silu(gate) * up of a stacked gate/up weight (N = rows / 2), plus `residual` [B, T, N]."""
+    from kernels.small_matmul import small_linear
+
+    rows = x.shape[0] * x.shape[1]
+    out = small_linear(
+        x.reshape(rows, x.shape[-1]), layer.weight, layer.bias,
+        norm_weight=None if norm is None else norm.weight, eps=1e-6 if norm is None else norm.eps,
+        residual=None if residual is None else residual.reshape(rows, -1), gated=gated,
+    )
+    return out.view(*x.shape[:-1], -1)
 
 
 class Transformer(nn.Module):
@@ -167,14 +202,13 @@ class Transformer(nn.Module):
             positions = offsets + start
             seq_len_on_device = None
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]  # [T, D]
-        residual = self.embed_tokens(tokens)
-        normed = self.layers[0].input_layernorm(residual)
+        hidden = self.embed_tokens(tokens)
         for i, layer in enumerate(self.layers):
-            next_norm = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
-            residual, normed = layer(residual, normed, next_norm, cos, sin, cache, i, start, positions,
-                                     self.use_attention_kernel, seq_len_on_device, observer)
+            hidden = layer(hidden, cos, sin, cache, i, start, positions, self.use_attention_kernel,
+                           seq_len_on_device, observer)
         if last_only:
-            normed = normed[:, -1:]
+            hidden = hidden[:, -1:]
+        normed = self.norm(hidden)
         if not head:
             return normed
         return project(normed, self.lm_head).float()

@@ -86,3 +86,49 @@ def patch_interpreter_index() -> None:
 
     patch_lang_tensor._batchd_index_fix = True
     interpreter._patch_lang_tensor = patch_lang_tensor
+    _patch_interpreter_dot(interpreter)
+
+
+def _patch_interpreter_dot(interpreter) -> None:
+    """Make the interpreter's tl.dot row-independent, as the compiled MMA is.
+
+    The interpreter multiplies tiles with np.matmul in float32, whose BLAS blocking (numpy 2.4)
+    can change a row's last bits with the values in the tile's other rows, so batch-invariance
+    tests would fail on the CPU for a reason the GPU does not have. Float products are summed in
+    float64 (every float16/bfloat16/float32 product is exact there) and rounded once."""
+    import numpy as np
+
+    builder = interpreter.InterpreterBuilder
+    original = builder.create_dot
+    if getattr(original, "_batchd_dot_fix", False):
+        return
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        if not (a.dtype.is_floating() and b.dtype.is_floating()) or a.dtype.primitive_bitwidth == 8 \
+                or b.dtype.primitive_bitwidth == 8:
+            return original(self, a, b, d, input_precision, max_num_imprecise_acc)
+        product = np.matmul(a.data.astype(np.float64), b.data.astype(np.float64))
+        return interpreter.TensorHandle((product + d.data).astype(d.data.dtype), d.dtype.scalar)
+
+    create_dot._batchd_dot_fix = True
+    builder.create_dot = create_dot
+
+
+@functools.cache
+def _cuda_capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def pdl_enabled(device: torch.device) -> bool:
+    """Programmatic dependent launch (Hopper and later, compiled kernels only): a kernel may start
+    while the one before it finishes, waiting (griddepcontrol.wait) only before it reads that
+    kernel's results. Set BATCHD_PDL=0 to turn it off (benchmarks compare both)."""
+    if device.type != "cuda" or interpreting() or os.environ.get("BATCHD_PDL", "1") == "0":
+        return False
+    return _cuda_capability(device.index if device.index is not None else torch.cuda.current_device())[0] >= 9
+
+
+def launch_options(pdl: bool) -> dict:
+    """Extra launch keywords for a Triton kernel: `launch_pdl` only where it is on (the CPU
+    interpreter knows no such option)."""
+    return {"launch_pdl": True} if pdl else {}

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._backend import interpreting, multiprocessor_count, patch_interpreter_index
+from kernels._backend import interpreting, launch_options, multiprocessor_count, patch_interpreter_index, pdl_enabled
 
 LOG2E = 1.4426950408889634
 INVARIANT_Q_ROWS = 16  # tiles are sized for the widest verify, whatever Q a call has
@@ -45,9 +45,12 @@ def _decode_split_kernel(
     H_KV, S_MAX,
     Q_ROWS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     tl.static_assert(BLOCK_M >= GROUP * Q_ROWS)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()                 # q and the new cache rows come from the kernel before
+        tl.extra.cuda.gdc_launch_dependents()
     tl.static_assert(BLOCK_D >= HEAD_DIM)
     pid_s = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -114,8 +117,11 @@ def _merge_splits_kernel(
     stride_ob, stride_oh, stride_oq,
     H_Q, S_MAX,
     Q_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS_FROM_SEQ_LEN: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS_FROM_SEQ_LEN: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     pid = tl.program_id(0)                   # flat (b, head, lane)
     b = pid // (H_Q * Q_ROWS)
     head = (pid // Q_ROWS) % H_Q
@@ -161,13 +167,14 @@ def default_num_splits(batch_heads: int, max_len: int, block_n: int, device: tor
 def merge_splits(o_part: torch.Tensor, l_part: torch.Tensor, out: torch.Tensor, seq_len: torch.Tensor,
                  *, block_n: int, splits_from_seq_len: bool, s_max: int = 0) -> torch.Tensor:
     B, Hq, QR, num_splits, D = o_part.shape
+    pdl = pdl_enabled(out.device)
     _merge_splits_kernel[(B * Hq * QR,)](
         o_part, l_part, out, seq_len,
         out.stride(0), out.stride(1), out.stride(2),
         Hq, s_max,
         Q_ROWS=QR, HEAD_DIM=D, NUM_SPLITS=num_splits, SPLITS_P2=triton.next_power_of_2(num_splits),
         BLOCK_N=block_n, BLOCK_D=triton.next_power_of_2(D), SPLITS_FROM_SEQ_LEN=splits_from_seq_len,
-        num_warps=4,
+        USE_PDL=pdl, num_warps=4, **launch_options(pdl),
     )
     return out
 
@@ -198,6 +205,7 @@ def decode_attention_triton(
     o_part = torch.empty(B, Hq, QR, num_splits, D, dtype=torch.float32, device=q.device)
     l_part = torch.empty(B, Hq, QR, num_splits, dtype=torch.float32, device=q.device)
     upcast, precision = dot_flags(q.dtype)
+    pdl = pdl_enabled(q.device)
     _decode_split_kernel[(num_splits, B * Hkv)](
         q, k_cache, v_cache, seq_len, o_part, l_part,
         scale * LOG2E,
@@ -207,10 +215,11 @@ def decode_attention_triton(
         Hkv, S_max,
         Q_ROWS=QR, GROUP=G, HEAD_DIM=D, NUM_SPLITS=num_splits,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=triton.next_power_of_2(D),
-        UPCAST_DOT=upcast, DOT_PRECISION=precision,
-        num_warps=num_warps, num_stages=num_stages,
+        UPCAST_DOT=upcast, DOT_PRECISION=precision, USE_PDL=pdl,
+        num_warps=num_warps, num_stages=num_stages, **launch_options(pdl),
     )
-    out = torch.empty(B, Hq, QR, D, dtype=q.dtype, device=q.device)
+    # [B, Q, Hq, D] memory seen as [B, Hq, Q, D]: the o projection reads rows [B*Q, Hq*D] as they are
+    out = torch.empty(B, QR, Hq, D, dtype=q.dtype, device=q.device).transpose(1, 2)
     return merge_splits(o_part, l_part, out, seq_len, block_n=block_n, splits_from_seq_len=True, s_max=S_max)
 
 

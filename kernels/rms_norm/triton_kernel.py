@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._backend import interpreting, patch_interpreter_index
+from kernels._backend import interpreting, launch_options, patch_interpreter_index, pdl_enabled
 
 if interpreting():
     patch_interpreter_index()
@@ -16,7 +16,10 @@ if interpreting():
 
 @triton.jit
 def _rms_norm_kernel(X, Res, W, Out, HOut, eps, H, stride_x, stride_r, stride_o, stride_h,
-                     HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+                     HAS_RES: tl.constexpr, USE_PDL: tl.constexpr, BLOCK: tl.constexpr):
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     ok = offs < H
@@ -39,9 +42,11 @@ def rms_norm_triton(x, weight, eps, residual=None):
     res = residual.reshape(-1, H) if residual is not None else rows
     h_out = torch.empty_like(rows) if residual is not None else rows
     block = triton.next_power_of_2(H)
+    pdl = pdl_enabled(x.device)
     _rms_norm_kernel[(rows.shape[0],)](
         rows, res, weight, out, h_out, eps, H,
         rows.stride(0), res.stride(0), out.stride(0), h_out.stride(0),
-        HAS_RES=residual is not None, BLOCK=block, num_warps=4 if block <= 2048 else 8,
+        HAS_RES=residual is not None, USE_PDL=pdl, BLOCK=block, num_warps=4 if block <= 2048 else 8,
+        **launch_options(pdl),
     )
     return out.view(x.shape), (h_out.view(x.shape) if residual is not None else x)

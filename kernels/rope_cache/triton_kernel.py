@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._backend import interpreting, patch_interpreter_index
+from kernels._backend import interpreting, launch_options, patch_interpreter_index, pdl_enabled
 
 if interpreting():
     patch_interpreter_index()
@@ -25,8 +25,11 @@ def _rope_and_store_kernel(
     stride_qo_b, stride_qo_h, stride_qo_t,  # QOut [B, Hq, T, D]
     stride_cb, stride_ch, stride_cn,      # caches [B, Hkv, S_max, D]
     HQ: tl.constexpr, HKV: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
-    USE_NORM: tl.constexpr,
+    USE_NORM: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0)                # b * T + t
     head = tl.program_id(1)
     b = row // T
@@ -77,6 +80,7 @@ def rope_and_store_triton(qkv, cos, sin, positions, k_cache, v_cache, num_heads,
     rows = qkv.reshape(B * T, width)
     q_out = torch.empty(B, num_heads, T, D, dtype=qkv.dtype, device=qkv.device)
     use_norm = q_norm is not None
+    pdl = pdl_enabled(qkv.device)
     _rope_and_store_kernel[(B * T, num_heads + num_kv_heads)](
         rows, cos, sin, positions, q_norm if use_norm else rows, k_norm if use_norm else rows,
         q_out, k_cache, v_cache,
@@ -84,7 +88,7 @@ def rope_and_store_triton(qkv, cos, sin, positions, k_cache, v_cache, num_heads,
         rows.stride(0),
         q_out.stride(0), q_out.stride(1), q_out.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        HQ=num_heads, HKV=num_kv_heads, HEAD_DIM=D, HALF=D // 2, USE_NORM=use_norm,
-        num_warps=1,
+        HQ=num_heads, HKV=num_kv_heads, HEAD_DIM=D, HALF=D // 2, USE_NORM=use_norm, USE_PDL=pdl,
+        num_warps=1, **launch_options(pdl),
     )
     return q_out

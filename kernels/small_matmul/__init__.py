@@ -2,6 +2,11 @@
 
     out = small_linear(x, weight, bias)          # x [M, K], weight [N, K], bias [N] or None -> [M, N]
 
+Decode-step fusions (each saves a launch per layer, which at batch 1 costs more than the bytes):
+    small_linear(h, w_qkv, b, norm_weight=ln.weight, eps=ln.eps)   # RMSNorm(h) first
+    small_linear(h, w_gate_up, norm_weight=..., gated=True)       # silu(x Wg^T) * (x Wu^T) -> [M, N/2]
+    small_linear(a, w_o, residual=h)                                # h + a W^T
+
 Guarantee (Triton backend): out[i] depends only on x[i], bitwise. It does not change with M (1..32)
 or with the other rows or with where row i sits in the batch, so a token's logits are the same
 whether the model runs on 1 token (decode) or on q + 1 (speculative verification). cuBLAS does not
@@ -50,11 +55,33 @@ def check_linear_inputs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
             raise ValueError(f"bias on {bias.device}, x on {x.device}")
 
 
+def check_fusion_inputs(x, weight, bias, norm_weight, residual, gated) -> None:
+    M, K = x.shape
+    N = weight.shape[0] // 2 if gated else weight.shape[0]
+    if gated:
+        if weight.shape[0] % 2:
+            raise ValueError(f"a gated weight stacks gate and up rows: [2N, K], got {list(weight.shape)}")
+        if bias is not None:
+            raise ValueError("a gated projection takes no bias")
+    if norm_weight is not None and (norm_weight.shape != (K,) or norm_weight.dtype != x.dtype
+                                    or norm_weight.stride(0) != 1 or norm_weight.device != x.device):
+        raise ValueError(f"norm_weight must be a contiguous [{K}] {x.dtype} tensor on {x.device}, got "
+                         f"{list(norm_weight.shape)} {norm_weight.dtype} on {norm_weight.device}")
+    if residual is not None and (residual.shape != (M, N) or residual.dtype != x.dtype
+                                 or residual.stride(1) != 1 or residual.device != x.device):
+        raise ValueError(f"residual must be a [{M}, {N}] {x.dtype} tensor with contiguous rows on {x.device}, "
+                         f"got {list(residual.shape)} {residual.dtype} strides {residual.stride()}")
+
+
 def small_linear(
     x: torch.Tensor,                     # [M, K], M = 1..32, bf16/f16/f32, contiguous rows
-    weight: torch.Tensor,                # [N, K] (nn.Linear layout), x's dtype, contiguous rows
+    weight: torch.Tensor,                # [N, K] (nn.Linear layout; [2N, K] gate then up when gated)
     bias: torch.Tensor | None = None,    # [N], x's dtype
     *,
+    norm_weight: torch.Tensor | None = None,   # [K]: x goes through RMSNorm(norm_weight, eps) first
+    eps: float = 1e-6,
+    residual: torch.Tensor | None = None,      # [M, N]: returned plus the product
+    gated: bool = False,                       # silu(x Wg^T) * (x Wu^T) -> [M, N]
     backend: str = "auto",               # "auto" | "triton" | "reference"
 ) -> torch.Tensor:
     """x @ weight.T (+ bias) -> [M, N] in x's dtype, float32 accumulation, batch-invariant per row.
@@ -62,13 +89,16 @@ def small_linear(
     backend "auto" runs Triton on CUDA and the reference elsewhere; "triton" also runs on CPU under
     TRITON_INTERPRET=1. The Triton path never syncs the host and can be captured in a CUDA graph.
     Tile sizes and k splits are fixed per (N, K, dtype) (kernels/small_matmul/triton_kernel.py).
+    Rounding follows the unfused ops: normed x, the product, silu(gate) and up each in x's dtype.
     """
-    check_linear_inputs(x, weight, bias)
+    check_linear_inputs(x, weight[: weight.shape[0] // 2] if gated else weight, bias)
+    check_fusion_inputs(x, weight, bias, norm_weight, residual, gated)
     if resolve_backend(backend, x.device) == "reference":
-        return small_linear_reference(x, weight, bias)
+        return small_linear_reference(x, weight, bias, norm_weight=norm_weight, eps=eps, residual=residual,
+                                      gated=gated)
     from kernels.small_matmul.triton_kernel import small_linear_triton
 
-    return small_linear_triton(x, weight, bias)
+    return small_linear_triton(x, weight, bias, norm_weight=norm_weight, eps=eps, residual=residual, gated=gated)
 
 
-__all__ = ["small_linear", "small_linear_reference", "check_linear_inputs", "MAX_ROWS"]
+__all__ = ["small_linear", "check_fusion_inputs", "small_linear_reference", "check_linear_inputs", "MAX_ROWS"]

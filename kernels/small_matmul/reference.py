@@ -5,21 +5,42 @@ Each row is computed on its own, in float32, so row i of the result depends on x
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 
 def small_linear_reference(
     x: torch.Tensor,                     # [M, K]
-    weight: torch.Tensor,                # [N, K]
+    weight: torch.Tensor,                # [N, K] ([2N, K] gate then up when gated)
     bias: torch.Tensor | None = None,    # [N]
     compute_dtype: torch.dtype = torch.float32,
+    *,
+    norm_weight: torch.Tensor | None = None,   # [K]
+    eps: float = 1e-6,
+    residual: torch.Tensor | None = None,      # [M, N]
+    gated: bool = False,
 ) -> torch.Tensor:
-    """out[i] = weight @ x[i] (+ bias), one row at a time in `compute_dtype`. -> [M, N] in x's dtype."""
+    """out[i] = weight @ x[i] (+ bias), one row at a time in `compute_dtype`. -> [M, N] in x's dtype.
+
+    With the fusions, each intermediate is rounded to x's dtype where the unfused ops round it:
+    x[i] <- norm_weight * rmsnorm(x[i]); out[i] <- silu(gate) * up; out[i] <- residual[i] + out[i]."""
+    dtype = x.dtype
+    if norm_weight is not None:
+        x32 = x.float()
+        x = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)
+        x = (x.float() * norm_weight.float()).to(dtype)
     w = weight.to(compute_dtype)
     b = None if bias is None else bias.to(compute_dtype)
-    out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
+    n_out = weight.shape[0] // 2 if gated else weight.shape[0]
+    out = torch.empty(x.shape[0], n_out, dtype=dtype, device=x.device)
     for i in range(x.shape[0]):
         row = w @ x[i].to(compute_dtype)
         if b is not None:
             row = row + b
-        out[i] = row.to(x.dtype)
+        row = row.to(dtype)
+        if gated:
+            gate, up = row[:n_out].float(), row[n_out:].float()
+            row = (F.silu(gate).to(dtype).float() * up).to(dtype)
+        if residual is not None:
+            row = (row.float() + residual[i].float()).to(dtype)
+        out[i] = row
     return out

@@ -17,16 +17,18 @@ Nothing syncs the host; outputs come from torch.empty, so a call can be captured
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from kernels._backend import interpreting, multiprocessor_count, patch_interpreter_index
+from kernels._backend import interpreting, launch_options, multiprocessor_count, patch_interpreter_index, pdl_enabled
 
 BLOCK_M = 16
 REDUCE_BLOCK = 1024
+PREFETCH_MAX_BYTES = 32 << 20
 
 if interpreting():
     patch_interpreter_index()
@@ -84,91 +86,160 @@ def heuristic_config(N: int, K: int, dtype: torch.dtype, sms: int) -> SmallLinea
     return SmallLinearConfig(64, block_k, splits, num_warps=4, num_stages=4 if size <= 2 else 3, swap=True)
 
 
-def choose_config(N: int, K: int, dtype: torch.dtype, device: torch.device) -> SmallLinearConfig:
-    """The one config for (N, K, dtype) on `device`: the tuned table on CUDA, else the heuristic."""
+def choose_config(N: int, K: int, dtype: torch.dtype, device: torch.device, *, gated: bool = False
+                  ) -> SmallLinearConfig:
+    """The one config for (N, K, dtype) on `device`: the tuned table on CUDA, else the heuristic.
+    Gated (N outputs from a [2N, K] gate/up weight): the [2N, K] entry with half-height tiles, so a
+    program reads as many weight bytes as before, and never a k split (silu needs the whole sum)."""
+    rows = 2 * N if gated else N
+    config = None
     if device.type == "cuda" and dtype.itemsize == 2:
-        tuned = TUNED.get((N, K, 2))
-        if tuned is not None:
-            return tuned
-    return heuristic_config(N, K, dtype, multiprocessor_count(device))
+        config = TUNED.get((rows, K, 2))
+    if config is None:
+        config = heuristic_config(rows, K, dtype, multiprocessor_count(device))
+    if gated:
+        config = dataclasses.replace(config, block_n=max(16, config.block_n // 2), splits=1)
+    return config
+
+
+@triton.jit
+def _prefetch_l2(ptrs):
+    """Ask L2 for the 128-byte lines at `ptrs` (no registers, no wait): PTX prefetch.global.L2."""
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // dummy $0", "=r,l", [ptrs], dtype=tl.int32,
+                              is_pure=False, pack=1)
 
 
 @triton.jit(do_not_specialize=["M"])
 def _small_linear_kernel(
-    X, W, Bias, Out, Part,     # X [M, K]; W [N, K]; Bias [N]; Out [M, N]; Part [SPLITS, M, N] f32
-    M, N, K,
-    stride_xm, stride_wn, stride_om,
+    X, W, Bias, NormW, Res, Out, Part,
+    # X [M, K]; W [N, K] ([2N, K] gate then up when GATED); Bias [N]; NormW [K]; Res [M, N];
+    # Out [M, N]; Part [SPLITS, M, N] f32
+    M, N, K, eps,
+    stride_xm, stride_wn, stride_rm, stride_om,
     k_per_split,               # multiple of BLOCK_K
     HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, SWAP: tl.constexpr,
     EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
     UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    NORM: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr,
+    USE_PDL: tl.constexpr, PREFETCH: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     tl.static_assert(BLOCK_M >= 16)
     tl.static_assert(BLOCK_K % 16 == 0)
+    tl.static_assert(not (GATED and SPLIT))
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_s = tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
     m_ok = offs_m < M
     n_ok = offs_n < N
     k_start = pid_s * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
+    dtype = X.dtype.element_ty
 
-    x_ptrs = X + offs_m[:, None] * stride_xm + tl.arange(0, BLOCK_K)[None, :]
-    w_ptrs = W + offs_n[:, None].to(tl.int64) * stride_wn + tl.arange(0, BLOCK_K)[None, :]
+    w_ptrs = W + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+    up_ptrs = w_ptrs + N.to(tl.int64) * stride_wn           # GATED: the up rows sit N rows below
+    if PREFETCH:
+        # The weights never depend on the previous kernel: under programmatic dependent launch
+        # this runs while that kernel finishes, so the loop below reads them from L2.
+        rows = tl.minimum(offs_n, N - 1).to(tl.int64) * stride_wn
+        for k0 in range(k_start, k_end, 8 * 64):
+            cols = tl.minimum(k0 + tl.arange(0, 8) * 64, K - 1)           # one address per 128 B (bf16)
+            _prefetch_l2(W + rows[:, None] + cols[None, :])
+            if GATED:
+                _prefetch_l2(W + N.to(tl.int64) * stride_wn + rows[:, None] + cols[None, :])
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()                 # X, Res: written by the previous kernel
+        tl.extra.cuda.gdc_launch_dependents()    # the next kernel may start its prefetch
+
+    x_ptrs = X + offs_m[:, None] * stride_xm + offs_k[None, :]
+    if NORM:
+        # RMSNorm of each row folded in: statistics over all of K (every split reads the whole row)
+        sumsq = tl.zeros([BLOCK_M], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            xs = tl.load(x_ptrs + k0, mask=m_ok[:, None] & ((k0 + offs_k) < K)[None, :], other=0.0)
+            xs = xs.to(tl.float32)
+            sumsq += tl.sum(xs * xs, 1)
+        inv_rms = tl.rsqrt(sumsq / K + eps)
+
     if SWAP:
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        acc_up = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
         if EVEN_K:
             x = tl.load(x_ptrs + k0, mask=m_ok[:, None], other=0.0)
             if EVEN_N:
                 w = tl.load(w_ptrs + k0, eviction_policy="evict_first")
+                if GATED:
+                    u = tl.load(up_ptrs + k0, eviction_policy="evict_first")
             else:
                 w = tl.load(w_ptrs + k0, mask=n_ok[:, None], other=0.0, eviction_policy="evict_first")
+                if GATED:
+                    u = tl.load(up_ptrs + k0, mask=n_ok[:, None], other=0.0, eviction_policy="evict_first")
         else:
-            k_ok = (k0 + tl.arange(0, BLOCK_K)) < K
+            k_ok = (k0 + offs_k) < K
             x = tl.load(x_ptrs + k0, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
             w = tl.load(w_ptrs + k0, mask=n_ok[:, None] & k_ok[None, :], other=0.0, eviction_policy="evict_first")
+            if GATED:
+                u = tl.load(up_ptrs + k0, mask=n_ok[:, None] & k_ok[None, :], other=0.0,
+                            eviction_policy="evict_first")
+        if NORM:
+            # as kernels.rms_norm: normalise in float32, round to the model dtype, then scale
+            nw = tl.load(NormW + k0 + offs_k, mask=(k0 + offs_k) < K, other=0.0).to(tl.float32)
+            x = ((x.to(tl.float32) * inv_rms[:, None]).to(dtype).to(tl.float32) * nw[None, :]).to(dtype)
         if UPCAST_DOT:
             x = x.to(tl.float32)
             w = w.to(tl.float32)
+            if GATED:
+                u = u.to(tl.float32)
         if SWAP:
             acc = tl.dot(w, tl.trans(x), acc, input_precision=DOT_PRECISION)       # [BLOCK_N, BLOCK_M]
+            if GATED:
+                acc_up = tl.dot(u, tl.trans(x), acc_up, input_precision=DOT_PRECISION)
         else:
             acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)       # [BLOCK_M, BLOCK_N]
+            if GATED:
+                acc_up = tl.dot(x, tl.trans(u), acc_up, input_precision=DOT_PRECISION)
 
     if SWAP:
         mask = n_ok[:, None] & m_ok[None, :]
-        if SPLIT:
-            ptrs = Part + (pid_s * M + offs_m[None, :]) * N + offs_n[:, None]
-            tl.store(ptrs, acc, mask=mask)
-        else:
-            if HAS_BIAS:
-                acc += tl.load(Bias + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
-            ptrs = Out + offs_m[None, :] * stride_om + offs_n[:, None]
-            tl.store(ptrs, acc.to(Out.dtype.element_ty), mask=mask)
+        col_n = offs_n[:, None]
+        row_m = offs_m[None, :]
     else:
         mask = m_ok[:, None] & n_ok[None, :]
-        if SPLIT:
-            ptrs = Part + (pid_s * M + offs_m[:, None]) * N + offs_n[None, :]
-            tl.store(ptrs, acc, mask=mask)
-        else:
-            if HAS_BIAS:
-                acc += tl.load(Bias + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-            ptrs = Out + offs_m[:, None] * stride_om + offs_n[None, :]
-            tl.store(ptrs, acc.to(Out.dtype.element_ty), mask=mask)
+        col_n = offs_n[None, :]
+        row_m = offs_m[:, None]
+    if SPLIT:
+        tl.store(Part + (pid_s * M + row_m) * N + col_n, acc, mask=mask)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(Bias + col_n, mask=mask, other=0.0).to(tl.float32)
+        y = acc.to(dtype)
+        if GATED:
+            # silu(gate) * up with the eager rounding: gate, up and silu(gate) each in the model dtype
+            g = y.to(tl.float32)
+            silu = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
+            y = (silu * acc_up.to(dtype).to(tl.float32)).to(dtype)
+        if RESIDUAL:
+            y = (y.to(tl.float32) + tl.load(Res + row_m * stride_rm + col_n, mask=mask, other=0.0).to(tl.float32))
+            y = y.to(dtype)
+        tl.store(Out + row_m * stride_om + col_n, y.to(Out.dtype.element_ty), mask=mask)
 
 
 @triton.jit(do_not_specialize=["M"])
 def _reduce_splits_kernel(
-    Part, Bias, Out,           # Part [SPLITS, M, N] f32; Bias [N]; Out [M, N]
-    M, N, stride_om, splits,
-    HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr,
+    Part, Bias, Res, Out,      # Part [SPLITS, M, N] f32; Bias [N]; Res [M, N]; Out [M, N]
+    M, N, stride_rm, stride_om, splits,
+    HAS_BIAS: tl.constexpr, RESIDUAL: tl.constexpr, USE_PDL: tl.constexpr, BLOCK: tl.constexpr,
 ):
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < N
@@ -177,7 +248,11 @@ def _reduce_splits_kernel(
         acc += tl.load(Part + (s * M + row) * N + offs, mask=ok, other=0.0)
     if HAS_BIAS:
         acc += tl.load(Bias + offs, mask=ok, other=0.0).to(tl.float32)
-    tl.store(Out + row * stride_om + offs, acc.to(Out.dtype.element_ty), mask=ok)
+    y = acc.to(Out.dtype.element_ty)
+    if RESIDUAL:
+        y = (y.to(tl.float32) + tl.load(Res + row * stride_rm + offs, mask=ok, other=0.0).to(tl.float32))
+        y = y.to(Out.dtype.element_ty)
+    tl.store(Out + row * stride_om + offs, y, mask=ok)
 
 
 def dot_flags(dtype: torch.dtype) -> tuple[bool, str]:
@@ -189,42 +264,57 @@ def dot_flags(dtype: torch.dtype) -> tuple[bool, str]:
 
 def small_linear_triton(
     x: torch.Tensor,                     # [M, K], M = 1..32, stride(1) == 1
-    weight: torch.Tensor,                # [N, K], stride(1) == 1
+    weight: torch.Tensor,                # [N, K] ([2N, K] when gated), stride(1) == 1
     bias: torch.Tensor | None,           # [N] contiguous or None
     *,
+    norm_weight: torch.Tensor | None = None,   # [K]: RMSNorm x first
+    eps: float = 1e-6,
+    residual: torch.Tensor | None = None,      # [M, N], stride(1) == 1: out = residual + product
+    gated: bool = False,                       # out = silu(x Wg^T) * (x Wu^T)
     config: SmallLinearConfig | None = None,
 ) -> torch.Tensor:
     """Shapes are validated by the public wrapper; `config` overrides the table (tests, bench --tune)."""
     M, K = x.shape
-    N = weight.shape[0]
+    N = weight.shape[0] // 2 if gated else weight.shape[0]
     if config is None:
-        config = choose_config(N, K, x.dtype, x.device)
+        config = choose_config(N, K, x.dtype, x.device, gated=gated)
     k_per_split = config.k_per_split(K)
     splits = triton.cdiv(K, k_per_split)
+    if gated and splits > 1:
+        raise ValueError(f"a gated projection cannot split K (config {config})")
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     part = torch.empty(splits, M, N, dtype=torch.float32, device=x.device) if splits > 1 else out
     upcast, precision = dot_flags(x.dtype)
+    pdl = pdl_enabled(x.device)
     grid = (triton.cdiv(M, BLOCK_M), triton.cdiv(N, config.block_n), splits)
     bias_arg = bias if bias is not None else out
+    res_arg = residual if residual is not None else out
     _small_linear_kernel[grid](
-        x, weight, bias_arg, out, part,
-        M, N, K,
-        x.stride(0), weight.stride(0), out.stride(0),
+        x, weight, bias_arg, norm_weight if norm_weight is not None else x, res_arg, out, part,
+        M, N, K, eps,
+        x.stride(0), weight.stride(0), res_arg.stride(0), out.stride(0),
         k_per_split,
         HAS_BIAS=bias is not None, SPLIT=splits > 1, SWAP=config.swap,
         EVEN_N=N % config.block_n == 0, EVEN_K=K % config.block_k == 0,
         UPCAST_DOT=upcast, DOT_PRECISION=precision,
+        NORM=norm_weight is not None, GATED=gated, RESIDUAL=residual is not None,
+        USE_PDL=pdl, PREFETCH=pdl and should_prefetch(weight),
         BLOCK_M=BLOCK_M, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        num_warps=config.num_warps, num_stages=config.num_stages, **launch_options(pdl),
     )
     if splits > 1:
         _reduce_splits_kernel[(M, triton.cdiv(N, REDUCE_BLOCK))](
-            part, bias_arg, out,
-            M, N, out.stride(0), splits,
-            HAS_BIAS=bias is not None, BLOCK=REDUCE_BLOCK,
-            num_warps=4,
+            part, bias_arg, res_arg, out,
+            M, N, res_arg.stride(0), out.stride(0), splits,
+            HAS_BIAS=bias is not None, RESIDUAL=residual is not None, USE_PDL=pdl, BLOCK=REDUCE_BLOCK,
+            num_warps=4, **launch_options(pdl),
         )
     return out
+
+
+def should_prefetch(weight: torch.Tensor) -> bool:
+    """Prefetch into L2 only what L2 can hold beside the kernel before (a fraction of its 50 MB)."""
+    return weight.numel() * weight.element_size() <= PREFETCH_MAX_BYTES
 
 
 __all__ = [

@@ -191,3 +191,76 @@ def test_cuda_graph_capture_replays_the_same_bits():
     torch.cuda.synchronize()
     assert torch.equal(captured, small_linear(x, w, b))
     assert not torch.equal(captured, eager)
+
+
+# ---- decode-step fusions: RMSNorm prologue, silu*mul of a gate/up weight, residual epilogue ----
+
+FUSIONS = [
+    pytest.param(True, False, False, (32, 32, 2, True), id="norm-split2"),
+    pytest.param(False, False, True, (32, 32, 3, False), id="residual-split3-noswap"),
+    pytest.param(True, False, True, (16, 32, 1, True), id="norm-residual"),
+    pytest.param(True, True, False, (16, 32, 1, True), id="norm-gated"),
+    pytest.param(False, True, False, (32, 64, 1, False), id="gated-noswap"),
+]
+
+
+def fused_inputs(M, N, K, dtype, norm, gated, residual, seed=2):
+    g = torch.Generator().manual_seed(seed)
+    x, w, _ = make(M, 2 * N if gated else N, K, dtype, seed=seed)
+    norm_w = (1 + 0.1 * torch.randn(K, generator=g)).to(dtype).to(DEVICE) if norm else None
+    res = torch.randn(M, N, generator=g).to(dtype).to(DEVICE) if residual else None
+    return x, w, norm_w, res
+
+
+@needs_triton
+@pytest.mark.triton
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])
+@pytest.mark.parametrize("norm, gated, residual, cfg", FUSIONS)
+def test_fused_matches_reference(norm, gated, residual, cfg, dtype):
+    from kernels.small_matmul.triton_kernel import small_linear_triton
+
+    M, N, K = 5, 40, 72
+    x, w, norm_w, res = fused_inputs(M, N, K, dtype, norm, gated, residual)
+    small_matmul.check_fusion_inputs(x, w, None, norm_w, res, gated)
+    out = small_linear_triton(x, w, None, norm_weight=norm_w, eps=1e-5, residual=res, gated=gated,
+                              config=config(*cfg))
+    ref = small_linear_reference(x, w, None, compute_dtype=torch.float64, norm_weight=norm_w, eps=1e-5,
+                                 residual=res, gated=gated)
+    assert out.shape == (M, N) and out.dtype == dtype
+    assert rel_err(out, ref) < 2 * REL_ERR[dtype]
+    # unfused ops of the reference agree with the fused reference's definition
+    if norm and not gated and not residual:
+        from kernels.rms_norm import rms_norm_reference
+
+        normed = rms_norm_reference(x, norm_w, 1e-5)[0]
+        assert rel_err(small_linear_reference(normed, w, None, compute_dtype=torch.float64), ref) < REL_ERR[dtype]
+
+
+@needs_triton
+@pytest.mark.triton
+@pytest.mark.parametrize("norm, gated, residual, cfg", FUSIONS[:2] + FUSIONS[3:4])
+def test_fused_rows_are_batch_invariant(norm, gated, residual, cfg):
+    from kernels.small_matmul.triton_kernel import small_linear_triton
+
+    x, w, norm_w, res = fused_inputs(17, 40, 72, torch.bfloat16, norm, gated, residual, seed=3)
+    cfg = config(*cfg)
+
+    def run(rows):
+        return small_linear_triton(x[rows], w, None, norm_weight=norm_w, residual=None if res is None else res[rows],
+                                   gated=gated, config=cfg)
+
+    alone = torch.cat([run(slice(i, i + 1)) for i in range(17)])
+    for M in (2, 5, 16, 17):
+        assert torch.equal(run(slice(0, M)), alone[:M]), f"M={M}: fused rows differ from one-row calls"
+
+
+def test_fusion_inputs_are_checked():
+    x, w = torch.randn(2, 8), torch.randn(5, 8)
+    with pytest.raises(ValueError, match="gate and up rows"):
+        small_linear(x, w, gated=True)
+    with pytest.raises(ValueError, match="norm_weight must be"):
+        small_linear(x, w, norm_weight=torch.ones(7))
+    with pytest.raises(ValueError, match="residual must be"):
+        small_linear(x, w, residual=torch.zeros(2, 4))
+    with pytest.raises(ValueError, match="no bias"):
+        small_linear(x, torch.randn(6, 8), torch.randn(3), gated=True)

@@ -9,11 +9,14 @@ greedy new tokens, then the same at 32K context. Prints one table:
 
 Run on the H200:  python bench/decode.py            (all shapes)
                   python bench/decode.py --shapes smollm2-135m --no-long
+                  python bench/decode.py --compare-pdl   (adds tok/s with programmatic dependent
+                                                          launch off, BATCHD_PDL=0, same weights)
 """
 from __future__ import annotations
 
 import argparse
 import gc
+import os
 import sys
 import time
 from pathlib import Path
@@ -86,12 +89,21 @@ def bench_shape(name: str, args, bandwidth: float) -> list[dict]:
         engine = Engine(model, None, max_context=prompt_len + args.new_tokens + 16, eos_ids=set())
         prompt = torch.randint(0, config.vocab_size, (prompt_len,), generator=torch.Generator().manual_seed(0)).tolist()
         out, tok_s = time_ours(engine, prompt, args.new_tokens)
+        if args.compare_pdl:
+            del engine
+            os.environ["BATCHD_PDL"] = "0"  # read at each launch: a fresh engine captures graphs without it
+            engine = Engine(model, None, max_context=prompt_len + args.new_tokens + 16, eos_ids=set())
+            off, off_tok_s = time_ours(engine, prompt, args.new_tokens)
+            os.environ.pop("BATCHD_PDL")
+            same = off.token_ids == out.token_ids
         avg_context = prompt_len + args.new_tokens / 2
         bytes_per_token = weight_bytes_per_token(model) + kv_bytes_per_token(config, avg_context)
         roofline = bandwidth / bytes_per_token
         row = {"shape": name, "context": prompt_len, "new": args.new_tokens, "decode tok/s": tok_s,
                "roofline tok/s": roofline, "of roofline": tok_s / roofline,
                "prefill tok/s": out and prompt_len / out.prefill_s}
+        if args.compare_pdl:
+            row.update({"PDL off tok/s": off_tok_s, "PDL gain": tok_s / off_tok_s, "same ids": same})
         if hf is not None:
             hf_new = args.hf_new_tokens if prompt_len == args.prompt else max(8, args.hf_new_tokens // 4)
             hf_tok_s = time_transformers(hf, prompt, hf_new)
@@ -117,6 +129,7 @@ def main() -> None:
     parser.add_argument("--hf-new-tokens", type=int, default=64)
     parser.add_argument("--no-hf", dest="hf", action="store_false")
     parser.add_argument("--no-fusion", dest="fusion", action="store_false")
+    parser.add_argument("--compare-pdl", action="store_true", help="also time with BATCHD_PDL=0")
     args = parser.parse_args()
     torch.manual_seed(0)
     if args.fusion:

@@ -40,22 +40,28 @@ def block_scores_reference(
     return scores.masked_fill(forced, float("inf"))
 
 
-def select_from_scores(scores: torch.Tensor, top_k: int) -> torch.Tensor:
-    """Top-k blocks per (lane, KV head group). -> block ids [B, Hkv, Q, top_k] int64, in no order.
+def select_from_scores(
+    scores: torch.Tensor,       # [B, Hkv, Q, NB] from block_scores_reference
+    top_k: int,
+    seq_len: torch.Tensor,      # [B] int64
+    keep_all_rows: int,
+) -> torch.Tensor:
+    """Blocks each lane attends to. -> [B, Hkv, Q, NB] bool
 
-    Where a lane sees fewer than top_k blocks some ids name blocks it cannot see; attention masks them.
+    The top_k highest-scoring blocks (ties: the lowest block ids), less any the lane cannot see; a lane
+    that sees at most `keep_all_rows` rows keeps every block it sees (dense attention for it).
     """
-    return torch.topk(scores, top_k, dim=-1, sorted=False).indices
+    QR = scores.shape[2]
+    best = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :top_k]
+    chosen = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, best, True)
+    keep_all = (lane_limits(seq_len, QR) + 1 <= keep_all_rows)[:, None, :, None]       # [B, 1, Q, 1]
+    return (chosen | keep_all) & (scores > float("-inf"))
 
 
-def selection_visibility(block_ids: torch.Tensor, seq_len: torch.Tensor, q_rows: int, block_size: int,
+def selection_visibility(selected: torch.Tensor, seq_len: torch.Tensor, q_rows: int, block_size: int,
                          max_len: int) -> torch.Tensor:
-    """visible[b, h, i, n]: row n is in a block selected for (b, h, lane i) and causally visible. -> bool"""
-    B, Hkv, QR, _ = block_ids.shape
-    n_blocks = max(-(-max_len // block_size), int(block_ids.max()) + 1)
-    chosen = torch.zeros(B, Hkv, QR, n_blocks, dtype=torch.bool, device=block_ids.device)
-    chosen.scatter_(-1, block_ids, True)
-    rows = chosen.repeat_interleave(block_size, dim=-1)[..., :max_len]          # [B, Hkv, Q, S]
+    """visible[b, h, i, n]: row n is in a block chosen for (b, h, lane i) and causally visible. -> bool"""
+    rows = selected.repeat_interleave(block_size, dim=-1)[..., :max_len]          # [B, Hkv, Q, S]
     return rows & causal_visibility(seq_len, q_rows, max_len)[:, None]
 
 
@@ -64,13 +70,13 @@ def sparse_attention_reference(
     k_cache: torch.Tensor,      # [B, Hkv, S_max, D]
     v_cache: torch.Tensor,      # [B, Hkv, S_max, D]
     seq_len: torch.Tensor,      # [B] int64
-    block_ids: torch.Tensor,    # [B, Hkv, Q, top_k]
+    selected: torch.Tensor,     # [B, Hkv, Q, NB] bool from select_from_scores
     block_size: int,
     scale: float,
     compute_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """Attention restricted to the selected blocks' causally visible rows. -> [B, Hq, Q, D] in q's dtype"""
     rows = int(seq_len.max())                                     # host sync: the reference is not for graphs
-    visible = selection_visibility(block_ids, seq_len, q.shape[2], block_size, rows)
+    visible = selection_visibility(selected, seq_len, q.shape[2], block_size, rows)
     k, v = k_cache[:, :, :rows], v_cache[:, :, :rows]
     return masked_attention_reference(q, k, v, visible, scale, compute_dtype).to(q.dtype)

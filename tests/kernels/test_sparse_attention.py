@@ -1,4 +1,5 @@
-"""Sparse attention: summaries, Quest scoring, per-lane selection, the dense/sparse rule."""
+"""Sparse attention: summaries, Quest scoring, per-lane selection, attention over the lanes' union of
+blocks (each lane bitwise equal to its own decode step), the dense/sparse rule."""
 from __future__ import annotations
 
 import math
@@ -9,7 +10,9 @@ import torch
 from kernels import BlockKeySummary, decode_attention, sparse_decode_attention, sparse_is_worthwhile
 from kernels.sparse_attention import (
     block_scores_reference,
+    keep_all_rows,
     select_blocks,
+    select_from_scores,
     selection_visibility,
     sparse_attention,
     sparse_attention_reference,
@@ -90,13 +93,13 @@ def test_bound_is_never_below_a_visible_score():
     assert (scores[finite] >= per_block[finite] - 1e-9).all()
 
 
-def forced_blocks_hold(block_ids, seq_len, QR, recent):
-    for b in range(block_ids.shape[0]):
+def forced_blocks_hold(selected, seq_len, QR, recent):
+    for b in range(selected.shape[0]):
         for i in range(QR):
             last = (int(seq_len[b]) - QR + i) // BS
             want = {0} | set(range(max(0, last - recent + 1), last + 1))
-            for h in range(block_ids.shape[1]):
-                if not want <= set(block_ids[b, h, i].tolist()):
+            for h in range(selected.shape[1]):
+                if not want <= set(selected[b, h, i].nonzero().flatten().tolist()):
                     return False
     return True
 
@@ -107,9 +110,9 @@ def test_sink_and_recent_blocks_always_selected(backend):
     q, k, _ = make(2, 6, 2, 5, 16, 160, torch.bfloat16)
     seq_len = torch.tensor([147, 98], device=DEVICE)
     summary = full_summary(k, 147)
-    ids = select_blocks(q, summary, seq_len, top_k=3, recent_blocks=2, backend=backend)
-    assert ids.shape == (2, 2, 5, 3)
-    assert forced_blocks_hold(ids.cpu(), seq_len.cpu(), 5, recent=2)
+    selected = select_blocks(q, summary, seq_len, top_k=3, recent_blocks=2, backend=backend)
+    assert selected.shape == (2, 2, 5, 10) and selected.dtype == torch.bool
+    assert forced_blocks_hold(selected.cpu(), seq_len.cpu(), 5, recent=2)
 
 
 @needs_triton
@@ -133,6 +136,37 @@ def test_triton_scores_match_reference(B, Hq, Hkv, QR, S_max, lengths, dtype):
     assert rel_err(got[finite], want[finite]) < 1e-5
 
 
+def test_selection_keeps_top_k_with_lowest_ids_on_ties_and_only_visible_blocks():
+    inf = float("inf")
+    scores = torch.tensor([[[[inf, 1.0, 3.0, 3.0, 3.0, 2.0, -inf, -inf],       # ties at the cut: lowest ids
+                             [inf, -inf, -inf, -inf, -inf, -inf, -inf, -inf],  # sees one block: keeps one
+                             [0.5, -1.0, 0.25, -2.0, 7.0, inf, inf, -inf]]]])
+    seq_len = torch.tensor([10_000])                                          # no lane keeps everything
+    want = torch.tensor([[[[1, 0, 1, 1, 0, 0, 0, 0],
+                           [1, 0, 0, 0, 0, 0, 0, 0],
+                           [0, 0, 0, 0, 1, 1, 1, 0]]]], dtype=torch.bool)
+    assert torch.equal(select_from_scores(scores, 3, seq_len, keep_all_rows=100), want)
+
+
+@needs_triton
+@pytest.mark.triton
+def test_triton_selection_equals_reference_selection():
+    """Same blocks as the stable-sort reference, ties and infinities included, for every lane."""
+    g = torch.Generator().manual_seed(7)
+    B, Hkv, QR, NB = 2, 2, 6, 37
+    scores = torch.randint(-4, 5, (B, Hkv, QR, NB), generator=g).float() / 4       # many ties
+    scores[..., 0] = float("inf")
+    scores[..., 30:] = float("-inf")
+    scores[0, 1, 2, :] = float("-inf")
+    scores[1, 0, 3, 5:] = float("-inf")                                            # fewer visible than top_k
+    seq_len = torch.tensor([2000, 1_000_000])
+    from kernels.sparse_attention.triton_kernel import select_from_scores_triton
+
+    for top_k in (1, 7, 30, NB):
+        got = select_from_scores_triton(scores.to(DEVICE), seq_len.to(DEVICE), top_k, 2000 - 3).cpu()
+        assert torch.equal(got, select_from_scores(scores, top_k, seq_len, 2000 - 3)), f"top_k={top_k}"
+
+
 @needs_triton
 @pytest.mark.triton
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "f16", "f32"])
@@ -146,13 +180,16 @@ def test_sparse_kernel_attends_exactly_the_selected_blocks(B, Hq, Hkv, QR, S_max
     q, k, v = make(B, Hq, Hkv, QR, 32, S_max, dtype)
     seq_len = torch.tensor(lengths, device=DEVICE)
     summary = full_summary(k, max(lengths))
-    ids = select_blocks(q, summary, seq_len, top_k=top_k, backend="triton")
-    out = sparse_attention(q, k, v, seq_len, ids, block_size=BS, backend="triton")
-    ref = sparse_attention_reference(q, k, v, seq_len, ids, BS, 1 / math.sqrt(32), torch.float64)
+    selected = select_blocks(q, summary, seq_len, top_k=top_k, backend="triton")
+    assert torch.equal(selected, select_blocks(q, summary, seq_len, top_k=top_k, backend="reference"))
+    out = sparse_attention(q, k, v, seq_len, selected, block_size=BS, backend="triton")
+    ref = sparse_attention_reference(q, k, v, seq_len, selected, BS, 1 / math.sqrt(32), torch.float64)
     assert rel_err(out, ref) < REL_ERR[dtype]
-    # and the masked reference really is narrower than dense attention
-    visible = selection_visibility(ids, seq_len, QR, BS, max(lengths))
-    assert visible.sum(-1).max() <= top_k * BS
+    # lanes that see more than twice the budget really attend to fewer rows than dense attention
+    visible = selection_visibility(selected, seq_len, QR, BS, max(lengths))
+    sparse_lanes = (seq_len[:, None] - QR + 1 + torch.arange(QR, device=DEVICE)) > keep_all_rows(top_k, BS)
+    assert sparse_lanes.any()
+    assert (visible.sum(-1)[sparse_lanes[:, None].expand(-1, Hkv, -1)] <= top_k * BS).all()
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -161,17 +198,84 @@ def test_every_visible_block_selected_equals_dense_for_every_lane(backend):
     q, k, v = make(2, 4, 2, 6, 16, 128, torch.float32)
     seq_len = torch.tensor([128, 53], device=DEVICE)
     summary = full_summary(k, 128)
-    ids = select_blocks(q, summary, seq_len, top_k=8, backend=backend)
-    out = sparse_attention(q, k, v, seq_len, ids, block_size=BS, backend=backend)
+    selected = select_blocks(q, summary, seq_len, top_k=8, backend=backend)
+    out = sparse_attention(q, k, v, seq_len, selected, block_size=BS, backend=backend)
     dense = decode_attention_reference(q, k, v, seq_len, compute_dtype=torch.float64)
     assert rel_err(out, dense) < 1e-5
+
+
+def lanes_and_solo_steps(q16, k, v, lengths, summary, top_k, widths):
+    """Run the Q-row sparse step for each Q in `widths` and the 16 one-row decode steps that its lanes
+    stand for (q16[:, :, t] is the query of position lengths - 16 + t); yield (Q, lane, step, solo)."""
+    seq_len = torch.tensor(lengths, device=DEVICE)
+    solo = []
+    for t in range(16):
+        q1 = q16[:, :, t:t + 1].contiguous()
+        sl = seq_len - 15 + t
+        chosen = select_blocks(q1, summary, sl, top_k=top_k, backend="triton")
+        solo.append(sparse_attention(q1, k, v, sl, chosen, block_size=summary.block_size, backend="triton"))
+    for QR in widths:
+        qq = q16[:, :, 16 - QR:].contiguous()
+        chosen = select_blocks(qq, summary, seq_len, top_k=top_k, backend="triton")
+        step = sparse_attention(qq, k, v, seq_len, chosen, block_size=summary.block_size, backend="triton")
+        for i in range(QR):
+            yield QR, i, step[:, :, i:i + 1], solo[16 - QR + i]
+
+
+@needs_triton
+@pytest.mark.triton
+@pytest.mark.parametrize("dtype, B, Hq, Hkv, S_max, lengths, top_k, widths", [
+    pytest.param(torch.bfloat16, 1, 4, 1, 208, [200], 4, range(1, 17), id="bf16-g4-inside-q1..16"),
+    pytest.param(torch.float16, 1, 6, 2, 192, [192], 3, (2, 5, 16), id="f16-g3-edge"),
+    pytest.param(torch.bfloat16, 2, 2, 2, 256, [256, 171], 5, (4, 8, 13), id="bf16-g1-two-lengths"),
+    pytest.param(torch.float16, 1, 8, 1, 240, [225], 4, (3, 16), id="f16-g8-inside"),
+])
+def test_verify_lane_equals_its_decode_step_bitwise(dtype, B, Hq, Hkv, S_max, lengths, top_k, widths):
+    """Lane i of a Q-row sparse step equals the one-row step at its position bit for bit, although the
+    step reads the union of all lanes' blocks: greedy output may not change with speculation on."""
+    q16, k, v = make(B, Hq, Hkv, 16, 16, S_max, dtype, seed=11)
+    summary = full_summary(k, max(lengths))
+    for QR, i, step, solo in lanes_and_solo_steps(q16, k, v, lengths, summary, top_k, widths):
+        assert torch.equal(step, solo), f"Q={QR} lane {i} differs from its decode step"
+
+
+@needs_triton
+@pytest.mark.triton
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
+def test_lanes_across_the_rule_equal_their_decode_steps_bitwise(dtype):
+    """A verify step whose first lanes see at most 2 * top_k blocks' rows (they keep every block) and
+    whose last lanes see more (top_k blocks): every lane equals its decode step through the public
+    entry, where the first lanes' decode steps run the dense kernel (same 64-row blocks)."""
+    top_k, QR, length = 3, 6, 387               # keep_all_rows = 384: lanes see 382..387 rows
+    q, k, v = make(1, 4, 1, QR, 16, 448, dtype, seed=5)
+    summary = full_summary(k, length, block_size=64)
+    step = sparse_decode_attention(q, k, v, length, summary, top_k=top_k, backend="triton")
+    for i in range(QR):
+        lane_len = length - QR + 1 + i
+        assert sparse_is_worthwhile(lane_len, 1, top_k, 64) == (lane_len > 384)
+        solo = sparse_decode_attention(q[:, :, i:i + 1].contiguous(), k, v, lane_len, summary, top_k=top_k,
+                                       backend="triton")
+        assert torch.equal(step[:, :, i:i + 1], solo), f"lane {i} ({lane_len} rows) differs from its decode step"
+
+
+@needs_triton
+@pytest.mark.triton
+def test_every_block_kept_equals_the_dense_kernel_bitwise():
+    """With all visible blocks kept, the sparse kernel does the dense kernel's arithmetic, block for block."""
+    q, k, v = make(2, 8, 2, 5, 32, 448, torch.bfloat16, seed=2)
+    seq_len = torch.tensor([448, 301], device=DEVICE)
+    n_blocks = 7
+    everything = torch.ones(2, 2, 5, n_blocks, dtype=torch.bool, device=DEVICE)
+    visible_blocks = torch.arange(n_blocks, device=DEVICE) * 64 < seq_len[:, None, None, None]
+    out = sparse_attention(q, k, v, seq_len, everything & visible_blocks, block_size=64, backend="triton")
+    assert torch.equal(out, decode_attention(q, k, v, seq_len, backend="triton"))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_rule_says_dense_result_is_dense_exactly(backend):
     q, k, v = make(1, 4, 2, 4, 16, 192, torch.bfloat16)
     summary = full_summary(k, 150)
-    assert not sparse_is_worthwhile(150, 4, top_k=5, block_size=BS)       # 80 kept of 147 visible
+    assert not sparse_is_worthwhile(150, 4, top_k=5, block_size=BS)       # 160 rows would be kept
     out = sparse_decode_attention(q, k, v, 150, summary, top_k=5, backend=backend)
     assert torch.equal(out, decode_attention(q, k, v, 150, backend=backend))
 
@@ -183,8 +287,8 @@ def test_rule_says_sparse_result_is_the_selected_blocks(backend):
     assert sparse_is_worthwhile(180, 2, top_k=4, block_size=BS)           # 64 kept of 179 visible
     seq_len = torch.tensor([180], device=DEVICE)
     out = sparse_decode_attention(q, k, v, 180, summary, top_k=4, backend=backend)
-    ids = select_blocks(q, summary, seq_len, top_k=4, backend=backend)
-    ref = sparse_attention_reference(q, k, v, seq_len, ids, BS, 0.25, torch.float64)
+    selected = select_blocks(q, summary, seq_len, top_k=4, backend=backend)
+    ref = sparse_attention_reference(q, k, v, seq_len, selected, BS, 0.25, torch.float64)
     assert rel_err(out, ref) < REL_ERR[torch.bfloat16]
     assert rel_err(out, decode_attention_reference(q, k, v, seq_len)) > 1e-3       # it did drop rows
 
@@ -192,8 +296,8 @@ def test_rule_says_sparse_result_is_the_selected_blocks(backend):
 @pytest.mark.parametrize("min_seq_len, q_rows, top_k, block_size, sparse", [
     (8193, 1, 64, 64, True),       # 8193 visible, 4096 kept: removes more than half
     (8192, 1, 64, 64, False),      # 8192 visible, 4096 kept: exactly half is not enough
-    (8200, 8, 64, 64, True),
-    (8199, 8, 64, 64, False),
+    (8193, 8, 64, 64, True),       # the last lane decides; the first lanes keep all their rows
+    (8192, 8, 64, 64, False),
 ])
 def test_sparse_only_when_more_than_half_removed(min_seq_len, q_rows, top_k, block_size, sparse):
     assert sparse_is_worthwhile(min_seq_len, q_rows, top_k, block_size) is sparse

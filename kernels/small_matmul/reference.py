@@ -21,19 +21,24 @@ def small_linear_reference(
 ) -> torch.Tensor:
     """out[i] = weight @ x[i] (+ bias), one row at a time in `compute_dtype`. -> [M, N] in x's dtype.
 
-    With the fusions, each intermediate is rounded to x's dtype where the unfused ops round it:
-    x[i] <- norm_weight * rmsnorm(x[i]); out[i] <- silu(gate) * up; out[i] <- residual[i] + out[i]."""
+    The fusions: RMSNorm of x[i] with the row's scale applied after the sum,
+    rsqrt(mean(x[i]^2) + eps) * (W (norm_weight * x[i])) with norm_weight * x[i] rounded to x's
+    dtype (the MMA's input); silu(gate) * up with gate, up and silu(gate) rounded to x's dtype; then
+    residual[i] + out[i], the product rounded first."""
     dtype = x.dtype
+    row_scale = None
     if norm_weight is not None:
         x32 = x.float()
-        x = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)
-        x = (x.float() * norm_weight.float()).to(dtype)
+        row_scale = torch.rsqrt(x32.pow(2).mean(-1) + eps).to(compute_dtype)  # [M]
+        x = (x32 * norm_weight.float()).to(dtype)
     w = weight.to(compute_dtype)
     b = None if bias is None else bias.to(compute_dtype)
     n_out = weight.shape[0] // 2 if gated else weight.shape[0]
     out = torch.empty(x.shape[0], n_out, dtype=dtype, device=x.device)
     for i in range(x.shape[0]):
         row = w @ x[i].to(compute_dtype)
+        if row_scale is not None:
+            row = row * row_scale[i]
         if b is not None:
             row = row + b
         row = row.to(dtype)

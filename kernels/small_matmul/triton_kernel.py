@@ -18,6 +18,7 @@ Nothing syncs the host; outputs come from torch.empty, so a call can be captured
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 
 import torch
@@ -155,14 +156,16 @@ def _small_linear_kernel(
         tl.extra.cuda.gdc_launch_dependents()    # the next kernel may start its prefetch
 
     x_ptrs = X + offs_m[:, None] * stride_xm + offs_k[None, :]
-    if NORM:
-        # RMSNorm of each row folded in: statistics over all of K (every split reads the whole row)
-        sumsq = tl.zeros([BLOCK_M], dtype=tl.float32)
+    # RMSNorm folded in: out = rsqrt(mean(x^2) + eps) * (W (norm_weight * x)), the row's scale
+    # applied after the sum. A split sees only its k range, so it first reads the whole row for the
+    # statistics (a serial loop of dependent loads: the tuned configs never split a normed input);
+    # without splits they accumulate in the main loop, from the x tiles it loads anyway.
+    sumsq = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if NORM and SPLIT:
         for k0 in range(0, K, BLOCK_K):
             xs = tl.load(x_ptrs + k0, mask=m_ok[:, None] & ((k0 + offs_k) < K)[None, :], other=0.0)
             xs = xs.to(tl.float32)
             sumsq += tl.sum(xs * xs, 1)
-        inv_rms = tl.rsqrt(sumsq / K + eps)
 
     if SWAP:
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
@@ -189,9 +192,11 @@ def _small_linear_kernel(
                 u = tl.load(up_ptrs + k0, mask=n_ok[:, None] & k_ok[None, :], other=0.0,
                             eviction_policy="evict_first")
         if NORM:
-            # as kernels.rms_norm: normalise in float32, round to the model dtype, then scale
+            x32 = x.to(tl.float32)
+            if not SPLIT:
+                sumsq += tl.sum(x32 * x32, 1)
             nw = tl.load(NormW + k0 + offs_k, mask=(k0 + offs_k) < K, other=0.0).to(tl.float32)
-            x = ((x.to(tl.float32) * inv_rms[:, None]).to(dtype).to(tl.float32) * nw[None, :]).to(dtype)
+            x = (x32 * nw[None, :]).to(dtype)
         if UPCAST_DOT:
             x = x.to(tl.float32)
             w = w.to(tl.float32)
@@ -214,8 +219,18 @@ def _small_linear_kernel(
         mask = m_ok[:, None] & n_ok[None, :]
         col_n = offs_n[None, :]
         row_m = offs_m[:, None]
+    if NORM:
+        inv_rms = tl.rsqrt(sumsq / K + eps)                 # [BLOCK_M]
+        if SWAP:
+            acc = acc * inv_rms[None, :]
+            if GATED:
+                acc_up = acc_up * inv_rms[None, :]
+        else:
+            acc = acc * inv_rms[:, None]
+            if GATED:
+                acc_up = acc_up * inv_rms[:, None]
     if SPLIT:
-        tl.store(Part + (pid_s * M + row_m) * N + col_n, acc, mask=mask)
+        tl.store(Part + (pid_s * M + row_m) * N + col_n, acc, mask=mask)   # each split scaled alike
     else:
         if HAS_BIAS:
             acc += tl.load(Bias + col_n, mask=mask, other=0.0).to(tl.float32)
@@ -313,7 +328,10 @@ def small_linear_triton(
 
 
 def should_prefetch(weight: torch.Tensor) -> bool:
-    """Prefetch into L2 only what L2 can hold beside the kernel before (a fraction of its 50 MB)."""
+    """Prefetch into L2 only what L2 can hold beside the kernel before (a fraction of its 50 MB).
+    BATCHD_L2_PREFETCH=0 turns it off (benchmarks compare)."""
+    if os.environ.get("BATCHD_L2_PREFETCH", "1") == "0":
+        return False
     return weight.numel() * weight.element_size() <= PREFETCH_MAX_BYTES
 
 

@@ -16,11 +16,15 @@ other strategy (host copy <-> reload from the checkpoint) before giving up.
 
 Parked weights go to pinned host memory ("host", kept between jobs so pinning is paid once) or
 are dropped and reloaded from the checkpoint ("reload"); `DEFAULT_PARK_STRATEGY` is the faster.
+A reload from a Hugging Face folder reads the safetensors straight into the device weights
+(`reload_hf_weights`: no hash, no host copy of the whole model), after checking that the files'
+sizes and mtimes are those seen at park; a GGUF goes through the full reader (dequantisation).
 Measured on the CPU (SmolLM2-135M fp32, 0.5 GiB, bench/pflash.py --device cpu): host park 0.43 s
 the first time (the copy; later parks find the restored weight is its own copy), unpark 0.03 s;
-reload park 0.05 s, unpark 1.1-1.3 s from a safetensors folder (read, hash, convert). On a GPU
-a pinned copy moves at PCIe speed both ways while a reload also reads, hashes and converts the
-checkpoint; bench/pflash.py measures both on the H200.
+reload park 0.05 s, unpark 1.1-1.3 s through load_checkpoint (read, hash, convert), before
+`reload_hf_weights`. On a GPU a pinned copy moves at PCIe speed both ways while a reload reads
+the disk (or the page cache) and copies from pageable memory; bench/pflash.py measures both on
+the H200 (cold and warm page cache) and ranks them.
 
 `step_hook(step, obj)` is called at "park" (engine), "load" (drafter, once it is on the
 device), "score" (drafter, after work), "release" (None) and "unpark" (engine, after the first

@@ -45,6 +45,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import print_table  # noqa: E402
+from engine import fused  # noqa: E402
 from engine.model import unfuse_hf_tensors  # noqa: E402
 from engine.presets import hf_config_dict, preset  # noqa: E402
 from engine.pflash import PromptCompressor, compress_for_request, default_scoring_chunk, set_compressor  # noqa: E402
@@ -374,6 +375,8 @@ def bench_random(rows, args, sections, lengths, windows, device, dtype, tmp: Pat
     drafter_tok = word_tokenizer(drafter_cfg.vocab_size, offset=1000)
     target_tok = word_tokenizer(target_cfg.vocab_size)
 
+    if torch.device(device).type == "cuda":
+        fused.enable_fusion()  # as in a worker, whose target engine turned it on before any drafter runs
     drafter_model = build_model(drafter_cfg, device, dtype, seed=1)
     drafter_folder = save_hf_folder(tmp / "drafter", drafter_model, drafter_cfg, drafter_tok)
     if "score" in sections:

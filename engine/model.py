@@ -52,12 +52,14 @@ class Attention(nn.Module):
 
     def forward(self, hidden, norm: RMSNorm, cos, sin, cache: KVCache, layer_idx: int, start: int, positions,
                 use_kernel: bool, seq_len_on_device=None, observer: Optional[AttentionObserver] = None,
-                fuse: bool = False):
+                normed_inputs=None):
         """hidden: the residual stream [B, T, H] -> attention output before o_proj [B, T, Hq * D].
-        `norm` (the layer's input norm) is applied first, folded into the qkv projection if `fuse`."""
+        `norm` (the layer's input norm) is applied first; with `normed_inputs` (kernels.small_matmul
+        NormInputs of hidden for that norm) it is folded into the qkv projection."""
         B, T, _ = hidden.shape
-        if fuse:
-            qkv = fused_project(hidden, self.qkv_proj, norm=norm)  # [B, T, (Hq + 2 Hkv) D]
+        if normed_inputs is not None:
+            qkv = fused_project(normed_inputs.weighted.view(hidden.shape), self.qkv_proj, norm_inputs=normed_inputs,
+                                eps=norm.eps)  # [B, T, (Hq + 2 Hkv) D]
         else:
             qkv = project(norm(hidden), self.qkv_proj)
         k_cache, v_cache = cache.keys[layer_idx], cache.values[layer_idx]
@@ -108,24 +110,27 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, hidden, cos, sin, cache, layer_idx, start, positions, use_kernel, seq_len_on_device,
-                observer):
-        """hidden: the residual stream [B, T, H] -> the stream after this layer.
+    def forward(self, hidden, normed_inputs, next_norm: RMSNorm, cos, sin, cache, layer_idx, start, positions,
+                use_kernel, seq_len_on_device, observer):
+        """hidden: the residual stream [B, T, H] -> (the stream after this layer, its NormInputs for
+        `next_norm` or None).
 
-        A decode or verify step on CUDA (`decode_fusion_applies`) runs the layer in six launches:
-        norm+qkv, rope+cache write, attention (two at long context), o+residual, norm+gate/up+silu*mul,
-        down+residual; their rows stay independent of the step's width (kernels.small_matmul).
-        Prefill chunks and CPU steps run the same maths op by op."""
-        fuse = decode_fusion_applies(hidden)
+        With `normed_inputs` (a decode or verify step on CUDA: `decode_fusion_applies`) the layer
+        runs in six launches: qkv with the input norm folded in, rope + cache write, attention (two
+        at long context), o + residual (emitting the post-attention norm's inputs), gate/up with that
+        norm folded in and silu*mul, down + residual (emitting `next_norm`'s inputs); rows stay
+        independent of the step's width (kernels.small_matmul). Prefill chunks and CPU steps run
+        the same maths op by op and pass None."""
         attn = self.self_attn(hidden, self.input_layernorm, cos, sin, cache, layer_idx, start, positions, use_kernel,
-                              seq_len_on_device, observer, fuse=fuse)
+                              seq_len_on_device, observer, normed_inputs=normed_inputs)
         post, mlp = self.post_attention_layernorm, self.mlp
-        if fuse:
-            hidden = fused_project(attn, self.self_attn.o_proj, residual=hidden)
-            act = fused_project(hidden, mlp.gate_up_proj, norm=post, gated=True)
-            return fused_project(act, mlp.down_proj, residual=hidden)
-        hidden, normed = fused.add_rms_norm(project(attn, self.self_attn.o_proj), hidden, post.weight, post.eps)
-        return hidden + mlp(normed)
+        if normed_inputs is None:
+            hidden, normed = fused.add_rms_norm(project(attn, self.self_attn.o_proj), hidden, post.weight, post.eps)
+            return hidden + mlp(normed), None
+        hidden, post_inputs = fused_project(attn, self.self_attn.o_proj, residual=hidden, emit_norm=post)
+        act = fused_project(post_inputs.weighted.view(hidden.shape), mlp.gate_up_proj, norm_inputs=post_inputs,
+                            eps=post.eps, gated=True)
+        return fused_project(act, mlp.down_proj, residual=hidden, emit_norm=next_norm)
 
 
 def decode_fusion_applies(x: torch.Tensor) -> bool:
@@ -133,19 +138,25 @@ def decode_fusion_applies(x: torch.Tensor) -> bool:
     return linear._small_linear is not None and x.is_cuda and x.shape[0] * x.shape[1] <= linear.MAX_INVARIANT_ROWS
 
 
-def fused_project(x: torch.Tensor, layer: nn.Linear, *, norm: Optional[RMSNorm] = None,
-                  residual: Optional[torch.Tensor] = None, gated: bool = False) -> torch.Tensor:
-    """x: [B, T, K] -> [B, T, N] through kernels.small_matmul with its fusions: RMSNorm of x first,
-    silu(gate) * up of a stacked gate/up weight (N = rows / 2), plus `residual` [B, T, N]."""
+def fused_project(x: torch.Tensor, layer: nn.Linear, *, norm_inputs=None, eps: float = 1e-6,
+                  residual: Optional[torch.Tensor] = None, gated: bool = False,
+                  emit_norm: Optional[RMSNorm] = None):
+    """x: [B, T, K] -> [B, T, N] through kernels.small_matmul with its fusions: x = norm_weight * h
+    with `norm_inputs` (h's RMSNorm folded in), silu(gate) * up of a stacked gate/up weight
+    (N = rows / 2), plus `residual` [B, T, N]; with `emit_norm`: (out, out's NormInputs for it)."""
     from kernels.small_matmul import small_linear
 
     rows = x.shape[0] * x.shape[1]
-    out = small_linear(
+    result = small_linear(
         x.reshape(rows, x.shape[-1]), layer.weight, layer.bias,
-        norm_weight=None if norm is None else norm.weight, eps=1e-6 if norm is None else norm.eps,
+        row_sumsq=None if norm_inputs is None else norm_inputs.sumsq, eps=eps,
         residual=None if residual is None else residual.reshape(rows, -1), gated=gated,
+        emit_norm_weight=None if emit_norm is None else emit_norm.weight,
     )
-    return out.view(*x.shape[:-1], -1)
+    if emit_norm is None:
+        return result.view(*x.shape[:-1], -1)
+    out, inputs = result
+    return out.view(*x.shape[:-1], -1), inputs
 
 
 class Transformer(nn.Module):
@@ -203,9 +214,15 @@ class Transformer(nn.Module):
             seq_len_on_device = None
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]  # [T, D]
         hidden = self.embed_tokens(tokens)
+        normed_inputs = None
+        if decode_fusion_applies(hidden):
+            from kernels.small_matmul import norm_inputs
+
+            normed_inputs = norm_inputs(hidden.view(-1, hidden.shape[-1]), self.layers[0].input_layernorm.weight)
         for i, layer in enumerate(self.layers):
-            hidden = layer(hidden, cos, sin, cache, i, start, positions, self.use_attention_kernel,
-                           seq_len_on_device, observer)
+            next_norm = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
+            hidden, normed_inputs = layer(hidden, normed_inputs, next_norm, cos, sin, cache, i, start, positions,
+                                          self.use_attention_kernel, seq_len_on_device, observer)
         if last_only:
             hidden = hidden[:, -1:]
         normed = self.norm(hidden)

@@ -3,22 +3,19 @@
     out = small_linear(x, weight, bias)          # x [M, K], weight [N, K], bias [N] or None -> [M, N]
 
 Decode-step fusions (each saves a launch per layer, which at batch 1 costs more than the bytes):
-    small_linear(h, w_qkv, b, norm_weight=ln.weight, eps=ln.eps)   # RMSNorm(h) first
-    small_linear(h, w_gate_up, norm_weight=..., gated=True)       # silu(x Wg^T) * (x Wu^T) -> [M, N/2]
-    small_linear(a, w_o, residual=h)                                # h + a W^T
-
-Guarantee (Triton backend): out[i] depends only on x[i], bitwise. It does not change with M (1..32)
-or with the other rows or with where row i sits in the batch, so a token's logits are the same
-whether the model runs on 1 token (decode) or on q + 1 (speculative verification). cuBLAS does not
-promise this: it picks different kernels for different M, and the last bits of a row move with them.
-The reference backend computes row by row in float32 and has the same property on its own device.
+    h, post = small_linear(a, w_o, residual=h, emit_norm_weight=ln2.weight)   # h + a W^T, and the
+              # NormInputs of h for the next projection's RMSNorm
+    act = small_linear(post.weighted, w_gate_up, row_sumsq=post.sumsq, eps=ln2.eps, gated=True)
+              # RMSNorm folded in; silu(x Wg^T) * (x Wu^T) of a stacked [gate; up] weight
+    first = norm_inputs(h, ln1.weight)                                         # where no projection
+              # wrote h (the embedding)
 """
 from __future__ import annotations
 
 import torch
 
 from kernels._backend import resolve_backend
-from kernels.small_matmul.reference import small_linear_reference
+from kernels.small_matmul.reference import NormInputs, norm_inputs_reference, small_linear_reference
 
 MAX_ROWS = 32
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -55,7 +52,7 @@ def check_linear_inputs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
             raise ValueError(f"bias on {bias.device}, x on {x.device}")
 
 
-def check_fusion_inputs(x, weight, bias, norm_weight, residual, gated) -> None:
+def check_fusion_inputs(x, weight, bias, row_sumsq, residual, gated, emit_norm_weight) -> None:
     M, K = x.shape
     N = weight.shape[0] // 2 if gated else weight.shape[0]
     if gated:
@@ -63,14 +60,20 @@ def check_fusion_inputs(x, weight, bias, norm_weight, residual, gated) -> None:
             raise ValueError(f"a gated weight stacks gate and up rows: [2N, K], got {list(weight.shape)}")
         if bias is not None:
             raise ValueError("a gated projection takes no bias")
-    if norm_weight is not None and (norm_weight.shape != (K,) or norm_weight.dtype != x.dtype
-                                    or norm_weight.stride(0) != 1 or norm_weight.device != x.device):
-        raise ValueError(f"norm_weight must be a contiguous [{K}] {x.dtype} tensor on {x.device}, got "
-                         f"{list(norm_weight.shape)} {norm_weight.dtype} on {norm_weight.device}")
+    if row_sumsq is not None and (row_sumsq.dim() != 2 or row_sumsq.shape[1] != M or row_sumsq.dtype != torch.float32
+                                  or not row_sumsq.is_contiguous() or row_sumsq.device != x.device):
+        raise ValueError(f"row_sumsq must be a contiguous float32 [P, {M}] tensor on {x.device}, got "
+                         f"{list(row_sumsq.shape)} {row_sumsq.dtype} on {row_sumsq.device}")
     if residual is not None and (residual.shape != (M, N) or residual.dtype != x.dtype
                                  or residual.stride(1) != 1 or residual.device != x.device):
         raise ValueError(f"residual must be a [{M}, {N}] {x.dtype} tensor with contiguous rows on {x.device}, "
                          f"got {list(residual.shape)} {residual.dtype} strides {residual.stride()}")
+    if emit_norm_weight is not None:
+        if residual is None:
+            raise ValueError("emit_norm_weight needs residual: the emitted rows are the residual stream")
+        if emit_norm_weight.shape != (N,) or emit_norm_weight.dtype != x.dtype or emit_norm_weight.stride(0) != 1:
+            raise ValueError(f"emit_norm_weight must be a contiguous [{N}] {x.dtype} tensor, got "
+                             f"{list(emit_norm_weight.shape)} {emit_norm_weight.dtype}")
 
 
 def small_linear(
@@ -78,27 +81,39 @@ def small_linear(
     weight: torch.Tensor,                # [N, K] (nn.Linear layout; [2N, K] gate then up when gated)
     bias: torch.Tensor | None = None,    # [N], x's dtype
     *,
-    norm_weight: torch.Tensor | None = None,   # [K]: x goes through RMSNorm(norm_weight, eps) first
+    row_sumsq: torch.Tensor | None = None,         # [P, M] f32: x = norm_weight * h, scale rows by RMSNorm's
     eps: float = 1e-6,
-    residual: torch.Tensor | None = None,      # [M, N]: returned plus the product
-    gated: bool = False,                       # silu(x Wg^T) * (x Wu^T) -> [M, N]
+    residual: torch.Tensor | None = None,          # [M, N]: returned plus the product
+    gated: bool = False,                           # silu(x Wg^T) * (x Wu^T) -> [M, N]
+    emit_norm_weight: torch.Tensor | None = None,  # [N]: also return the NormInputs of the output
     backend: str = "auto",               # "auto" | "triton" | "reference"
-) -> torch.Tensor:
-    """x @ weight.T (+ bias) -> [M, N] in x's dtype, float32 accumulation, batch-invariant per row.
+):
+    """x @ weight.T (+ bias) -> [M, N] in x's dtype, float32 accumulation, batch-invariant per row;
+    (out, NormInputs) with emit_norm_weight. The fusions are defined by small_linear_reference.
 
     backend "auto" runs Triton on CUDA and the reference elsewhere; "triton" also runs on CPU under
     TRITON_INTERPRET=1. The Triton path never syncs the host and can be captured in a CUDA graph.
     Tile sizes and k splits are fixed per (N, K, dtype) (kernels/small_matmul/triton_kernel.py).
-    Rounding follows the unfused ops: normed x, the product, silu(gate) and up each in x's dtype.
     """
     check_linear_inputs(x, weight[: weight.shape[0] // 2] if gated else weight, bias)
-    check_fusion_inputs(x, weight, bias, norm_weight, residual, gated)
+    check_fusion_inputs(x, weight, bias, row_sumsq, residual, gated, emit_norm_weight)
+    kwargs = dict(row_sumsq=row_sumsq, eps=eps, residual=residual, gated=gated, emit_norm_weight=emit_norm_weight)
     if resolve_backend(backend, x.device) == "reference":
-        return small_linear_reference(x, weight, bias, norm_weight=norm_weight, eps=eps, residual=residual,
-                                      gated=gated)
+        return small_linear_reference(x, weight, bias, **kwargs)
     from kernels.small_matmul.triton_kernel import small_linear_triton
 
-    return small_linear_triton(x, weight, bias, norm_weight=norm_weight, eps=eps, residual=residual, gated=gated)
+    return small_linear_triton(x, weight, bias, **kwargs)
 
 
-__all__ = ["small_linear", "check_fusion_inputs", "small_linear_reference", "check_linear_inputs", "MAX_ROWS"]
+def norm_inputs(h: torch.Tensor, norm_weight: torch.Tensor, *, backend: str = "auto") -> NormInputs:
+    """h [M, K] -> NormInputs (norm_weight * h, sums of squares) for a projection with RMSNorm folded in."""
+    if norm_weight.shape != (h.shape[-1],) or h.dim() != 2:
+        raise ValueError(f"expected h [M, K] and norm_weight [K], got {list(h.shape)}, {list(norm_weight.shape)}")
+    if resolve_backend(backend, h.device) == "reference" or h.dtype != norm_weight.dtype:
+        return norm_inputs_reference(h, norm_weight)
+    from kernels.small_matmul.triton_kernel import norm_inputs_triton
+
+    return norm_inputs_triton(h.contiguous(), norm_weight)
+
+
+__all__ = ["small_linear", "norm_inputs", "NormInputs", "check_fusion_inputs", "small_linear_reference", "check_linear_inputs", "MAX_ROWS"]

@@ -90,8 +90,9 @@ def heuristic_config(N: int, K: int, dtype: torch.dtype, sms: int) -> SmallLinea
 def choose_config(N: int, K: int, dtype: torch.dtype, device: torch.device, *, gated: bool = False
                   ) -> SmallLinearConfig:
     """The one config for (N, K, dtype) on `device`: the tuned table on CUDA, else the heuristic.
-    Gated (N outputs from a [2N, K] gate/up weight): the [2N, K] entry with half-height tiles, so a
-    program reads as many weight bytes as before, and never a k split (silu needs the whole sum)."""
+    Gated (N outputs from a [2N, K] gate/up weight): the [2N, K] entry as it is (a tile of block_n
+    weight rows is block_n / 2 gate rows and the matching up rows), never a k split (silu needs
+    the whole sum)."""
     rows = 2 * N if gated else N
     config = None
     if device.type == "cuda" and dtype.itemsize == 2:
@@ -99,7 +100,7 @@ def choose_config(N: int, K: int, dtype: torch.dtype, device: torch.device, *, g
     if config is None:
         config = heuristic_config(rows, K, dtype, multiprocessor_count(device))
     if gated:
-        config = dataclasses.replace(config, block_n=max(16, config.block_n // 2), splits=1)
+        config = dataclasses.replace(config, block_n=max(32, config.block_n), splits=1)
     return config
 
 
@@ -112,145 +113,130 @@ def _prefetch_l2(ptrs):
 
 @triton.jit(do_not_specialize=["M"])
 def _small_linear_kernel(
-    X, W, Bias, NormW, Res, Out, Part,
-    # X [M, K]; W [N, K] ([2N, K] gate then up when GATED); Bias [N]; NormW [K]; Res [M, N];
-    # Out [M, N]; Part [SPLITS, M, N] f32
-    M, N, K, eps,
+    X, W, Bias, Res, Out, Part, SumSqIn, NextNormW, WeightedOut, SumSqOut,
+    # X [M, K]; W [N, K] ([2N, K]: gate rows, then up rows, when GATED); Bias [N]; Res, Out [M, N];
+    # Part [SPLITS, M, N] f32; SumSqIn [parts_in, M] f32; NextNormW [N]; WeightedOut [M, N];
+    # SumSqOut [N / OUT_N, M] f32
+    M, N, K, eps, parts_in,
     stride_xm, stride_wn, stride_rm, stride_om,
     k_per_split,               # multiple of BLOCK_K
     HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, SWAP: tl.constexpr,
     EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
     UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    NORM: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr,
-    USE_PDL: tl.constexpr, PREFETCH: tl.constexpr,
+    SCALE_ROWS: tl.constexpr, PARTS_P2: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr,
+    EMIT_NORM: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
+    """Nothing but loads feeds tl.dot, so Triton pipelines both operands (an elementwise op on x
+    in the loop costs a full memory round trip per k step: bench/fused_linear.py measured 2x)."""
     tl.static_assert(BLOCK_M >= 16)
     tl.static_assert(BLOCK_K % 16 == 0)
     tl.static_assert(not (GATED and SPLIT))
+    OUT_N: tl.constexpr = BLOCK_N // 2 if GATED else BLOCK_N     # output columns per program
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_s = tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    j = tl.arange(0, BLOCK_N)
+    col = pid_n * OUT_N + j % OUT_N                  # output column of weight-tile row j
+    w_row = (j // OUT_N) * N + col                   # gated: rows [0, OUT_N) gate, [OUT_N, BLOCK_N) up
     offs_k = tl.arange(0, BLOCK_K)
     m_ok = offs_m < M
-    n_ok = offs_n < N
+    n_ok = col < N
     k_start = pid_s * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
     dtype = X.dtype.element_ty
 
-    w_ptrs = W + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
-    up_ptrs = w_ptrs + N.to(tl.int64) * stride_wn           # GATED: the up rows sit N rows below
+    w_ptrs = W + w_row[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
     if PREFETCH:
         # The weights never depend on the previous kernel: under programmatic dependent launch
         # this runs while that kernel finishes, so the loop below reads them from L2.
-        rows = tl.minimum(offs_n, N - 1).to(tl.int64) * stride_wn
+        rows = tl.where(n_ok, w_row, 0).to(tl.int64) * stride_wn
         for k0 in range(k_start, k_end, 8 * 64):
             cols = tl.minimum(k0 + tl.arange(0, 8) * 64, K - 1)           # one address per 128 B (bf16)
             _prefetch_l2(W + rows[:, None] + cols[None, :])
-            if GATED:
-                _prefetch_l2(W + N.to(tl.int64) * stride_wn + rows[:, None] + cols[None, :])
     if USE_PDL:
-        tl.extra.cuda.gdc_wait()                 # X, Res: written by the previous kernel
+        tl.extra.cuda.gdc_wait()                 # X, Res, SumSqIn: written by the previous kernel
         tl.extra.cuda.gdc_launch_dependents()    # the next kernel may start its prefetch
 
     x_ptrs = X + offs_m[:, None] * stride_xm + offs_k[None, :]
-    # RMSNorm folded in: out = rsqrt(mean(x^2) + eps) * (W (norm_weight * x)), the row's scale
-    # applied after the sum. A split sees only its k range, so it first reads the whole row for the
-    # statistics (a serial loop of dependent loads: the tuned configs never split a normed input);
-    # without splits they accumulate in the main loop, from the x tiles it loads anyway.
-    sumsq = tl.zeros([BLOCK_M], dtype=tl.float32)
-    if NORM and SPLIT:
-        for k0 in range(0, K, BLOCK_K):
-            xs = tl.load(x_ptrs + k0, mask=m_ok[:, None] & ((k0 + offs_k) < K)[None, :], other=0.0)
-            xs = xs.to(tl.float32)
-            sumsq += tl.sum(xs * xs, 1)
-
     if SWAP:
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-        acc_up = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
         if EVEN_K:
             x = tl.load(x_ptrs + k0, mask=m_ok[:, None], other=0.0)
             if EVEN_N:
                 w = tl.load(w_ptrs + k0, eviction_policy="evict_first")
-                if GATED:
-                    u = tl.load(up_ptrs + k0, eviction_policy="evict_first")
             else:
                 w = tl.load(w_ptrs + k0, mask=n_ok[:, None], other=0.0, eviction_policy="evict_first")
-                if GATED:
-                    u = tl.load(up_ptrs + k0, mask=n_ok[:, None], other=0.0, eviction_policy="evict_first")
         else:
             k_ok = (k0 + offs_k) < K
             x = tl.load(x_ptrs + k0, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
             w = tl.load(w_ptrs + k0, mask=n_ok[:, None] & k_ok[None, :], other=0.0, eviction_policy="evict_first")
-            if GATED:
-                u = tl.load(up_ptrs + k0, mask=n_ok[:, None] & k_ok[None, :], other=0.0,
-                            eviction_policy="evict_first")
-        if NORM:
-            x32 = x.to(tl.float32)
-            if not SPLIT:
-                sumsq += tl.sum(x32 * x32, 1)
-            nw = tl.load(NormW + k0 + offs_k, mask=(k0 + offs_k) < K, other=0.0).to(tl.float32)
-            x = (x32 * nw[None, :]).to(dtype)
         if UPCAST_DOT:
             x = x.to(tl.float32)
             w = w.to(tl.float32)
-            if GATED:
-                u = u.to(tl.float32)
         if SWAP:
             acc = tl.dot(w, tl.trans(x), acc, input_precision=DOT_PRECISION)       # [BLOCK_N, BLOCK_M]
-            if GATED:
-                acc_up = tl.dot(u, tl.trans(x), acc_up, input_precision=DOT_PRECISION)
         else:
             acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)       # [BLOCK_M, BLOCK_N]
-            if GATED:
-                acc_up = tl.dot(x, tl.trans(u), acc_up, input_precision=DOT_PRECISION)
+    if not SWAP:
+        acc = tl.trans(acc)                           # [BLOCK_N, BLOCK_M] from here on
 
-    if SWAP:
-        mask = n_ok[:, None] & m_ok[None, :]
-        col_n = offs_n[:, None]
-        row_m = offs_m[None, :]
+    if SCALE_ROWS:
+        # X held norm_weight * h: RMSNorm's per-row scale, from the sums of squares of h that the
+        # kernel producing h left in SumSqIn (parts summed in a fixed order)
+        parts = tl.arange(0, PARTS_P2)
+        sumsq = tl.load(SumSqIn + parts[:, None] * M + offs_m[None, :],
+                        mask=(parts < parts_in)[:, None] & m_ok[None, :], other=0.0)
+        acc = acc * tl.rsqrt(tl.sum(sumsq, 0) / K + eps)[None, :]
+
+    if GATED:
+        gate, up = tl.split(tl.permute(tl.reshape(acc, [2, OUT_N, BLOCK_M]), [1, 2, 0]))   # [OUT_N, BLOCK_M]
+        cols = pid_n * OUT_N + tl.arange(0, OUT_N)
     else:
-        mask = m_ok[:, None] & n_ok[None, :]
-        col_n = offs_n[None, :]
-        row_m = offs_m[:, None]
-    if NORM:
-        inv_rms = tl.rsqrt(sumsq / K + eps)                 # [BLOCK_M]
-        if SWAP:
-            acc = acc * inv_rms[None, :]
-            if GATED:
-                acc_up = acc_up * inv_rms[None, :]
-        else:
-            acc = acc * inv_rms[:, None]
-            if GATED:
-                acc_up = acc_up * inv_rms[:, None]
+        cols = pid_n * BLOCK_N + j
+    mask = (cols < N)[:, None] & m_ok[None, :]
+    out_offs = offs_m[None, :] * stride_om + cols[:, None]
     if SPLIT:
-        tl.store(Part + (pid_s * M + row_m) * N + col_n, acc, mask=mask)   # each split scaled alike
+        tl.store(Part + (pid_s * M + offs_m[None, :]) * N + cols[:, None], acc, mask=mask)
     else:
-        if HAS_BIAS:
-            acc += tl.load(Bias + col_n, mask=mask, other=0.0).to(tl.float32)
-        y = acc.to(dtype)
         if GATED:
             # silu(gate) * up with the eager rounding: gate, up and silu(gate) each in the model dtype
-            g = y.to(tl.float32)
+            g = gate.to(dtype).to(tl.float32)
             silu = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
-            y = (silu * acc_up.to(dtype).to(tl.float32)).to(dtype)
+            y = (silu * up.to(dtype).to(tl.float32)).to(dtype)
+        else:
+            if HAS_BIAS:
+                acc += tl.load(Bias + cols, mask=cols < N, other=0.0).to(tl.float32)[:, None]
+            y = acc.to(dtype)
         if RESIDUAL:
-            y = (y.to(tl.float32) + tl.load(Res + row_m * stride_rm + col_n, mask=mask, other=0.0).to(tl.float32))
-            y = y.to(dtype)
-        tl.store(Out + row_m * stride_om + col_n, y.to(Out.dtype.element_ty), mask=mask)
+            res = tl.load(Res + offs_m[None, :] * stride_rm + cols[:, None], mask=mask, other=0.0)
+            y = (y.to(tl.float32) + res.to(tl.float32)).to(dtype)
+        tl.store(Out + out_offs, y, mask=mask)
+        if EMIT_NORM:
+            _emit_norm_inputs(y, cols, offs_m, mask, pid_n, M, N, NextNormW, WeightedOut, SumSqOut, stride_om)
+
+
+@triton.jit
+def _emit_norm_inputs(y, cols, offs_m, mask, part, M, N, NextNormW, WeightedOut, SumSqOut, stride_om):
+    """What the next projection's folded RMSNorm needs from the rows y [cols, rows] just written:
+    norm_weight * y in the model dtype (its x), and this program's part of each row's sum of squares."""
+    y32 = tl.where(mask, y.to(tl.float32), 0.0)
+    nw = tl.load(NextNormW + cols, mask=cols < N, other=0.0).to(tl.float32)
+    tl.store(WeightedOut + offs_m[None, :] * stride_om + cols[:, None], (y32 * nw[:, None]).to(y.dtype), mask=mask)
+    tl.store(SumSqOut + part * M + offs_m, tl.sum(y32 * y32, 0), mask=offs_m < M)
 
 
 @triton.jit(do_not_specialize=["M"])
 def _reduce_splits_kernel(
-    Part, Bias, Res, Out,      # Part [SPLITS, M, N] f32; Bias [N]; Res [M, N]; Out [M, N]
+    Part, Bias, Res, Out, NextNormW, WeightedOut, SumSqOut,
+    # Part [SPLITS, M, N] f32; Bias [N]; Res, Out, WeightedOut [M, N]; SumSqOut [cdiv(N, BLOCK), M] f32
     M, N, stride_rm, stride_om, splits,
-    HAS_BIAS: tl.constexpr, RESIDUAL: tl.constexpr, USE_PDL: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_BIAS: tl.constexpr, RESIDUAL: tl.constexpr, EMIT_NORM: tl.constexpr, USE_PDL: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
@@ -268,6 +254,38 @@ def _reduce_splits_kernel(
         y = (y.to(tl.float32) + tl.load(Res + row * stride_rm + offs, mask=ok, other=0.0).to(tl.float32))
         y = y.to(Out.dtype.element_ty)
     tl.store(Out + row * stride_om + offs, y, mask=ok)
+    if EMIT_NORM:
+        rows = row + tl.arange(0, 1)
+        _emit_norm_inputs(y[:, None], offs, rows, ok[:, None], tl.program_id(1), M, N, NextNormW, WeightedOut,
+                          SumSqOut, stride_om)
+
+
+@triton.jit
+def _norm_inputs_kernel(H, NormW, Weighted, SumSq, M, K, stride_h, USE_PDL: tl.constexpr, BLOCK: tl.constexpr):
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    ok = offs < K
+    h = tl.load(H + row * stride_h + offs, mask=ok, other=0.0).to(tl.float32)
+    nw = tl.load(NormW + offs, mask=ok, other=0.0).to(tl.float32)
+    tl.store(Weighted + row * K + offs, (h * nw).to(Weighted.dtype.element_ty), mask=ok)
+    tl.store(SumSq + row, tl.sum(h * h, 0))
+
+
+def norm_inputs_triton(h: torch.Tensor, norm_weight: torch.Tensor):
+    """h [M, K] -> NormInputs(norm_weight * h, sums of squares [1, M]), one program per row."""
+    from kernels.small_matmul.reference import NormInputs
+
+    M, K = h.shape
+    weighted = torch.empty_like(h)
+    sumsq = torch.empty(1, M, dtype=torch.float32, device=h.device)
+    pdl = pdl_enabled(h.device)
+    block = triton.next_power_of_2(K)
+    _norm_inputs_kernel[(M,)](h, norm_weight, weighted, sumsq, M, K, h.stride(0), USE_PDL=pdl, BLOCK=block,
+                              num_warps=4 if block <= 2048 else 8, **launch_options(pdl))
+    return NormInputs(weighted, sumsq)
 
 
 def dot_flags(dtype: torch.dtype) -> tuple[bool, str]:
@@ -282,49 +300,64 @@ def small_linear_triton(
     weight: torch.Tensor,                # [N, K] ([2N, K] when gated), stride(1) == 1
     bias: torch.Tensor | None,           # [N] contiguous or None
     *,
-    norm_weight: torch.Tensor | None = None,   # [K]: RMSNorm x first
+    row_sumsq: torch.Tensor | None = None,       # [P, M] f32: scale row m by rsqrt(sum_p / K + eps)
     eps: float = 1e-6,
-    residual: torch.Tensor | None = None,      # [M, N], stride(1) == 1: out = residual + product
-    gated: bool = False,                       # out = silu(x Wg^T) * (x Wu^T)
+    residual: torch.Tensor | None = None,        # [M, N], stride(1) == 1: out = residual + product
+    gated: bool = False,                         # out = silu(x Wg^T) * (x Wu^T)
+    emit_norm_weight: torch.Tensor | None = None,  # [N]: also return NormInputs of out for that norm
     config: SmallLinearConfig | None = None,
-) -> torch.Tensor:
-    """Shapes are validated by the public wrapper; `config` overrides the table (tests, bench --tune)."""
+):
+    """Shapes are validated by the public wrapper; `config` overrides the table (tests, bench --tune).
+    -> out [M, N], or (out, NormInputs) with emit_norm_weight."""
+    from kernels.small_matmul.reference import NormInputs
+
     M, K = x.shape
     N = weight.shape[0] // 2 if gated else weight.shape[0]
     if config is None:
         config = choose_config(N, K, x.dtype, x.device, gated=gated)
     k_per_split = config.k_per_split(K)
     splits = triton.cdiv(K, k_per_split)
-    if gated and splits > 1:
-        raise ValueError(f"a gated projection cannot split K (config {config})")
+    if gated and (splits > 1 or config.block_n % 32):
+        raise ValueError(f"a gated projection needs no k split and block_n % 32 == 0 (config {config})")
+    out_n = config.block_n // 2 if gated else config.block_n
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     part = torch.empty(splits, M, N, dtype=torch.float32, device=x.device) if splits > 1 else out
+    emit = emit_norm_weight is not None
+    if emit:
+        weighted = torch.empty_like(out)
+        emit_parts = triton.cdiv(N, REDUCE_BLOCK) if splits > 1 else triton.cdiv(N, out_n)
+        sumsq_out = torch.empty(emit_parts, M, dtype=torch.float32, device=x.device)
+    else:
+        weighted, sumsq_out = out, part
     upcast, precision = dot_flags(x.dtype)
     pdl = pdl_enabled(x.device)
-    grid = (triton.cdiv(M, BLOCK_M), triton.cdiv(N, config.block_n), splits)
+    grid = (triton.cdiv(M, BLOCK_M), triton.cdiv(N, out_n), splits)
     bias_arg = bias if bias is not None else out
     res_arg = residual if residual is not None else out
+    parts_in = row_sumsq.shape[0] if row_sumsq is not None else 1
     _small_linear_kernel[grid](
-        x, weight, bias_arg, norm_weight if norm_weight is not None else x, res_arg, out, part,
-        M, N, K, eps,
+        x, weight, bias_arg, res_arg, out, part, row_sumsq if row_sumsq is not None else part,
+        emit_norm_weight if emit else out, weighted, sumsq_out,
+        M, N, K, eps, parts_in,
         x.stride(0), weight.stride(0), res_arg.stride(0), out.stride(0),
         k_per_split,
         HAS_BIAS=bias is not None, SPLIT=splits > 1, SWAP=config.swap,
-        EVEN_N=N % config.block_n == 0, EVEN_K=K % config.block_k == 0,
+        EVEN_N=N % out_n == 0, EVEN_K=K % config.block_k == 0,
         UPCAST_DOT=upcast, DOT_PRECISION=precision,
-        NORM=norm_weight is not None, GATED=gated, RESIDUAL=residual is not None,
+        SCALE_ROWS=row_sumsq is not None, PARTS_P2=triton.next_power_of_2(parts_in), GATED=gated,
+        RESIDUAL=residual is not None, EMIT_NORM=emit and splits == 1,
         USE_PDL=pdl, PREFETCH=pdl and should_prefetch(weight),
         BLOCK_M=BLOCK_M, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         num_warps=config.num_warps, num_stages=config.num_stages, **launch_options(pdl),
     )
     if splits > 1:
         _reduce_splits_kernel[(M, triton.cdiv(N, REDUCE_BLOCK))](
-            part, bias_arg, res_arg, out,
+            part, bias_arg, res_arg, out, emit_norm_weight if emit else out, weighted, sumsq_out,
             M, N, res_arg.stride(0), out.stride(0), splits,
-            HAS_BIAS=bias is not None, RESIDUAL=residual is not None, USE_PDL=pdl, BLOCK=REDUCE_BLOCK,
-            num_warps=4, **launch_options(pdl),
+            HAS_BIAS=bias is not None, RESIDUAL=residual is not None, EMIT_NORM=emit, USE_PDL=pdl,
+            BLOCK=REDUCE_BLOCK, num_warps=4, **launch_options(pdl),
         )
-    return out
+    return (out, NormInputs(weighted, sumsq_out)) if emit else out
 
 
 def should_prefetch(weight: torch.Tensor) -> bool:
@@ -337,6 +370,7 @@ def should_prefetch(weight: torch.Tensor) -> bool:
 
 __all__ = [
     "small_linear_triton",
+    "norm_inputs_triton",
     "SmallLinearConfig",
     "choose_config",
     "heuristic_config",

@@ -193,74 +193,119 @@ def test_cuda_graph_capture_replays_the_same_bits():
     assert not torch.equal(captured, eager)
 
 
-# ---- decode-step fusions: RMSNorm prologue, silu*mul of a gate/up weight, residual epilogue ----
+# ---- decode-step fusions: folded RMSNorm (x = norm_weight * h, rows scaled after the sum), silu*mul of
+# a stacked gate/up weight, residual epilogue, and the NormInputs a residual projection emits ----
 
-FUSIONS = [
-    pytest.param(True, False, False, (32, 32, 2, True), id="norm-split2"),
-    pytest.param(False, False, True, (32, 32, 3, False), id="residual-split3-noswap"),
-    pytest.param(True, False, True, (16, 32, 1, True), id="norm-residual"),
-    pytest.param(True, True, False, (16, 32, 1, True), id="norm-gated"),
-    pytest.param(False, True, False, (32, 64, 1, False), id="gated-noswap"),
+def fusion_inputs(M, N, K, dtype, gated=False, parts=1, seed=2):
+    g = torch.Generator().manual_seed(seed)
+    x, w, b = make(M, 2 * N if gated else N, K, dtype, bias=not gated, seed=seed)
+    h = (torch.randn(M, K, generator=g) * 2).to(dtype).to(DEVICE)
+    nw = (1 + 0.1 * torch.randn(K, generator=g)).to(dtype).to(DEVICE)
+    weighted, sumsq = small_matmul.norm_inputs(h, nw, backend="reference")
+    sumsq = (sumsq / parts).expand(parts, M).contiguous()             # the same total in `parts` parts
+    res = torch.randn(M, N, generator=g).to(dtype).to(DEVICE)
+    next_nw = (1 + 0.1 * torch.randn(N, generator=g)).to(dtype).to(DEVICE)
+    return dict(x=x, w=w, b=b, h=h, nw=nw, weighted=weighted, sumsq=sumsq, res=res, next_nw=next_nw)
+
+
+def triton_fused(cfg, x, w, b=None, **kw):
+    from kernels.small_matmul.triton_kernel import small_linear_triton
+
+    return small_linear_triton(x, w, b, config=config(*cfg), **kw)
+
+
+FUSED = [  # (kind, cfg)
+    pytest.param("norm", (32, 32, 1, True), id="norm-bias"),
+    pytest.param("norm", (32, 32, 2, False), id="norm-bias-split2-noswap"),
+    pytest.param("norm-gated", (32, 32, 1, True), id="norm-gated"),
+    pytest.param("norm-gated", (64, 64, 1, False), id="norm-gated-noswap"),
+    pytest.param("residual-emit", (16, 32, 1, True), id="residual-emit"),
+    pytest.param("residual-emit", (32, 32, 3, False), id="residual-emit-split3-noswap"),
 ]
 
 
-def fused_inputs(M, N, K, dtype, norm, gated, residual, seed=2):
-    g = torch.Generator().manual_seed(seed)
-    x, w, _ = make(M, 2 * N if gated else N, K, dtype, seed=seed)
-    norm_w = (1 + 0.1 * torch.randn(K, generator=g)).to(dtype).to(DEVICE) if norm else None
-    res = torch.randn(M, N, generator=g).to(dtype).to(DEVICE) if residual else None
-    return x, w, norm_w, res
+def run_fused(kind, cfg, t, rows=slice(None), backend="triton"):
+    x, sumsq = t["weighted"][rows], t["sumsq"][:, rows].contiguous()
+    if kind == "norm":
+        kw = dict(row_sumsq=sumsq, eps=1e-5)
+        args = (x, t["w"], t["b"])
+    elif kind == "norm-gated":
+        kw = dict(row_sumsq=sumsq, eps=1e-5, gated=True)
+        args = (x, t["w"], None)
+    else:
+        kw = dict(residual=t["res"][rows], emit_norm_weight=t["next_nw"])
+        args = (t["x"][rows], t["w"], t["b"])
+    if backend == "reference":
+        return small_linear_reference(*args, compute_dtype=torch.float64, **kw)
+    return triton_fused(cfg, *args, **kw)
+
+
+def flat(result):
+    """out, or (out, NormInputs) -> out, weighted, summed sumsq (parts differ by backend)"""
+    if isinstance(result, tuple):
+        out, (weighted, sumsq) = result
+        return out, weighted, sumsq.sum(0)
+    return (result,)
 
 
 @needs_triton
 @pytest.mark.triton
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])
-@pytest.mark.parametrize("norm, gated, residual, cfg", FUSIONS)
-def test_fused_matches_reference(norm, gated, residual, cfg, dtype):
-    from kernels.small_matmul.triton_kernel import small_linear_triton
-
-    M, N, K = 5, 40, 72
-    x, w, norm_w, res = fused_inputs(M, N, K, dtype, norm, gated, residual)
-    small_matmul.check_fusion_inputs(x, w, None, norm_w, res, gated)
-    out = small_linear_triton(x, w, None, norm_weight=norm_w, eps=1e-5, residual=res, gated=gated,
-                              config=config(*cfg))
-    ref = small_linear_reference(x, w, None, compute_dtype=torch.float64, norm_weight=norm_w, eps=1e-5,
-                                 residual=res, gated=gated)
-    assert out.shape == (M, N) and out.dtype == dtype
-    assert rel_err(out, ref) < 2 * REL_ERR[dtype]
-    # unfused ops of the reference agree with the fused reference's definition
-    if norm and not gated and not residual:
-        from kernels.rms_norm import rms_norm_reference
-
-        normed = rms_norm_reference(x, norm_w, 1e-5)[0]
-        assert rel_err(small_linear_reference(normed, w, None, compute_dtype=torch.float64), ref) < REL_ERR[dtype]
+@pytest.mark.parametrize("kind, cfg", FUSED)
+def test_fused_matches_reference(kind, cfg, dtype):
+    t = fusion_inputs(5, 40, 72, dtype, gated=kind == "norm-gated", parts=3)
+    for got, want in zip(flat(run_fused(kind, cfg, t)), flat(run_fused(kind, cfg, t, backend="reference"))):
+        assert got.shape == want.shape
+        assert rel_err(got, want) < 2 * REL_ERR[dtype]
 
 
 @needs_triton
 @pytest.mark.triton
-@pytest.mark.parametrize("norm, gated, residual, cfg", FUSIONS[:2] + FUSIONS[3:4])
-def test_fused_rows_are_batch_invariant(norm, gated, residual, cfg):
-    from kernels.small_matmul.triton_kernel import small_linear_triton
-
-    x, w, norm_w, res = fused_inputs(17, 40, 72, torch.bfloat16, norm, gated, residual, seed=3)
-    cfg = config(*cfg)
-
-    def run(rows):
-        return small_linear_triton(x[rows], w, None, norm_weight=norm_w, residual=None if res is None else res[rows],
-                                   gated=gated, config=cfg)
-
-    alone = torch.cat([run(slice(i, i + 1)) for i in range(17)])
+@pytest.mark.parametrize("kind, cfg", FUSED[1:3] + FUSED[5:])
+def test_fused_rows_are_batch_invariant(kind, cfg):
+    t = fusion_inputs(17, 40, 72, torch.bfloat16, gated=kind == "norm-gated", seed=3)
+    alone = [flat(run_fused(kind, cfg, t, slice(i, i + 1))) for i in range(17)]
+    alone = [torch.cat(parts, dim=-1 if parts[0].dim() == 1 else 0) for parts in zip(*alone)]
     for M in (2, 5, 16, 17):
-        assert torch.equal(run(slice(0, M)), alone[:M]), f"M={M}: fused rows differ from one-row calls"
+        for got, want in zip(flat(run_fused(kind, cfg, t, slice(0, M))), alone):
+            assert torch.equal(got, want[:M]), f"M={M}: fused rows differ from one-row calls"
+
+
+def test_folded_norm_is_rms_norm_then_linear():
+    """The fusion's definition against the unfused ops: rms_norm(h) then the projection."""
+    from kernels.rms_norm import rms_norm_reference
+
+    t = fusion_inputs(4, 24, 40, torch.float32)
+    normed = rms_norm_reference(t["h"], t["nw"], 1e-5)[0]
+    want = small_linear_reference(normed, t["w"], t["b"])
+    got = small_linear(t["weighted"], t["w"], t["b"], row_sumsq=t["sumsq"], eps=1e-5)
+    assert rel_err(got, want) < 1e-6
+    out, nxt = small_linear(t["x"], t["w"], t["b"], residual=t["res"], emit_norm_weight=t["next_nw"])
+    assert torch.equal(out, small_linear(t["x"], t["w"], t["b"]) + t["res"])
+    assert torch.equal(nxt.weighted, out * t["next_nw"]) and torch.allclose(nxt.sumsq[0], out.pow(2).sum(-1))
+
+
+@needs_triton
+@pytest.mark.triton
+def test_norm_inputs_kernel_matches_reference():
+    from kernels.small_matmul.triton_kernel import norm_inputs_triton
+
+    t = fusion_inputs(3, 8, 72, torch.bfloat16)
+    got, want = norm_inputs_triton(t["h"], t["nw"]), small_matmul.norm_inputs(t["h"], t["nw"], backend="reference")
+    assert rel_err(got.weighted, want.weighted) < REL_ERR[torch.bfloat16]   # the interpreter rounds bf16 its own way
+    assert rel_err(got.sumsq, want.sumsq) < 1e-6
+    assert torch.equal(norm_inputs_triton(t["h"][1:2], t["nw"]).sumsq[0, 0], got.sumsq[0, 1])
 
 
 def test_fusion_inputs_are_checked():
     x, w = torch.randn(2, 8), torch.randn(5, 8)
     with pytest.raises(ValueError, match="gate and up rows"):
         small_linear(x, w, gated=True)
-    with pytest.raises(ValueError, match="norm_weight must be"):
-        small_linear(x, w, norm_weight=torch.ones(7))
+    with pytest.raises(ValueError, match="row_sumsq must be"):
+        small_linear(x, w, row_sumsq=torch.ones(1, 3))
     with pytest.raises(ValueError, match="residual must be"):
         small_linear(x, w, residual=torch.zeros(2, 4))
     with pytest.raises(ValueError, match="no bias"):
         small_linear(x, torch.randn(6, 8), torch.randn(3), gated=True)
+    with pytest.raises(ValueError, match="needs residual"):
+        small_linear(x, w, emit_norm_weight=torch.ones(5))

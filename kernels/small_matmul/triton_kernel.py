@@ -362,8 +362,10 @@ def small_linear_triton(
 
 def should_prefetch(weight: torch.Tensor) -> bool:
     """Prefetch into L2 only what L2 can hold beside the kernel before (a fraction of its 50 MB).
-    BATCHD_L2_PREFETCH=0 turns it off (benchmarks compare)."""
-    if os.environ.get("BATCHD_L2_PREFETCH", "1") == "0":
+    Off unless BATCHD_L2_PREFETCH=1: on the H200 it cost 5% at the Qwen2.5-1.5B shape and 2% at
+    Llama-3-8B (bench/decode.py, PDL on both ways), the prefetched lines evicting the running
+    kernel's."""
+    if os.environ.get("BATCHD_L2_PREFETCH", "0") != "1":
         return False
     return weight.numel() * weight.element_size() <= PREFETCH_MAX_BYTES
 

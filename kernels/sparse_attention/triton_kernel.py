@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._backend import interpreting, multiprocessor_count, patch_interpreter_index  # noqa: F401
+from kernels._backend import interpreting, launch_options, patch_interpreter_index, pdl_enabled
 from kernels.decode_attention.triton_kernel import (
     INVARIANT_Q_ROWS,
     LOG2E,
@@ -52,9 +52,12 @@ def _block_scores_kernel(
     Q_ROWS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, RECENT: tl.constexpr,
     G_P2: tl.constexpr, LANES: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr,
-    D_CHUNK: tl.constexpr, UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    D_CHUNK: tl.constexpr, UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     tl.static_assert(LANES >= Q_ROWS)
+    if USE_PDL:                                   # inputs come from the kernel before (programmatic launch)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     pid_c = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // H_KV
@@ -105,8 +108,11 @@ def _select_blocks_kernel(
     Scores, SeqLen, Selected,    # Scores [B, Hkv, QR, NB] f32; Selected [B, Hkv, QR, NB] uint8 (0/1)
     H_KV, N_BLOCKS,
     Q_ROWS: tl.constexpr, TOP_K: tl.constexpr, KEEP_ALL_ROWS: tl.constexpr, NB_P2: tl.constexpr,
-    LANE_TILE: tl.constexpr,
+    LANE_TILE: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    if USE_PDL:                                   # inputs come from the kernel before (programmatic launch)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     # Integer logic only, so a lane's row is the same whichever program (and LANE_TILE) handles it.
     pid_bh = tl.program_id(1)                     # flat (b, kvh)
     seq_len = tl.load(SeqLen + pid_bh // H_KV).to(tl.int32)
@@ -116,18 +122,20 @@ def _select_blocks_kernel(
     ptrs = (pid_bh * Q_ROWS + lane[:, None]) * N_BLOCKS + offs[None, :]
     score = tl.load(Scores + ptrs, mask=ok, other=float("-inf"))                # [LANE_TILE, NB_P2]
     bits = score.to(tl.int32, bitcast=True)
-    key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.int64)              # ordered like the floats
+    key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)                           # int32, ordered like the floats
 
     # per lane, the largest t with at least TOP_K keys >= t: bisection over the 2**32 int32 values
+    # (bounds in int64 so that lo + hi cannot overflow; every midpoint fits in int32)
     lo = tl.full([LANE_TILE], -2147483648, tl.int64)
     hi = tl.full([LANE_TILE], 2147483647, tl.int64)
     for _ in range(32):
         mid = (lo + hi + 1) >> 1
-        enough = tl.sum((ok & (key >= mid[:, None])).to(tl.int32), 1) >= TOP_K
+        enough = tl.sum((ok & (key >= mid.to(tl.int32)[:, None])).to(tl.int32), 1) >= TOP_K
         lo = tl.where(enough, mid, lo)
         hi = tl.where(enough, hi, mid - 1)
-    above = ok & (key > lo[:, None])
-    tied = ok & (key == lo[:, None])
+    threshold = lo.to(tl.int32)
+    above = ok & (key > threshold[:, None])
+    tied = ok & (key == threshold[:, None])
     room = TOP_K - tl.sum(above.to(tl.int32), 1)
     chosen = above | (tied & (tl.cumsum(tied.to(tl.int32), 1) <= room[:, None]))    # ties: lowest block ids
     visible = score > float("-inf")
@@ -149,10 +157,13 @@ def _sparse_split_kernel(
     Q_ROWS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     SPLIT_BLOCKS: tl.constexpr, LANES: tl.constexpr,
-    UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     tl.static_assert(BLOCK_M >= GROUP * Q_ROWS)
     tl.static_assert(LANES >= Q_ROWS)
+    if USE_PDL:                                   # inputs come from the kernel before (programmatic launch)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     pid_s = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // H_KV
@@ -239,6 +250,7 @@ def block_scores_triton(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
     # 16-bit tiles go to the tensor cores whole; float32 ones in chunks of D that fit in registers
     d_chunk = block_d if q.dtype != torch.float32 and not upcast else min(32, block_d)
     scores = torch.empty(B, Hkv, QR, NB, dtype=torch.float32, device=q.device)
+    pdl = pdl_enabled(q.device)
     _block_scores_kernel[(triton.cdiv(NB, block_b), B * Hkv)](
         q, kmin, kmax, seq_len, scores,
         q.stride(0), q.stride(1), q.stride(2),
@@ -246,8 +258,8 @@ def block_scores_triton(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
         Hkv, NB,
         Q_ROWS=QR, GROUP=G, HEAD_DIM=D, BLOCK_SIZE=block_size, RECENT=recent_blocks,
         G_P2=g_p2, LANES=INVARIANT_Q_ROWS, BLOCK_B=block_b, BLOCK_D=block_d, D_CHUNK=d_chunk,
-        UPCAST_DOT=upcast, DOT_PRECISION=precision,
-        num_warps=4 if g_p2 * INVARIANT_Q_ROWS <= 64 else 8,
+        UPCAST_DOT=upcast, DOT_PRECISION=precision, USE_PDL=pdl,
+        num_warps=4 if g_p2 * INVARIANT_Q_ROWS <= 64 else 8, **launch_options(pdl),
     )
     return scores
 
@@ -261,11 +273,12 @@ def select_from_scores_triton(scores: torch.Tensor, seq_len: torch.Tensor, top_k
     # a program per lane on the GPU (more programs in flight); all lanes in one under the interpreter,
     # whose cost is per operation. The result is the same either way.
     lane_tile = triton.next_power_of_2(QR) if interpreting() else 1
+    pdl = pdl_enabled(scores.device)
     _select_blocks_kernel[(triton.cdiv(QR, lane_tile), B * Hkv)](
         scores.contiguous(), seq_len, selected,
         Hkv, NB,
-        Q_ROWS=QR, TOP_K=top_k, KEEP_ALL_ROWS=keep_all_rows, NB_P2=nb_p2, LANE_TILE=lane_tile,
-        num_warps=4 if nb_p2 <= 2048 else 8,
+        Q_ROWS=QR, TOP_K=top_k, KEEP_ALL_ROWS=keep_all_rows, NB_P2=nb_p2, LANE_TILE=lane_tile, USE_PDL=pdl,
+        num_warps=4 if nb_p2 <= 2048 else 8, **launch_options(pdl),
     )
     return selected.view(torch.bool)
 
@@ -292,6 +305,7 @@ def sparse_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     o_part = torch.empty(B, Hq, QR, num_splits, D, dtype=torch.float32, device=q.device)
     l_part = torch.empty(B, Hq, QR, num_splits, dtype=torch.float32, device=q.device)
     upcast, precision = dot_flags(q.dtype)
+    pdl = pdl_enabled(q.device)
     _sparse_split_kernel[(num_splits, B * Hkv)](
         q, k_cache, v_cache, seq_len, selected.contiguous().view(torch.uint8), o_part, l_part,
         scale * LOG2E,
@@ -302,10 +316,11 @@ def sparse_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         Q_ROWS=QR, GROUP=G, HEAD_DIM=D, NUM_SPLITS=num_splits,
         BLOCK_M=block_m, BLOCK_N=block_size, BLOCK_D=triton.next_power_of_2(D),
         SPLIT_BLOCKS=triton.next_power_of_2(split_blocks), LANES=INVARIANT_Q_ROWS,
-        UPCAST_DOT=upcast, DOT_PRECISION=precision,
-        num_warps=num_warps, num_stages=num_stages,
+        UPCAST_DOT=upcast, DOT_PRECISION=precision, USE_PDL=pdl,
+        num_warps=num_warps, num_stages=num_stages, **launch_options(pdl),
     )
-    out = torch.empty(B, Hq, QR, D, dtype=q.dtype, device=q.device)
+    # [B, Q, Hq, D] memory seen as [B, Hq, Q, D], as the dense kernel returns it (the o projection's rows)
+    out = torch.empty(B, QR, Hq, D, dtype=q.dtype, device=q.device).transpose(1, 2)
     return merge_splits(o_part, l_part, out, seq_len, block_n=block_size, splits_from_seq_len=True, s_max=S_max)
 
 
@@ -336,8 +351,11 @@ def _summary_update_kernel(
     stride_kb, stride_kh, stride_kn,
     stride_sb, stride_sh, stride_sn,
     H_KV,
-    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_D: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()                  # the cache rows come from the kernel before
+        tl.extra.cuda.gdc_launch_dependents()
     block = first_block + tl.program_id(0)
     _summarise_block(K, KMin, KMax, block, new_len, stride_kb, stride_kh, stride_kn, stride_sb, stride_sh, stride_sn,
                      H_KV, HEAD_DIM, BLOCK_SIZE, BLOCK_D)
@@ -349,13 +367,14 @@ def summary_update_triton(k_cache: torch.Tensor, kmin: torch.Tensor, kmax: torch
     B, Hkv, _, D = k_cache.shape
     first = old_len // block_size
     n_blocks = triton.cdiv(new_len, block_size) - first
+    pdl = pdl_enabled(k_cache.device)
     _summary_update_kernel[(n_blocks, B * Hkv)](
         k_cache, kmin, kmax, first, new_len,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         kmin.stride(0), kmin.stride(1), kmin.stride(2),
         Hkv,
-        HEAD_DIM=D, BLOCK_SIZE=block_size, BLOCK_D=triton.next_power_of_2(D),
-        num_warps=4,
+        HEAD_DIM=D, BLOCK_SIZE=block_size, BLOCK_D=triton.next_power_of_2(D), USE_PDL=pdl,
+        num_warps=4, **launch_options(pdl),
     )
 
 
@@ -366,9 +385,12 @@ def _summary_update_at_kernel(
     stride_kb, stride_kh, stride_kn,
     stride_sb, stride_sh, stride_sn,
     H_KV,
-    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_D: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     # Same as _summary_update_kernel, with the first row read on the device (CUDA-graph replays).
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()                  # the cache rows come from the kernel before
+        tl.extra.cuda.gdc_launch_dependents()
     start = tl.load(Start).to(tl.int32)
     new_len = start + rows
     block = start // BLOCK_SIZE + tl.program_id(0)
@@ -383,11 +405,12 @@ def summary_update_at_triton(k_cache: torch.Tensor, kmin: torch.Tensor, kmax: to
     """Recompute the blocks that rows [start, start + rows) touch, start ([1] int64) on the device."""
     B, Hkv, _, D = k_cache.shape
     max_blocks = triton.cdiv(rows, block_size) + 1  # rows may straddle one block edge
+    pdl = pdl_enabled(k_cache.device)
     _summary_update_at_kernel[(max_blocks, B * Hkv)](
         k_cache, kmin, kmax, start, rows,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         kmin.stride(0), kmin.stride(1), kmin.stride(2),
         Hkv,
-        HEAD_DIM=D, BLOCK_SIZE=block_size, BLOCK_D=triton.next_power_of_2(D),
-        num_warps=4,
+        HEAD_DIM=D, BLOCK_SIZE=block_size, BLOCK_D=triton.next_power_of_2(D), USE_PDL=pdl,
+        num_warps=4, **launch_options(pdl),
     )

@@ -82,3 +82,11 @@ def test_sparse_graph_replay_matches_eager_sparse_steps(model):
     assert graphed.runner._sparse_rule(1) is False  # empty cache: dense
     assert greedy_ids(graphed, prompt, 32) == greedy_ids(eager, prompt, 32)
     assert any(key[1] for key in graphed.runner._graphs), "no sparse graph was captured"
+
+
+def test_warm_up_captures_the_decode_graph_and_leaves_no_trace(model):
+    warmed = Engine(model, None, max_context=1024, eos_ids=set())
+    assert warmed.warm_up() > 0
+    assert (1, False) in warmed.runner._graphs and warmed.cache.length == 0
+    fresh = Engine(model, None, max_context=1024, eos_ids=set())
+    assert greedy_ids(warmed, PROMPT) == greedy_ids(fresh, PROMPT)

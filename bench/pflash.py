@@ -102,6 +102,14 @@ def timed(fn, device):
     return out, time.perf_counter() - start
 
 
+def best_of(fn, device):
+    """(result, seconds) of the faster of two runs on CUDA (the first pays new allocations), one on the CPU."""
+    out, seconds = timed(fn, device)
+    if torch.device(device).type == "cuda":
+        seconds = min(seconds, timed(fn, device)[1])
+    return out, seconds
+
+
 def attempt(rows: list[dict], what: str, tokens, fn, device):
     """Run fn; an error (OOM included) becomes a row instead of ending the benchmark."""
     try:
@@ -125,7 +133,7 @@ def bench_scoring(rows, drafter_model, lengths, windows, keep_ratio, device, ext
         def exact():
             score_prompt(drafter_model, ids[:256], prefill_chunk=chunk, window=None)  # warm-up
             reset_peak(device)
-            scores, seconds = timed(lambda: score(None), device)
+            scores, seconds = best_of(lambda: score(None), device)
             rows.append({"what": "score exact", "tokens": n, "seconds": seconds,
                          "notes": f"prefill chunk {min(chunk, n)}{peak_note(device)}"})
             return scores, seconds
@@ -149,7 +157,7 @@ def bench_scoring(rows, drafter_model, lengths, windows, keep_ratio, device, ext
                 score_prompt(drafter_model, ids[: window.exact_tokens + 2 * window.block], prefill_chunk=chunk,
                              window=window)  # warm-up: both kinds of block
                 reset_peak(device)
-                scores, seconds = timed(lambda: score(window), device)
+                scores, seconds = best_of(lambda: score(window), device)
                 notes = f"{window.describe()}{peak_note(device)}"
                 if result is not None:
                     every, picked = kept_overlap(ids, result[0], scores, keep_ratio)
@@ -255,6 +263,10 @@ def bench_ttft(rows, engine, drafter_folder, tokens, keep_ratio, window, device)
 
     full = attempt(rows, "ttft uncompressed", len(ids), uncompressed, device)
     options = CompressionOptions(mode="always", keep_ratio=keep_ratio, drafter_path=str(drafter_folder))
+    # warm-up: the first compression at this length compiles and autotunes what the score rows'
+    # warm-up at 256 tokens did not reach (measured: 2.83 s of scoring against 0.77 s after it)
+    set_compressor(engine, PromptCompressor(Residency(park="auto", strategy="host"), scoring_window=window))
+    compress_for_request(engine, ids, GenerationRequest(prompt="-", compression=options), Telemetry())
     for park, scoring in (("auto", window), ("always", window), ("auto", None)):
         what = f"ttft compressed, park {park}" + ("" if scoring else ", exact scoring")
 

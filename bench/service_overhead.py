@@ -6,7 +6,9 @@ For the embedded defaults (SQLite + embedded valkey) and for Redis + PostgreSQL:
 - added latency per job, with a real `batchd worker` (SmolLM2-135M on the CPU, one new token):
   submit -> worker start (the claim), worker start -> engine start, engine end -> committed
   result (seen by a reader polling every millisecond), median over jobs submitted one at a
-  time to an idle worker; "added" is their sum: the job's wall time minus the engine's.
+  time to an idle worker; "added" is their sum: the job's wall time minus the engine's. The
+  JSON line also gives `submit_call_ms`, the part of submit -> start spent in `submit_jobs`
+  (the rest is Redis and Celery delivering the message to the worker).
 It measures the service, not the model: run it on the CPU.
 
     python bench/service_overhead.py [--jobs 10000] [--latency-jobs 30] [--only embedded|postgres]
@@ -76,12 +78,13 @@ def measure_latency(settings: Settings, env: dict, n: int, log_path: Path) -> di
         job = lambda i: JobInput(custom_id=f"lat-{i}", source="bench", prompt="The capital of France is",  # noqa: E731
                                  params={"max_new_tokens": 1})
         wait_done(settings, submit_jobs(settings, "warmup", [job(-1)], publisher=publisher).job_ids[0], worker, 600)
-        marks = {}  # job id -> (wall clock before submit, wall clock when the committed result was seen)
+        marks = {}  # job id -> wall clock before submit, after submit returned, when the committed result was seen
         for i in range(n):
             submitted = utcnow()
             [job_id] = submit_jobs(settings, "latency", [job(i)], publisher=publisher).job_ids
+            sent = utcnow()
             wait_done(settings, job_id, worker, 120)
-            marks[job_id] = (submitted, utcnow())
+            marks[job_id] = (submitted, sent, utcnow())
     finally:
         worker.terminate()
         worker.wait(timeout=120)
@@ -91,10 +94,12 @@ def measure_latency(settings: Settings, env: dict, n: int, log_path: Path) -> di
             "FROM job_results WHERE batch = 'latency' AND status = 'succeeded'")).all()
     ms = lambda a, b: (_ts(b) - _ts(a)).total_seconds() * 1000  # noqa: E731
     to_start = [ms(marks[r.job_id][0], r.running_at) for r in rows]
+    submit_call = [ms(marks[r.job_id][0], marks[r.job_id][1]) for r in rows]
     to_engine = [ms(r.running_at, r.engine_started_at) for r in rows]
-    to_commit = [ms(r.engine_finished_at, marks[r.job_id][1]) for r in rows]
+    to_commit = [ms(r.engine_finished_at, marks[r.job_id][2]) for r in rows]
     added = sorted(a + b + c for a, b, c in zip(to_start, to_engine, to_commit))
     return {"jobs": len(rows), "submit_to_start_ms": statistics.median(to_start),
+            "submit_call_ms": statistics.median(submit_call),
             "start_to_engine_ms": statistics.median(to_engine), "engine_end_to_commit_ms": statistics.median(to_commit),
             "added_ms": statistics.median(added), "p90_added_ms": added[int(0.9 * (len(added) - 1))]}
 

@@ -4,6 +4,10 @@ SQLite gets WAL (readers never block the writer), a busy timeout, foreign keys, 
 `BEGIN IMMEDIATE` for every transaction, so a read-then-write transaction takes the write
 lock up front instead of failing with SQLITE_BUSY when it upgrades. That makes one process's
 compare-and-swap UPDATEs as safe against another's on SQLite as on PostgreSQL.
+
+PostgreSQL also gets `statement_engine`: connections in autocommit mode, where a statement is
+its own transaction, so a job transition written as one statement (batchd.jobs.lifecycle)
+costs one round trip instead of BEGIN, statement, COMMIT.
 """
 from __future__ import annotations
 
@@ -11,7 +15,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-from sqlalchemy import Engine, create_engine, event
+from sqlalchemy import Connection, Engine, create_engine, event
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -19,21 +23,50 @@ SQLITE_BUSY_TIMEOUT_MS = 30_000
 READ_ONLY = "batchd_read_only"
 
 
-_engines: dict[str, Engine] = {}
+_engines: dict[tuple[str, str], Engine] = {}
 _factories: dict[tuple[str, bool], sessionmaker[Session]] = {}
 
 
 def db_engine(url: str) -> Engine:
     """One pooled SQLAlchemy engine per URL and process."""
-    if url not in _engines:
+    key = (url, "transactions")
+    if key not in _engines:
         parsed = make_url(url)
         if parsed.get_backend_name() == "sqlite":
-            _engines[url] = _sqlite_engine(url, parsed.database)
+            _engines[key] = _sqlite_engine(url, parsed.database)
         else:
-            # no pre-ping (a round trip per checkout): a dropped connection surfaces as an
-            # OperationalError, which the worker treats as transient and retries
-            _engines[url] = create_engine(with_driver(parsed), pool_recycle=1800, pool_size=5, max_overflow=5)
-    return _engines[url]
+            _engines[key] = _postgresql_engine(parsed)
+    return _engines[key]
+
+
+def is_postgresql(url: str) -> bool:
+    return db_engine(url).dialect.name == "postgresql"
+
+
+def statement_engine(url: str, *, durable: bool = True) -> Engine:
+    """PostgreSQL only: an engine whose connections run in autocommit mode, so that each
+    statement is one transaction, atomic as a whole, and one round trip. `durable=False`:
+    its commits do not wait for the WAL flush (`synchronous_commit` off), for statements a
+    crash may safely undo (a claim, a lease renewal: see batchd.jobs.lifecycle)."""
+    key = (url, "statements" if durable else "statements, no flush wait")
+    if key not in _engines:
+        if not is_postgresql(url):
+            raise ValueError(f"statement_engine is for PostgreSQL, not {make_url(url).get_backend_name()}")
+        engine = _postgresql_engine(make_url(url), isolation_level="AUTOCOMMIT")
+        if not durable:
+            @event.listens_for(engine, "connect")
+            def _no_flush_wait(dbapi_connection, _record):
+                with dbapi_connection.cursor() as cursor:
+                    cursor.execute("SET synchronous_commit TO OFF")
+                dbapi_connection.commit()
+        _engines[key] = engine
+    return _engines[key]
+
+
+def _postgresql_engine(url: URL, **options) -> Engine:
+    # no pre-ping (a round trip per checkout): a dropped connection surfaces as an
+    # OperationalError, which the worker treats as transient and retries
+    return create_engine(with_driver(url), pool_recycle=1800, pool_size=5, max_overflow=5, **options)
 
 
 def with_driver(url: URL) -> URL:
@@ -85,6 +118,20 @@ def session_scope(url: str) -> Iterator[Session]:
     """A session whose transaction commits on success and rolls back on error."""
     with session_factory(url).begin() as session:
         yield session
+
+
+@contextmanager
+def one_statement(url: str, *, read_only: bool = False) -> Iterator[Connection]:
+    """A connection for one statement that is a transaction by itself: on PostgreSQL in
+    autocommit mode (one round trip, no BEGIN or COMMIT); on SQLite inside BEGIN ... COMMIT
+    (BEGIN IMMEDIATE unless `read_only`)."""
+    if is_postgresql(url):
+        with statement_engine(url).connect() as connection:
+            yield connection
+        return
+    engine = db_engine(url).execution_options(**{READ_ONLY: True}) if read_only else db_engine(url)
+    with engine.begin() as connection:
+        yield connection
 
 
 @contextmanager

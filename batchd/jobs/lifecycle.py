@@ -4,127 +4,175 @@ Every transition names the state it expects (and, for a running job, the worker 
 it); if the row is not in that state the UPDATE changes nothing and the caller learns it lost
 the race. That is how a duplicate delivery does nothing, how a worker whose lease was taken
 over cannot write a second result, and how a cancel beats a late finish.
+
+On PostgreSQL a transition is ONE statement, run as its own transaction (autocommit), so it
+costs one round trip; the event and the result row are inserted only if the UPDATE matched:
+
+    WITH moved  AS (UPDATE jobs SET ... WHERE id = :job AND status = 'running'
+                                              AND worker_id = :worker RETURNING ...),
+         event  AS (INSERT INTO job_events (...) SELECT moved.id, ... FROM moved),
+         result AS (INSERT INTO results (...) SELECT moved.id, ... FROM moved)   -- complete
+    SELECT ... FROM moved
+
+SQLite has no data-modifying WITH: there the same UPDATE ... RETURNING and INSERTs run one
+after another in one BEGIN IMMEDIATE transaction. Either way: all of it or none of it.
 """
 from __future__ import annotations
 
-from datetime import datetime, timedelta
+from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any, Optional
 
-from sqlalchemy import insert, text, update
-from sqlalchemy.orm import Session
+from sqlalchemy import Boolean, Row, String, Text, bindparam, insert, literal, select, update
+from sqlalchemy.sql import Select, Update
 
 from batchd.db.models import Job, JobEvent, JobStatus, Result
-from batchd.db.session import session_scope
-from batchd.db.types import utcnow
+from batchd.db.session import db_engine, is_postgresql, statement_engine
+from batchd.db.types import UTCDateTime, utcnow
+
+JOBS, EVENTS, RESULTS = Job.__table__, JobEvent.__table__, Result.__table__
+
+# What the worker needs from a claimed job (and the tests read): no second query for it
+CLAIMED_COLUMNS = (JOBS.c.id, JOBS.c.prompt, JOBS.c.messages, JOBS.c.params, JOBS.c.status, JOBS.c.attempts,
+                   JOBS.c.queued_at, JOBS.c.running_at)
+RESULT_COLUMNS = tuple(c for c in RESULTS.columns if c.name != "job_id")
+EVENT_COLUMNS = ("job_id", "event", "worker_id", "detail", "at")
+
+# Parameters of every transition; their names differ from column names (SQLAlchemy reserves
+# those for its own SET parameters).
+JOB, WORKER, NOW = bindparam("job"), bindparam("worker", type_=String), bindparam("now", type_=UTCDateTime())
+DETAIL, LEASE_UNTIL = bindparam("detail", type_=Text), bindparam("lease_until", type_=UTCDateTime())
+
+INSERT_EVENT = insert(EVENTS)
+INSERT_RESULT = insert(RESULTS)
 
 
-# Core INSERTs with the values as parameters: compiled once, not rebuilt per job
-INSERT_EVENT = insert(JobEvent.__table__)
-INSERT_RESULT = insert(Result.__table__)
+@dataclass(frozen=True)
+class Transition:
+    """One compare-and-swap of a job's row, the event it records when it matched, and for
+    `complete` the result row. `durable=False`: a crash may lose it (see `claim`)."""
+
+    event: Optional[str]
+    cas: Update  # UPDATE jobs ... WHERE <expected state> RETURNING ...
+    with_result: bool = False
+    durable: bool = True
+    single_statement: Select = field(init=False, repr=False)
+
+    def __post_init__(self):
+        object.__setattr__(self, "single_statement", self._single_statement())
+
+    def _single_statement(self) -> Select:
+        """The PostgreSQL form: the UPDATE and its INSERTs as one WITH statement."""
+        moved = self.cas.cte("moved")
+        inserts = []
+        if self.event is not None:
+            inserts.append(insert(EVENTS).from_select(
+                EVENT_COLUMNS, select(moved.c.id, literal(self.event, String), WORKER, DETAIL, NOW)).cte("event"))
+        if self.with_result:
+            values = [bindparam(f"result_{c.name}", type_=c.type) for c in RESULT_COLUMNS]
+            inserts.append(insert(RESULTS).from_select(
+                ["job_id", *(c.name for c in RESULT_COLUMNS)], select(moved.c.id, *values)).cte("result"))
+        return select(moved).add_cte(*inserts)
+
+    def run(self, url: str, params: dict[str, Any], result: Optional[dict[str, Any]] = None) -> Optional[Row]:
+        """The job's RETURNING row when the swap happened, else None."""
+        params = {"detail": None, **params}
+        if is_postgresql(url):
+            if self.with_result:
+                params.update({f"result_{c.name}": result.get(c.name) for c in RESULT_COLUMNS},
+                              result_created_at=params["now"])
+            with statement_engine(url, durable=self.durable).connect() as connection:
+                return connection.execute(self.single_statement, params).first()
+        with db_engine(url).begin() as connection:
+            row = connection.execute(self.cas, params).first()
+            if row is not None and self.event is not None:
+                connection.execute(INSERT_EVENT, {"job_id": row.id, "event": self.event, "worker_id": params["worker"],
+                                                  "detail": params["detail"], "at": params["now"]})
+            if row is not None and self.with_result:
+                connection.execute(INSERT_RESULT, {"job_id": row.id, "created_at": params["now"], **result})
+            return row
 
 
-def add_event(session: Session, job_id: int, event: str, *, worker_id: Optional[str] = None,
-              detail: Optional[str] = None, at: Optional[datetime] = None) -> None:
-    session.execute(INSERT_EVENT, {"job_id": job_id, "event": event, "worker_id": worker_id, "detail": detail,
-                                   "at": at or utcnow()})
+def _running_job_of_worker(**values) -> Update:
+    """The swap out of `running`, only for the worker that holds the job."""
+    return (update(JOBS).where(JOBS.c.id == JOB, JOBS.c.status == JobStatus.RUNNING, JOBS.c.worker_id == WORKER)
+            .values(**values).returning(JOBS.c.id))
 
 
-def relax_commit(session: Session) -> None:
-    """PostgreSQL: do not wait for this transaction's WAL flush. For a claim or a lease renewal
-    that is safe: if a crash loses it, the job is `queued` again and the worker's final
-    compare-and-swap fails, so its result is discarded and the job runs again. Submits,
-    results and failures keep durable commits."""
-    if session.get_bind().dialect.name == "postgresql":
-        session.execute(text("SET LOCAL synchronous_commit TO OFF"))
+CLAIM = Transition("running", durable=False, cas=(
+    update(JOBS).where(JOBS.c.id == JOB, JOBS.c.status == JobStatus.QUEUED)
+    .values(status=JobStatus.RUNNING, running_at=NOW, worker_id=WORKER, lease_expires_at=LEASE_UNTIL,
+            attempts=JOBS.c.attempts + 1)
+    .returning(*CLAIMED_COLUMNS)))
+RENEW_LEASE = Transition(None, durable=False, cas=_running_job_of_worker(lease_expires_at=LEASE_UNTIL))
+COMPLETE = Transition("succeeded", with_result=True, cas=_running_job_of_worker(
+    status=JobStatus.SUCCEEDED, succeeded_at=NOW, lease_expires_at=None, error_kind=None, error_message=None,
+    retryable=None))
+FAIL = Transition("failed", cas=_running_job_of_worker(
+    status=JobStatus.FAILED, failed_at=NOW, lease_expires_at=None, error_kind=bindparam("kind", type_=String),
+    error_message=bindparam("message", type_=Text), retryable=bindparam("may_retry", type_=Boolean)))
+RELEASE = Transition("released", cas=_running_job_of_worker(
+    status=JobStatus.QUEUED, queued_at=NOW, worker_id=None, lease_expires_at=LEASE_UNTIL))
 
 
-def claim(url: str, job_id: int, worker_id: str, lease_s: float) -> Optional[Job]:
-    """queued -> running for this worker with a lease; the job, or None when it is not queued
-    (a duplicate delivery, a cancelled job, another worker's job). One UPDATE ... RETURNING."""
+def claim(url: str, job_id: int, worker_id: str, lease_s: float) -> Optional[Row]:
+    """queued -> running for this worker with a lease; the job's `CLAIMED_COLUMNS`, or None
+    when it is not queued (a duplicate delivery, a cancelled job, another worker's job).
+
+    The claim does not wait for PostgreSQL's WAL flush. That is safe: if a database crash
+    loses it, the job is `queued` again with its queue lease (the relay republishes it), and
+    this worker's final compare-and-swap finds the job not running under its id, so its
+    result is discarded and the job runs again. Submits, results and failures stay durable."""
     now = utcnow()
-    with session_scope(url) as session:
-        relax_commit(session)
-        job = session.scalars(
-            update(Job)
-            .where(Job.id == job_id, Job.status == JobStatus.QUEUED)
-            .values(status=JobStatus.RUNNING, running_at=now, worker_id=worker_id,
-                    lease_expires_at=now + timedelta(seconds=lease_s), attempts=Job.attempts + 1)
-            .returning(Job)
-        ).one_or_none()
-        if job is None:
-            return None
-        add_event(session, job_id, "running", worker_id=worker_id, at=now)
-        return job
+    return CLAIM.run(url, {"job": job_id, "worker": worker_id, "now": now,
+                           "lease_until": now + timedelta(seconds=lease_s)})
 
 
 def renew_lease(url: str, job_id: int, worker_id: str, lease_s: float) -> bool:
-    """Extend the lease of a job this worker runs; False when the job is no longer ours."""
-    with session_scope(url) as session:
-        relax_commit(session)
-        return session.execute(
-            update(Job)
-            .where(Job.id == job_id, Job.status == JobStatus.RUNNING, Job.worker_id == worker_id)
-            .values(lease_expires_at=utcnow() + timedelta(seconds=lease_s))
-        ).rowcount == 1
+    """Extend the lease of a job this worker runs; False when the job is no longer ours.
+    Not flushed before it returns, like the claim (a lost renewal at worst requeues the job)."""
+    now = utcnow()
+    return RENEW_LEASE.run(url, {"job": job_id, "worker": worker_id, "now": now,
+                                 "lease_until": now + timedelta(seconds=lease_s)}) is not None
 
 
 def complete(url: str, job_id: int, worker_id: str, result: dict[str, Any]) -> bool:
     """running -> succeeded and the result row, in one transaction: both or neither."""
-    now = utcnow()
-    with session_scope(url) as session:
-        done = session.execute(
-            update(Job)
-            .where(Job.id == job_id, Job.status == JobStatus.RUNNING, Job.worker_id == worker_id)
-            .values(status=JobStatus.SUCCEEDED, succeeded_at=now, lease_expires_at=None,
-                    error_kind=None, error_message=None, retryable=None)
-        ).rowcount
-        if done != 1:
-            return False
-        session.execute(INSERT_RESULT, {"job_id": job_id, "created_at": now, **result})
-        add_event(session, job_id, "succeeded", worker_id=worker_id, at=now)
-        return True
+    unknown = set(result) - {c.name for c in RESULT_COLUMNS}
+    assert not unknown, f"not columns of results: {sorted(unknown)}"
+    return COMPLETE.run(url, {"job": job_id, "worker": worker_id, "now": utcnow()}, result) is not None
 
 
 def fail(url: str, job_id: int, worker_id: str, kind: str, message: str, retryable: bool) -> bool:
     """running -> failed with a kind and a message a person can act on."""
-    now = utcnow()
-    with session_scope(url) as session:
-        done = session.execute(
-            update(Job)
-            .where(Job.id == job_id, Job.status == JobStatus.RUNNING, Job.worker_id == worker_id)
-            .values(status=JobStatus.FAILED, failed_at=now, lease_expires_at=None, error_kind=kind,
-                    error_message=message, retryable=retryable)
-        ).rowcount
-        if done == 1:
-            add_event(session, job_id, "failed", worker_id=worker_id, detail=f"{kind}: {message}", at=now)
-        return done == 1
+    return FAIL.run(url, {"job": job_id, "worker": worker_id, "now": utcnow(), "kind": kind, "message": message,
+                          "may_retry": retryable, "detail": f"{kind}: {message}"}) is not None
 
 
 def release(url: str, job_id: int, worker_id: str, reason: str, queue_lease_s: float) -> bool:
     """running -> queued, for a retry after a transient error (the retry message follows)."""
     now = utcnow()
-    with session_scope(url) as session:
-        done = session.execute(
-            update(Job)
-            .where(Job.id == job_id, Job.status == JobStatus.RUNNING, Job.worker_id == worker_id)
-            .values(status=JobStatus.QUEUED, queued_at=now, worker_id=None,
-                    lease_expires_at=now + timedelta(seconds=queue_lease_s))
-        ).rowcount
-        if done == 1:
-            add_event(session, job_id, "released", worker_id=worker_id, detail=reason, at=now)
-        return done == 1
+    return RELEASE.run(url, {"job": job_id, "worker": worker_id, "now": now, "detail": reason,
+                             "lease_until": now + timedelta(seconds=queue_lease_s)}) is not None
+
+
+# INSERT ... SELECT ... RETURNING: the event and the status it names, in one statement
+IGNORED_DELIVERY = (
+    insert(EVENTS).from_select(EVENT_COLUMNS, select(
+        JOBS.c.id, literal("delivery_ignored", String), WORKER, literal("status was ", Text) + JOBS.c.status, NOW)
+        .where(JOBS.c.id == JOB))
+    .returning(EVENTS.c.detail))
 
 
 def ignored_delivery(url: str, job_id: int, worker_id: str) -> Optional[str]:
     """Record a delivery that found the job not queued; its current status (None: no such job)."""
-    with session_scope(url) as session:
-        job = session.get(Job, job_id)
-        if job is None:
-            return None
-        add_event(session, job_id, "delivery_ignored", worker_id=worker_id, detail=f"status was {job.status.value}")
-        return job.status.value
+    with db_engine(url).begin() as connection:
+        detail = connection.execute(IGNORED_DELIVERY, {"job": job_id, "worker": worker_id, "now": utcnow()}).scalar()
+    return None if detail is None else detail.removeprefix("status was ")
 
 
-def add_event_safely(url: str, job_id: int, event: str, worker_id: Optional[str], detail: Optional[str]) -> None:
-    with session_scope(url) as session:
-        add_event(session, job_id, event, worker_id=worker_id, detail=detail)
+def add_event(url: str, job_id: int, event: str, worker_id: Optional[str], detail: Optional[str]) -> None:
+    """An event that goes with no transition (a discarded result), in its own transaction."""
+    with db_engine(url).begin() as connection:
+        connection.execute(INSERT_EVENT, {"job_id": job_id, "event": event, "worker_id": worker_id, "detail": detail,
+                                          "at": utcnow()})

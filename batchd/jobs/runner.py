@@ -109,7 +109,7 @@ class JobRunner:
                          worker_host=self.host, worker_id=self.worker_id, started_at=started_at,
                          finished_at=finished_at)
         if not lifecycle.complete(url, job_id, self.worker_id, row):
-            lifecycle.add_event_safely(url, job_id, "result_discarded", self.worker_id,
+            lifecycle.add_event(url, job_id, "result_discarded", self.worker_id,
                                        "the job was cancelled or taken over while it ran")
             log.warning("job %s: no longer ours (cancelled or lease taken over); result discarded", job_id)
             return "discarded"

@@ -7,23 +7,42 @@ a custom_id given twice in one submission is reported and the second one dropped
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
-from sqlalchemy import insert, select
+from sqlalchemy import bindparam, insert, select, text
 from sqlalchemy.exc import IntegrityError
 
 from batchd.config import MODEL_NAME_PATTERN, Settings
 from batchd.db.models import Batch, Job, JobEvent, JobStatus
-from batchd.db.session import session_factory, session_scope
+from batchd.db.session import db_engine, is_postgresql, one_statement, session_scope
 from batchd.db.types import utcnow
 from batchd.jobs.inputs import JobInput
 from batchd.jobs.params import validate_input, validate_params
 from engine.errors import BadInputError
 
 INSERT_CHUNK = 2000
+
+JOBS = Job.__table__
+JOB_COLUMNS = tuple(c.name for c in JOBS.columns if c.name != "id")
+
+# PostgreSQL: a chunk of jobs (a JSON array of rows) and their events in one statement
+INSERT_JOBS_WITH_EVENTS = text(f"""
+    WITH new AS (
+        INSERT INTO jobs ({", ".join(JOB_COLUMNS)})
+        SELECT {", ".join(JOB_COLUMNS)} FROM json_populate_recordset(NULL::jobs, :rows)
+        RETURNING custom_id, id, status, error_message),
+    event AS (
+        INSERT INTO job_events (job_id, event, detail)
+        SELECT id, CASE WHEN status = 'failed' THEN 'rejected' ELSE 'submitted' END, coalesce(error_message, status)
+        FROM new)
+    SELECT custom_id, id FROM new""")
+
+BATCH_WITH_JOBS = (select(Batch.id, Job.custom_id, Job.input_sha256)
+                   .outerjoin(Job, Job.batch_id == Batch.id).where(Batch.name == bindparam("name")))
 
 
 @dataclass
@@ -45,15 +64,16 @@ class SubmitReport:
 
 def open_batch(settings: Settings, name: str, *, model: Optional[str],
                defaults: dict[str, Any]) -> tuple[int, bool, dict[str, Optional[str]]]:
-    """(batch id, created?, its jobs' custom_id -> input_sha256), in one transaction. Two
-    submitters racing on one name both end up with the same batch."""
+    """(batch id, created?, its jobs' custom_id -> input_sha256): the batch and its jobs read by
+    one statement, or the batch created. Two submitters racing on one name both end up with
+    the same batch."""
     for _ in range(2):
+        with one_statement(settings.database_url, read_only=True) as connection:
+            rows = connection.execute(BATCH_WITH_JOBS, {"name": name}).all()
+        if rows:
+            return rows[0].id, False, {row.custom_id: row.input_sha256 for row in rows if row.custom_id is not None}
         try:
             with session_scope(settings.database_url) as session:
-                batch_id = session.scalar(select(Batch.id).where(Batch.name == name))
-                if batch_id is not None:
-                    existing = session.execute(select(Job.custom_id, Job.input_sha256).where(Job.batch_id == batch_id))
-                    return batch_id, False, dict(existing.all())
                 batch = Batch(name=name, model=model, params=defaults)
                 session.add(batch)
                 session.flush()
@@ -149,17 +169,25 @@ def check_model_name(model: object) -> None:
 
 
 def _insert_jobs(settings: Settings, valid_rows: list[dict], failed_rows: list[dict]) -> list[int]:
-    """Bulk INSERT ... RETURNING id, plus one event per job, in one transaction."""
-    pending_ids: list[int] = []
-    with session_factory(settings.database_url).begin() as session:
-        for rows, event in ((valid_rows, "submitted"), (failed_rows, "rejected")):
-            for start in range(0, len(rows), INSERT_CHUNK):
-                chunk = rows[start:start + INSERT_CHUNK]
-                ids = list(session.scalars(insert(Job).returning(Job.id, sort_by_parameter_order=True), chunk))
-                if event == "submitted":
-                    pending_ids.extend(ids)
-                details = [row.get("error_message") or (row["status"].value if event == "submitted" else None)
-                           for row in chunk]
-                session.execute(insert(JobEvent), [{"job_id": i, "event": event, "detail": d}
-                                                   for i, d in zip(ids, details)])
-    return pending_ids
+    """INSERT the rows and one event per job (`submitted`, or `rejected` for a failed row), all
+    in one transaction; the ids of the valid rows, in their order."""
+    url = settings.database_url
+    rows = [{name: row.get(name) for name in JOB_COLUMNS} for row in valid_rows + failed_rows]
+    chunks = [rows[start:start + INSERT_CHUNK] for start in range(0, len(rows), INSERT_CHUNK)]
+    ids: dict[str, int] = {}  # custom_id (unique in the batch) -> job id
+    if is_postgresql(url):
+        # one statement per chunk; one chunk needs no BEGIN or COMMIT round trip
+        with (one_statement(url) if len(chunks) == 1 else db_engine(url).begin()) as connection:
+            for chunk in chunks:
+                rows_json = json.dumps(chunk, default=datetime.isoformat, ensure_ascii=False)
+                ids.update(connection.execute(INSERT_JOBS_WITH_EVENTS, {"rows": rows_json}).all())
+    else:
+        with db_engine(url).begin() as connection:
+            for chunk in chunks:
+                new = connection.execute(insert(JOBS).returning(JOBS.c.custom_id, JOBS.c.id, JOBS.c.status,
+                                                                JOBS.c.error_message), chunk).all()
+                ids.update((job.custom_id, job.id) for job in new)
+                connection.execute(insert(JobEvent.__table__), [
+                    {"job_id": job.id, "event": "rejected" if job.status == JobStatus.FAILED else "submitted",
+                     "detail": job.error_message or job.status.value} for job in new])
+    return [ids[row["custom_id"]] for row in valid_rows]

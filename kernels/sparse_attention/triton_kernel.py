@@ -286,11 +286,12 @@ def select_from_scores_triton(scores: torch.Tensor, seq_len: torch.Tensor, top_k
 def sparse_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             seq_len: torch.Tensor, selected: torch.Tensor, block_size: int, scale: float,
                             *, num_splits: int | None = None, num_warps: int | None = None,
-                            num_stages: int = 2) -> torch.Tensor:
-    """-> [B, Hq, Q, D] in q's dtype: attention over the chosen blocks' visible rows, lane by lane.
+                            num_stages: int = 2, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """-> [B, Hq, Q, D] in q's dtype (or out_dtype): attention over the chosen blocks' visible rows, lane by lane.
 
     Tile, splits and warps are the dense kernel's (decode_attention_triton with block_n = block_size),
     whatever Q is; the keyword knobs are for tuning (bench/attention.py) and must not depend on Q.
+    out_dtype=torch.float32 keeps the merged result unrounded (bitwise tests see every difference).
     """
     B, Hq, QR, D = q.shape
     Hkv, S_max = k_cache.shape[1], k_cache.shape[2]
@@ -320,7 +321,7 @@ def sparse_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         num_warps=num_warps, num_stages=num_stages, **launch_options(pdl),
     )
     # [B, Q, Hq, D] memory seen as [B, Hq, Q, D], as the dense kernel returns it (the o projection's rows)
-    out = torch.empty(B, QR, Hq, D, dtype=q.dtype, device=q.device).transpose(1, 2)
+    out = torch.empty(B, QR, Hq, D, dtype=out_dtype or q.dtype, device=q.device).transpose(1, 2)
     return merge_splits(o_part, l_part, out, seq_len, block_n=block_size, splits_from_seq_len=True, s_max=S_max)
 
 

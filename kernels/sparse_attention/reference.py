@@ -75,8 +75,18 @@ def sparse_attention_reference(
     scale: float,
     compute_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """Attention restricted to the selected blocks' causally visible rows. -> [B, Hq, Q, D] in q's dtype"""
-    rows = int(seq_len.max())                                     # host sync: the reference is not for graphs
-    visible = selection_visibility(selected, seq_len, q.shape[2], block_size, rows)
-    k, v = k_cache[:, :, :rows], v_cache[:, :, :rows]
-    return masked_attention_reference(q, k, v, visible, scale, compute_dtype).to(q.dtype)
+    """Attention restricted to the selected blocks' causally visible rows. -> [B, Hq, Q, D] in q's dtype
+
+    Lane by lane, each over the cache rows up to its own last visible one: the computation a lane gets
+    alone as a one-row step, so on the CPU too a verify lane equals its decode step bitwise (B = 1).
+    """
+    QR = q.shape[2]
+    limits = lane_limits(seq_len, QR)                               # [B, Q]
+    lanes = []
+    for i in range(QR):
+        lane_len = limits[:, i] + 1                                 # the lane as a one-row step's seq_len
+        rows = int(lane_len.max())                                  # host sync: the reference is not for graphs
+        visible = selection_visibility(selected[:, :, i:i + 1], lane_len, 1, block_size, rows)
+        lanes.append(masked_attention_reference(q[:, :, i:i + 1], k_cache[:, :, :rows], v_cache[:, :, :rows],
+                                                visible, scale, compute_dtype))
+    return torch.cat(lanes, dim=2).to(q.dtype)

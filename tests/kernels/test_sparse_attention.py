@@ -241,6 +241,25 @@ def test_verify_lane_equals_its_decode_step_bitwise(dtype, B, Hq, Hkv, S_max, le
         assert torch.equal(step, solo), f"Q={QR} lane {i} differs from its decode step"
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])
+def test_reference_lane_equals_its_decode_step_bitwise(dtype):
+    """The PyTorch twin (the engine's path on the CPU) keeps the property too: scoring is elementwise
+    per lane, selection exact, attention lane by lane over the lane's own rows."""
+    q16, k, v = make(1, 6, 2, 16, 16, 256, dtype, seed=13)
+    summary = full_summary(k, 250)
+    seq_len = torch.tensor([250], device=DEVICE)
+
+    def run(q, sl):
+        chosen = select_blocks(q, summary, sl, top_k=4, backend="reference")
+        return sparse_attention(q, k, v, sl, chosen, block_size=BS, backend="reference")
+
+    solo = [run(q16[:, :, t:t + 1], seq_len - 15 + t) for t in range(16)]
+    for QR in (2, 7, 16):
+        step = run(q16[:, :, 16 - QR:], seq_len)
+        for i in range(QR):
+            assert torch.equal(step[:, :, i:i + 1], solo[16 - QR + i]), f"Q={QR} lane {i}"
+
+
 @needs_triton
 @pytest.mark.triton
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])

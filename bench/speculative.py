@@ -1,7 +1,8 @@
 """Speculative decoding: what a verify step costs, and what speculation buys end to end.
 
 CPU (default): the real SmolLM2-135M GGUF in float32 summarising aclsum papers. Per method
-(plain decode, prompt lookup adaptive and at fixed widths): decode tokens/s, speed-up over plain,
+(plain decode, prompt lookup adaptive and at fixed widths, interleaved per paper): decode
+tokens/s, speed-up over plain in the same run (overall, and its range over the papers),
 acceptance rate, mean accepted length (bonus token included), whether speculation switched itself
 off; the greedy outputs are checked to be identical. Then the cost of one verify step of q + 1
 rows over a one-token decode step at the prompt's context.
@@ -20,6 +21,7 @@ and 8 over plain decode. One table.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -104,9 +106,12 @@ def bench_cpu(args) -> None:
     from tests.conftest import smollm2_gguf_path
 
     engine = Engine.load(str(smollm2_gguf_path()), device="cpu", dtype="float32", max_context=4096)
+    engine.warm_up()  # packs the weights for the small-step path (engine.linear) before any timing
     methods = {"plain": SpeculationOptions(), "lookup adaptive": SpeculationOptions("lookup")}
     methods.update({f"lookup q={w}": SpeculationOptions("lookup", width=w) for w in args.widths})
     totals = {name: dict(tokens=0, seconds=0.0, offered=0, accepted=0, steps=0, disabled=0) for name in methods}
+    speedups = {name: [] for name in methods}  # per paper, over plain on the same paper
+    load_before = os.getloadavg()
     prompts = []
     for paper in aclsum_papers(limit=args.papers):
         ids = engine.codec.encode_request(summary_prompt(paper, args.chars), None, True)
@@ -124,17 +129,21 @@ def bench_cpu(args) -> None:
             row["disabled"] += t.spec_disabled
         same = all(ids_ == outputs["plain"] for ids_ in outputs.values())
         rates = ", ".join(f"{name} {len(outputs[name]) / seconds[name]:.1f}" for name in methods)
+        for name in methods:
+            speedups[name].append(seconds["plain"] / seconds[name] * len(outputs[name]) / len(outputs["plain"]))
         print(f"{paper.paper_id}: {len(ids)} prompt tokens, outputs identical: {same}; tok/s {rates}", flush=True)
     plain_rate = totals["plain"]["tokens"] / totals["plain"]["seconds"]
     rows = []
     for name, r in totals.items():
         rate = r["tokens"] / r["seconds"]
         rows.append({"method": name, "decode tok/s": rate, "vs plain": rate / plain_rate,
+                     "per paper": f"{min(speedups[name]):.2f}-{max(speedups[name]):.2f}",
                      "acceptance": r["accepted"] / r["offered"] if r["offered"] else None,
                      "mean accepted len": (r["accepted"] + r["steps"]) / r["steps"] if r["steps"] else None,
                      "spec steps": r["steps"], "switched off": f"{r['disabled']}/{args.papers}"})
     print(f"\nSmolLM2-135M fp32 on CPU ({torch.get_num_threads()} threads), {args.papers} aclsum summaries, "
-          f"{args.new_tokens} new tokens each, greedy")
+          f"{args.new_tokens} new tokens each, greedy; load average {load_before[0]:.2f} before, "
+          f"{os.getloadavg()[0]:.2f} after (1 min)")
     print_table(rows)
     costs = verify_costs(engine, prompts[0], repeats=args.repeats)
     print(f"\nverify step (q + 1 rows) / decode step at {len(prompts[0])} tokens of context "

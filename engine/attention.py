@@ -79,19 +79,29 @@ def attend(q, k_cache, v_cache, start: int, scale: float, use_kernel: bool, seq_
         mask = cols[None, :] <= visible_end[:, None]
         return F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=mask, scale=scale, enable_gqa=True)
     keys, values = k_cache[:, :, : start + T], v_cache[:, :, : start + T]
+    if not q.is_cuda and T <= MAX_VERIFY_ROWS and (start > 0 or T == 1):
+        # a decode or verify step: each lane runs exactly its own decode step's call, so greedy
+        # output does not change with speculation (a [T, S] SDPA moves the lanes' last bits with T)
+        return torch.cat([attend_lane_cpu(q[:, :, t : t + 1], keys[:, :, : start + t + 1],
+                                          values[:, :, : start + t + 1], scale) for t in range(T)], dim=2)
     if T == 1:
         return F.scaled_dot_product_attention(q, keys, values, scale=scale, enable_gqa=True)
     if start == 0:
         return F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=scale, enable_gqa=True)
-    if T <= MAX_VERIFY_ROWS and not q.is_cuda:
-        # a verify step: each lane runs exactly its own decode step's call, so greedy output does
-        # not change with speculation (a [T, S] SDPA moves the lanes' last bits with T)
-        return torch.cat([F.scaled_dot_product_attention(q[:, :, t : t + 1], keys[:, :, : start + t + 1],
-                                                         values[:, :, : start + t + 1], scale=scale, enable_gqa=True)
-                          for t in range(T)], dim=2)
     # CausalBias lets SDPA pick a fused kernel without materialising a [T, start + T] mask
     mask = causal_lower_right(T, start + T)
     return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
+
+
+def attend_lane_cpu(q, keys, values, scale: float) -> torch.Tensor:
+    """One query row against every key it sees: q [B, Hq, 1, D], keys/values [B, Hkv, S, D] ->
+    [B, Hq, 1, D]. The Hq / Hkv query heads sharing a key head go in as that head's query rows
+    ([B, Hkv, Hq / Hkv, D], no mask: they see the same keys), which spares SDPA's GQA path its
+    expansion of the keys and values (a quarter of a decode step's attention time on SmolLM2)."""
+    B, Hq, _, D = q.shape
+    Hkv = keys.shape[1]
+    out = F.scaled_dot_product_attention(q.reshape(B, Hkv, Hq // Hkv, D), keys, values, scale=scale)
+    return out.view(B, Hq, 1, D)
 
 
 def lower_right_causal_mask(num_queries: int, num_keys: int, device) -> torch.Tensor:

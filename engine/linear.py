@@ -1,14 +1,25 @@
 """Projections whose rows do not depend on how many rows are computed together.
 
 Greedy output must be bit-identical with speculation on or off, yet plain decode multiplies one
-row (M = 1) and fused verification q + 1 rows. cuBLAS picks a different kernel per M, so the same
-row comes out different in the last bits and a bf16 model's argmax can flip. On CUDA, steps of up
-to `MAX_INVARIANT_ROWS` rows therefore go through `kernels.small_matmul`, whose per-row result is
-independent of M (and which is also faster than cuBLAS at these shapes); prefill chunks, the same
-in both paths, use cuBLAS. On the CPU, steps of 2..17 rows run as batched one-row products
-(`rows_as_decode`), the same MKL kernel a one-token step uses.
+row (M = 1) and fused verification q + 1 rows. BLAS libraries pick a kernel per M (cuBLAS; MKL's
+sgemv for M = 1 and sgemm tiles beyond), so the same row comes out different in the last bits and
+an argmax can flip. Every step of up to 17 rows (decode, and verify of up to 16 drafts) therefore
+runs through a kernel whose per-row result is independent of M; prefill chunks, the same in both
+paths, use the library's GEMM.
+
+- CUDA: `kernels.small_matmul` (also faster than cuBLAS at these shapes).
+- CPU: oneDNN's inner product over a weight reordered once into its blocked layout
+  (`torch.ops.mkldnn._linear_pointwise`, the op Inductor uses for frozen linears). Its rows are
+  independent of M from 1 to 17, so a verify step of q + 1 rows costs about what one GEMM of
+  q + 1 rows costs, not q + 1 decode steps. That is measured, not promised by oneDNN: the first
+  use of each (shape, dtype, bias, threads) checks it on random rows (`_rows_are_invariant`), and
+  where it fails, where oneDNN cannot take the dtype (bf16 without AVX512-BF16 or AVX-NE-CONVERT)
+  and for tiny weights, the step runs as one-row products instead (`rows_as_decode`: the very
+  call a decode step makes, batched; invariant by construction, but q + 1 passes over the weight).
 """
 from __future__ import annotations
+
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -16,6 +27,9 @@ from torch import nn
 
 MAX_INVARIANT_ROWS = 16
 CPU_INVARIANT_ROWS = 17  # the widest verify step: 16 draft tokens plus the last accepted one
+# Smaller weights take the one-row products: there oneDNN's per-call overhead (and its threads'
+# wake-ups) costs more than the q + 1 products (a 64-wide test model runs 1.5-2x slower)
+ONEDNN_MIN_WEIGHTS = 1 << 16
 _small_linear = None
 
 
@@ -36,19 +50,84 @@ def project(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
     if _small_linear is not None and x.is_cuda and rows <= MAX_INVARIANT_ROWS:
         out = _small_linear(x.reshape(rows, x.shape[-1]), layer.weight, layer.bias)
         return out.view(*x.shape[:-1], -1)
-    if x.device.type == "cpu" and 1 < rows <= CPU_INVARIANT_ROWS:
-        return rows_as_decode(x.reshape(rows, x.shape[-1]), layer).view(*x.shape[:-1], -1)
+    if x.device.type == "cpu" and rows <= CPU_INVARIANT_ROWS:
+        return project_rows_cpu(x.reshape(rows, x.shape[-1]), layer).view(*x.shape[:-1], -1)
     return F.linear(x, layer.weight, layer.bias)
+
+
+def project_rows_cpu(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
+    """x: [M, K], M <= 17 -> [M, N]; row i is the same for every M (a decode step is M = 1)."""
+    packed = packed_weight(layer)
+    if packed is None:
+        return F.linear(x, layer.weight, layer.bias) if x.shape[0] == 1 else rows_as_decode(x, layer)
+    return torch.ops.mkldnn._linear_pointwise(x, packed, layer.bias, "none", [], "")
+
+
+def rows_are_invariant(layer: nn.Linear) -> bool:
+    """Whether small CPU steps through `layer` run as one oneDNN product (else one-row products)."""
+    return packed_weight(layer) is not None
 
 
 def rows_as_decode(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
     """x: [M, K] -> [M, N] as M one-row products in one batched call. MKL runs each with the
-    kernel of a one-row F.linear (a decode step), so every row matches decode bitwise, while a
-    plain [M, K] GEMM's rows move in the last bits with M (tests/engine/test_spec_invariance.py).
-    The weight stays hot in cache across the M products."""
+    kernel of a one-row F.linear, so every row matches that call bitwise, while a plain [M, K]
+    GEMM's rows move in the last bits with M. The weight stays hot in cache across the products."""
     M = x.shape[0]
     weight = layer.weight.t().unsqueeze(0).expand(M, -1, -1)  # [M, K, N], a view
     x = x.unsqueeze(1)  # [M, 1, K]
     if layer.bias is None:
         return torch.bmm(x, weight).squeeze(1)
     return torch.baddbmm(layer.bias.view(1, 1, -1).expand(M, 1, -1), x, weight).squeeze(1)
+
+
+# layer -> ((weight data_ptr, version), oneDNN-packed weight or None where oneDNN is not invariant)
+_packed: "weakref.WeakKeyDictionary[nn.Linear, tuple]" = weakref.WeakKeyDictionary()
+# (N, K, dtype, bias?, threads) -> whether oneDNN's rows were found independent of M
+_invariant: dict[tuple, bool] = {}
+
+
+def packed_weight(layer: nn.Linear):
+    """`layer`'s weight in oneDNN's layout (an opaque mkldnn tensor, packed once and kept while
+    the weight is unchanged), or None where the oneDNN path is not row-invariant."""
+    weight = layer.weight
+    key = (weight.data_ptr(), _version(weight))
+    cached = _packed.get(layer)
+    if cached is None or cached[0] != key:
+        packed = _pack(weight)
+        if packed is not None and not _rows_are_invariant(packed, weight, layer.bias):
+            packed = None
+        cached = (key, packed)
+        _packed[layer] = cached
+    return cached[1]
+
+
+def _pack(weight: torch.Tensor):
+    if weight.numel() < ONEDNN_MIN_WEIGHTS or not torch.backends.mkldnn.is_available():
+        return None
+    try:
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+    except RuntimeError:  # e.g. bf16 on a CPU without AVX512-BF16 / AVX-NE-CONVERT
+        return None
+
+
+def _rows_are_invariant(packed, weight: torch.Tensor, bias) -> bool:
+    """Whether every row of oneDNN's product over M = 1..17 rows equals the same row computed
+    alone, checked once per shape on random rows (the kernel's summation order does not depend
+    on the values, so random rows expose any M-dependent order)."""
+    N, K = weight.shape
+    key = (N, K, weight.dtype, bias is not None, torch.get_num_threads())
+    if key not in _invariant:
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(CPU_INVARIANT_ROWS, K, generator=g).to(weight.dtype)
+        b = None if bias is None else torch.randn(N, generator=g).to(bias.dtype)
+        run = lambda rows: torch.ops.mkldnn._linear_pointwise(rows, packed, b, "none", [], "")  # noqa: E731
+        alone = torch.cat([run(x[i : i + 1]) for i in range(CPU_INVARIANT_ROWS)])
+        _invariant[key] = all(torch.equal(run(x[:M]), alone[:M]) for M in range(2, CPU_INVARIANT_ROWS + 1))
+    return _invariant[key]
+
+
+def _version(t: torch.Tensor) -> int:
+    try:
+        return t._version
+    except RuntimeError:  # an inference tensor keeps no version counter
+        return 0

@@ -192,6 +192,10 @@ class Engine:
 
     def fingerprint(self, request: GenerationRequest) -> dict:
         s, spec, comp = request.sampling, request.speculation, request.compression
+        drafter = {}
+        if spec.method == "draft" and spec.drafter_path in self._drafters:
+            # the checkpoint file's hash; a '#layers=N' view of it is told by drafter_path
+            drafter["drafter_sha256"] = self._drafters[spec.drafter_path].checkpoint_sha256.partition("#")[0]
         return {
             "target_sha256": self.checkpoint_sha256, "target_path": self.checkpoint_path,
             "dtype": str(self.model.dtype).removeprefix("torch."),
@@ -201,6 +205,7 @@ class Engine:
             "spec_width": spec.width, "drafter_path": spec.drafter_path or comp.drafter_path,
             "compress": comp.mode, "keep_ratio": comp.keep_ratio if comp.mode != "off" else None,
             "attention": self.attention if self.attention == "dense" else f"sparse-top{self.cache.sparse_top_k}",
+            **drafter,
         }
 
     def close(self) -> None:

@@ -1,24 +1,26 @@
 """How many tokens to draft next, and when to stop speculating for the rest of a job.
 
 Width. Acceptance is modelled as geometric: each draft is accepted with probability alpha given the
-ones before it were, so the i-th draft pays off with probability alpha^i. A draft is worth adding
-while that exceeds its marginal cost relative to a plain decode step (the drafter's time per token
-plus what one more verify lane costs, both measured as the job runs), so q = floor(log(cost ratio) / log(alpha)), clamped to 1..16.
-alpha is the censored-geometric estimate accepted / (accepted + rejections) over recent steps
-(exponentially decayed), starting from a prior.
+ones before it were, so a step of q drafts yields E(q) = 1 + alpha + ... + alpha^q tokens (the
+bonus included) and costs C(q) = 1 + c q plain decode steps, c being the drafter's time per token
+plus what one more verify lane costs, both relative to a plain step and measured as the job runs.
+The width is the q in 1..16 with the most tokens per unit of cost, E(q) / C(q). alpha is the
+censored-geometric estimate accepted / (accepted + rejections) over recent steps (exponentially
+decayed), starting from a prior.
 
 Switch-off. The policy times plain decode steps (a few at the start of the job, and any step where
 the proposer had nothing to offer) and speculative steps (drafting, verification and bookkeeping,
 per generated token). Once a window of speculative steps has been timed, if they cost more per
 generated token than a plain step does, speculation is off for the rest of the job and the
 telemetry says why. Only the adaptive mode switches off: a width the job fixed is honoured.
+The loop reads time from the policy's `clock` (wall time; a test passes a virtual one).
 """
 from __future__ import annotations
 
-import math
 import statistics
+import time
 from collections import deque
-from typing import Optional
+from typing import Callable, Optional
 
 from engine.errors import BadInputError
 
@@ -32,9 +34,11 @@ def check_width(width: Optional[int]) -> None:
 
 class WidthPolicy:
     def __init__(self, fixed_width: Optional[int] = None, *, prior_acceptance: float = 0.7, prior_weight: float = 1.0,
-                 decay: float = 0.7, lane_cost: float = 0.05, calibration_steps: int = 4, window: int = 32):
+                 decay: float = 0.7, lane_cost: float = 0.05, calibration_steps: int = 4, window: int = 32,
+                 clock: Callable[[], float] = time.perf_counter):
         check_width(fixed_width)
         self.fixed_width = fixed_width
+        self.clock = clock  # seconds; what the speculative loop times its steps with
         self.prior_acceptance, self.prior_weight, self.decay = prior_acceptance, prior_weight, decay
         self.lane_cost = lane_cost  # extra verify cost of one more lane, relative to a decode step (measured)
         self.calibration_steps = calibration_steps
@@ -68,12 +72,8 @@ class WidthPolicy:
             return self.fixed_width
         if len(self.plain_step_s) < self.calibration_steps:
             return 0  # time a few plain steps first: the switch-off rule compares against them
-        alpha = self.acceptance
-        if alpha >= 0.999:
-            return MAX_WIDTH
-        worth = self.lane_cost + self._draft_cost_ratio()  # a draft must pay off this often
-        worth = min(max(worth, 0.02), 0.95)
-        return max(1, min(MAX_WIDTH, int(math.log(worth) / math.log(alpha))))
+        # never free: timing noise must not make every lane look like a bargain
+        return best_width(self.acceptance, max(0.02, self.lane_cost + self._draft_cost_ratio()))
 
     def _draft_cost_ratio(self) -> float:
         if self.draft_s_per_token is None or not self.plain_step_s:
@@ -112,6 +112,18 @@ class WidthPolicy:
         return (f"speculation cost {spec * 1e3:.2f} ms per generated token over the last "
                 f"{len(self.spec_window)} steps (acceptance {self.acceptance:.2f}), more than plain decode's "
                 f"{plain * 1e3:.2f} ms: plain decode for the rest of the job")
+
+
+def best_width(alpha: float, cost_per_draft: float) -> int:
+    """argmax over q in 1..16 of E(q) / C(q): expected tokens of a step of q drafts (geometric
+    acceptance alpha, bonus token included) over its cost in plain steps, 1 + cost_per_draft * q."""
+    tokens, best, best_rate = 1.0, 1, 0.0
+    for q in range(1, MAX_WIDTH + 1):
+        tokens += alpha**q
+        rate = tokens / (1.0 + cost_per_draft * q)
+        if rate > best_rate:
+            best, best_rate = q, rate
+    return best
 
 
 def _ema(average: Optional[float], value: float, weight: float = 0.3) -> float:

@@ -20,6 +20,7 @@ import torch
 
 from engine.errors import BadInputError
 from engine.generate import TokenOutput, decode_plain, prefill_prompt, synchronize
+from engine.linear import rows_are_invariant
 from engine.sampling import Sampler
 from engine.speculative.adaptive import MAX_WIDTH, WidthPolicy, check_width
 from engine.speculative.drafters import load_drafter
@@ -80,8 +81,9 @@ def generate_speculative(engine, prompt_ids: list[int], sampler: Sampler, stoppe
     generated: list[int] = []
     finish = stopper.accept(generated, first.tolist())
     context = list(prompt_ids) + generated  # its last token is not in the target's cache yet
+    clock = policy.clock
     while finish is None and not policy.disabled:
-        step_started = time.perf_counter()
+        step_started = clock()
         room = cache.max_len - cache.length - 1  # rows left after the last token's own
         if room < 0:
             finish = "length"
@@ -90,13 +92,13 @@ def generate_speculative(engine, prompt_ids: list[int], sampler: Sampler, stoppe
         width = min(policy.width(), max_width, room, budget)
         proposal = proposer.propose(context, width) if width > 0 else Proposal(_no_tokens(device))
         synchronize(device)
-        drafted = time.perf_counter()
+        drafted = clock()
         verdict = verify_step(runner, sampler, context[-1], proposal)
         proposer.accepted(verdict.accepted)
         before = len(generated)
         finish = stopper.accept(generated, verdict.tokens)
         context += generated[before:]
-        done = time.perf_counter()
+        done = clock()
         if len(proposal):
             stats.record(len(proposal), verdict.accepted)
             stats.draft_s += drafted - step_started
@@ -123,8 +125,8 @@ def verify_step(runner, sampler: Sampler, last_token: int, proposal: Proposal) -
     last = torch.tensor([last_token], dtype=torch.long, device=cache.device)
     tokens = torch.cat([last, proposal.tokens]).view(1, -1)  # [1, q + 1]
     if sampler.greedy and certifies_head(model):
-        # CPU float32: every layer runs lane by lane as decode does (engine.linear), but the head,
-        # a fifth of SmolLM2's weights, runs as one GEMM whose argmax is certified per lane
+        # every layer's lanes computed as decode computes them (engine.linear), but the head, a
+        # fifth of SmolLM2's weights, as one GEMM whose argmax is certified per lane
         hidden = model(tokens, cache, head=False)[0]  # [q + 1, H]
         verdict = verify_greedy(certified_argmax(hidden, model.lm_head), proposal.tokens)
     else:
@@ -139,8 +141,10 @@ def verify_step(runner, sampler: Sampler, last_token: int, proposal: Proposal) -
 
 def certifies_head(model) -> bool:
     """Greedy verification takes the head's argmax from one GEMM (verify.certified_argmax): on
-    the CPU in float32, where steps run eagerly (no graphs to keep the head inside)."""
-    return model.device.type == "cpu" and model.dtype == torch.float32 and model.lm_head.bias is None
+    the CPU in float32 where the head's rows are not M-invariant already (engine.linear's
+    fallback of one-row products, which would cost q + 1 decode heads)."""
+    return (model.device.type == "cpu" and model.dtype == torch.float32 and model.lm_head.bias is None
+            and not rows_are_invariant(model.lm_head))
 
 
 def _decode_rest_plainly(runner, sampler, stopper, generated: list[int], last_token: int) -> str:

@@ -13,6 +13,8 @@ from engine.runtime import Engine
 from engine.sampling import Sampler
 from engine.speculative import (PromptLookupProposer, WidthPolicy, generate_speculative, register_drafter,
                                 self_drafter, truncated_drafter)
+from engine.speculative.adaptive import best_width
+from engine.speculative.decode import make_proposer
 from engine.stopping import StopChecker
 from engine.text import TextCodec
 from engine.types import GenerationRequest, SamplingParams, SpeculationOptions, Telemetry
@@ -164,13 +166,76 @@ def test_self_drafting_accepts_every_draft_and_fills_telemetry():
         assert key in row
 
 
-def test_speculation_that_does_not_pay_switches_itself_off():
+class CostedProposer:
+    """A proposer that charges a virtual clock what each step costs, so that switching off is
+    decided by a cost model, not by this machine's load: `draft_s` per drafted token, and a
+    target forward of `step_s` plus `lane_s` per draft (it runs between propose() and
+    accepted(); a step with nothing proposed is a plain decode step)."""
+
+    def __init__(self, inner, *, draft_s: float, step_s: float = 1.0, lane_s: float = 0.1):
+        self.inner, self.draft_s, self.step_s, self.lane_s = inner, draft_s, step_s, lane_s
+        self.now, self.offered = 0.0, 0
+
+    def __call__(self) -> float:  # the clock
+        return self.now
+
+    def begin(self, prompt_ids):
+        self.inner.begin(prompt_ids)
+
+    def propose(self, context, width):
+        proposal = self.inner.propose(context, width)
+        self.offered = len(proposal)
+        self.now += self.draft_s * self.offered
+        return proposal
+
+    def accepted(self, num_accepted):
+        self.inner.accepted(num_accepted)
+        self.now += self.step_s + self.lane_s * self.offered
+        self.offered = 0
+
+
+@pytest.mark.parametrize("drafter, draft_s, switched_off", [
+    ("first-layer", 0.5, True),  # ~10% acceptance, each draft half a target step: dearer per token
+    ("self", 0.0, False),  # every draft accepted, drafting free: 1 + 0.1 q per q + 1 tokens
+], ids=["poor-drafter-switches-off", "free-exact-drafter-stays-on"])
+def test_speculation_switches_itself_off_exactly_when_it_does_not_pay(drafter, draft_s, switched_off):
     engine = tiny_engine()
-    plain, _ = generate(engine, SpeculationOptions(), max_new_tokens=120)
-    # one layer of two drafts at ~10% acceptance: each step costs more than a plain step
-    spec, t = generate(engine, spec_options("draft-first-layer", None), max_new_tokens=120)
-    assert t.spec_disabled and "plain decode" in t.spec_disabled_reason
+    plain = run_direct(engine, StopChecker(set(), 120), None)
+    options, telemetry = spec_options(f"draft-{drafter}", None), Telemetry()
+    sampler = Sampler(SamplingParams(), engine.device)
+    proposer = CostedProposer(make_proposer(engine, options, sampler, telemetry), draft_s=draft_s)
+    spec = run_direct(engine, StopChecker(set(), 120), options, telemetry, proposer=proposer,
+                      policy=WidthPolicy(clock=proposer))
+    assert telemetry.spec_disabled == switched_off
+    if switched_off:
+        assert "plain decode's 1000.00 ms" in telemetry.spec_disabled_reason
     assert spec.token_ids == plain.token_ids
+
+
+def test_fingerprint_names_the_drafter_checkpoint_only_when_a_drafter_drafts():
+    engine = tiny_engine()
+    engine.checkpoint_sha256 = "a" * 64
+    register_drafter(engine, "first-layer-of-a", truncated_drafter(engine, 1))
+    other = Engine(ours_from_hf(hf_model("llama", seed=1)), None, max_context=256, eos_ids=set(),
+                   checkpoint_sha256="b" * 64, checkpoint_path="other.gguf")
+    register_drafter(engine, "other.gguf", other)
+    cases = [(SpeculationOptions(), None), (SpeculationOptions("lookup", drafter_path="other.gguf"), None),
+             (SpeculationOptions("draft", drafter_path="other.gguf"), "b" * 64),
+             (SpeculationOptions("draft", drafter_path="first-layer-of-a"), "a" * 64)]  # the file's hash
+    for spec, drafter_sha256 in cases:
+        fingerprint = engine.fingerprint(GenerationRequest(speculation=spec))
+        assert fingerprint.get("drafter_sha256") == drafter_sha256, spec
+        assert fingerprint["target_sha256"] == "a" * 64
+
+
+@pytest.mark.parametrize("alpha, cost_per_draft, width", [(1.0, 0.1, 16), (0.7, 0.05, 6), (0.9, 0.1, 10),
+                                                         (0.5, 0.1, 2), (0.3, 0.4, 1)])
+def test_width_maximises_expected_tokens_per_unit_of_cost(alpha, cost_per_draft, width):
+    def tokens_per_cost(q):  # geometric acceptance, bonus token included, cost in plain steps
+        return sum(alpha**i for i in range(q + 1)) / (1 + cost_per_draft * q)
+
+    assert best_width(alpha, cost_per_draft) == width
+    assert all(tokens_per_cost(width) >= tokens_per_cost(q) for q in range(1, 17))
 
 
 def test_width_policy_adapts_and_switches_off():
@@ -178,7 +243,7 @@ def test_width_policy_adapts_and_switches_off():
     assert [policy.width() for _ in range(2)] == [0, 0]  # timing plain steps first
     for _ in range(4):
         policy.record_plain_step(0.010)
-    assert policy.width() == 8  # prior acceptance 0.7, free drafts: 0.7^8 > 0.05
+    assert policy.width() == 6  # prior acceptance 0.7, lanes at 5% of a step: E(q) / C(q) peaks at q = 6
     for _ in range(20):
         policy.record_spec_step(offered=16, accepted=16, tokens=17, seconds=0.012, draft_s=0.0)
     assert policy.width() == 16 and not policy.disabled

@@ -3,7 +3,8 @@
 Greedy speculative output can only equal plain decode's if the logits of each verify row are the
 logits decode would produce for that token (and the K/V rows written are the same). A [T, K] GEMM
 does not promise that: MKL picks kernels by M, and the rows move in the last bits. These tests pin
-the property the CPU path relies on (engine.linear.rows_as_decode, engine.attention.attend).
+the property the CPU path relies on, on both of its routes (engine.linear: oneDNN's product over
+a packed weight, or one-row products where oneDNN is not invariant; engine.attention.attend).
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine import linear
 from engine.kv_cache import KVCache
 from engine.linear import project
 from engine.speculative.verify import certified_argmax
@@ -20,16 +22,71 @@ from tests.engine.tiny_models import ARCHITECTURES, hf_model, ours_from_hf
 pytest.importorskip("transformers")
 
 
-@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
-@pytest.mark.parametrize("shape", [(960, 576), (3072, 576), (576, 1536), (49152, 576)], ids=str)
-def test_projection_rows_do_not_depend_on_row_count(shape, bias):
+SMOLLM2_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576)]  # qkv, o, gate-up, down, head
+ODD_SHAPES = [(192, 64), (100, 37)]
+# (route, dtype) pairs: bf16 cannot be packed by oneDNN on AVX2 CPUs, so it takes the fallback anyway
+CASES = [("onednn", torch.float32), ("one-row-products", torch.float32), ("default", torch.bfloat16)]
+
+
+@pytest.fixture
+def use_route(monkeypatch):
+    def use(route: str):
+        """Which CPU path small steps take: oneDNN where it is found invariant, else the fallback."""
+        if route == "one-row-products":
+            monkeypatch.setattr(linear, "_pack", lambda weight: None)
+        elif route == "onednn":  # tiny weights too
+            monkeypatch.setattr(linear, "ONEDNN_MIN_WEIGHTS", 0)
+    return use
+
+
+def linear_layer(shape, bias: bool, dtype) -> nn.Linear:
     N, K = shape
-    layer = nn.Linear(K, N, bias=bias)
-    x = torch.randn(1, 17, K, generator=torch.Generator().manual_seed(0))
+    layer = nn.Linear(K, N, bias=bias).to(dtype)
     with torch.no_grad():
-        one_by_one = torch.cat([F.linear(x[:, t : t + 1], layer.weight, layer.bias) for t in range(17)], dim=1)
-        for T in (2, 3, 5, 9, 16, 17):
-            assert torch.equal(project(x[:, :T], layer), one_by_one[:, :T]), f"rows differ at T={T}"
+        layer.weight.normal_(0, 0.05, generator=torch.Generator().manual_seed(N + K))
+    return layer
+
+
+def shape_cases():
+    for route, dtype in CASES:
+        # the fallback is slow on the head: it is the head's route only where oneDNN fails
+        shapes = SMOLLM2_SHAPES if route == "onednn" else SMOLLM2_SHAPES[:4]
+        for shape in shapes + ODD_SHAPES:
+            yield pytest.param(route, dtype, shape, id=f"{route}-{str(dtype)[6:]}-{shape[0]}x{shape[1]}")
+
+
+@pytest.mark.parametrize("route, dtype, shape", shape_cases())
+def test_projection_rows_do_not_depend_on_row_count(use_route, route, dtype, shape):
+    use_route(route)
+    for bias in (False, True):
+        layer = linear_layer(shape, bias, dtype)
+        x = torch.randn(1, 17, shape[1], generator=torch.Generator().manual_seed(0)).to(dtype)
+        with torch.no_grad():
+            one_by_one = torch.cat([project(x[:, t : t + 1], layer) for t in range(17)], dim=1)
+            for T in (2, 3, 4, 5, 8, 9, 16, 17):
+                assert torch.equal(project(x[:, :T], layer), one_by_one[:, :T]), f"rows differ at T={T}, bias={bias}"
+
+
+@pytest.mark.parametrize("route, dtype, shape", [c for c in shape_cases() if c.values[2] in SMOLLM2_SHAPES])
+def test_projection_row_does_not_depend_on_its_position_or_neighbours(use_route, route, dtype, shape):
+    use_route(route)
+    layer = linear_layer(shape, False, dtype)
+    g = torch.Generator().manual_seed(1)
+    row = torch.randn(1, 1, shape[1], generator=g).to(dtype)
+    with torch.no_grad():
+        alone = project(row, layer)[0, 0]
+        for position in range(17):
+            x = torch.randn(1, 17, shape[1], generator=g).to(dtype)
+            x[0, position] = row[0, 0]
+            assert torch.equal(project(x, layer)[0, position], alone), f"row moved at position {position}"
+
+
+def test_fp32_small_steps_take_the_onednn_route():
+    """SmolLM2's float32 shapes run as one oneDNN product per step (the fast path) on this CPU."""
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("PyTorch built without oneDNN")
+    assert all(linear.rows_are_invariant(linear_layer(shape, False, torch.float32)) for shape in SMOLLM2_SHAPES)
+    assert not any(linear.rows_are_invariant(linear_layer(shape, False, torch.float32)) for shape in ODD_SHAPES)
 
 
 def decode_then_verify_logits(model, prompt, continuation, width):
@@ -48,6 +105,16 @@ def decode_then_verify_logits(model, prompt, continuation, width):
 @pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
 @pytest.mark.parametrize("width", [1, 2, 4, 8, 16])
 def test_verify_lanes_equal_decode_steps_bitwise(arch, width):
+    model = ours_from_hf(hf_model(arch))
+    tokens = torch.randint(0, 512, (1, 90), generator=torch.Generator().manual_seed(width))
+    decoded, verified = decode_then_verify_logits(model, tokens[:, :40], tokens[:, 40:], width)
+    assert torch.equal(decoded, verified)
+
+
+@pytest.mark.parametrize("width", [3, 16])
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])  # q/k/v biases; q/k norms
+def test_verify_lanes_equal_decode_steps_on_the_onednn_route(use_route, arch, width):
+    use_route("onednn")  # these tiny weights take the one-row products by default
     model = ours_from_hf(hf_model(arch))
     tokens = torch.randint(0, 512, (1, 90), generator=torch.Generator().manual_seed(width))
     decoded, verified = decode_then_verify_logits(model, tokens[:, :40], tokens[:, 40:], width)

@@ -71,6 +71,7 @@ def test_prompts_are_real_and_mid_sized(engine, plain):
     for name, result in plain.items():
         assert 300 <= result.prompt_tokens <= 800, name
         assert len(result.token_ids) > 10, name
+        assert "drafter_sha256" not in result.fingerprint  # no drafter drafted
 
 
 @pytest.mark.parametrize("width", WIDTHS, ids=lambda w: f"w{w}")
@@ -88,6 +89,7 @@ def test_first_layers_drafter_leaves_greedy_output_unchanged(engine, plain, prom
     result = engine.generate(request(prompts()[prompt], spec))
     assert_same_output(result, plain[prompt])
     assert result.telemetry.spec_draft_tokens_offered > 0
+    assert result.fingerprint["drafter_sha256"] == engine.checkpoint_sha256  # the GGUF's, layers cut
 
 
 @pytest.mark.parametrize("width", [2, 8], ids=lambda w: f"w{w}")

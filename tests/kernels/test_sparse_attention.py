@@ -332,3 +332,56 @@ def test_stale_summary_and_bad_budget_are_refused():
         sparse_decode_attention(q, k, v, 200, summary, top_k=3, backend="reference")
     with pytest.raises(ValueError, match=r"top_k must be in 3..16 .* got 2"):
         sparse_decode_attention(q, k, v, 100, summary, top_k=2, backend="reference")
+
+
+def compile_sparse_kernels_for_hopper():
+    """Compile (not run) the sparse kernels for sm_90; needs TRITON_INTERPRET unset, no GPU."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from kernels.sparse_attention import triton_kernel as tk
+
+    def compile_for_h200(fn, signature, constants, num_warps):
+        signature = {**signature, **{name: "constexpr" for name in constants}}
+        source = ASTSource(fn=fn, signature=signature, constexprs=constants)
+        triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+
+    i32 = lambda *names: {name: "i32" for name in names}  # noqa: E731
+    compile_for_h200(
+        tk._block_scores_kernel,
+        {"Q": "*bf16", "KMin": "*bf16", "KMax": "*bf16", "SeqLen": "*i64", "Scores": "*fp32",
+         **i32("stride_qb", "stride_qh", "stride_qq", "stride_sb", "stride_sh", "stride_sn", "H_KV", "N_BLOCKS")},
+        {"Q_ROWS": 8, "GROUP": 4, "HEAD_DIM": 128, "BLOCK_SIZE": 64, "RECENT": 2, "G_P2": 4, "LANES": 16,
+         "BLOCK_B": 64, "BLOCK_D": 128, "D_CHUNK": 128, "UPCAST_DOT": False, "DOT_PRECISION": "tf32", "USE_PDL": True},
+        num_warps=4)
+    compile_for_h200(
+        tk._select_blocks_kernel,
+        {"Scores": "*fp32", "SeqLen": "*i64", "Selected": "*u8", **i32("H_KV", "N_BLOCKS")},
+        {"Q_ROWS": 8, "TOP_K": 64, "KEEP_ALL_ROWS": 8192, "NB_P2": 2048, "LANE_TILE": 1, "USE_PDL": True},
+        num_warps=4)
+    compile_for_h200(
+        tk._sparse_split_kernel,
+        {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "SeqLen": "*i64", "Selected": "*u8", "O_part": "*fp32",
+         "L_part": "*fp32", "qk_scale": "fp32",
+         **i32("stride_qb", "stride_qh", "stride_qq", "stride_kb", "stride_kh", "stride_kn", "stride_vb", "stride_vh",
+               "stride_vn", "H_KV", "S_MAX", "N_BLOCKS")},
+        {"Q_ROWS": 8, "GROUP": 4, "HEAD_DIM": 128, "NUM_SPLITS": 66, "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_D": 128,
+         "SPLIT_BLOCKS": 32, "LANES": 16, "UPCAST_DOT": False, "DOT_PRECISION": "tf32", "USE_PDL": True},
+        num_warps=4)
+
+
+@needs_triton
+def test_sparse_kernels_compile_for_hopper():
+    """The interpreter does not type-check as the compiler does (a bf16 maximum promoted to float32
+    once broke tl.dot only on the GPU): compile the kernels for the H200 here, in a process without
+    TRITON_INTERPRET (this one has it set), no GPU needed."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = "from tests.kernels.test_sparse_attention import compile_sparse_kernels_for_hopper as c; c()"
+    done = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[2],
+                          env={**os.environ, "TRITON_INTERPRET": "0"}, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]

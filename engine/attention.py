@@ -67,11 +67,9 @@ def attend(q, k_cache, v_cache, start: int, scale: float, use_kernel: bool, seq_
     `seq_len_on_device` ([1] long, == start + T) lets CUDA-graph replays run without host state.
     """
     T = q.shape[2]
-    if use_kernel and T <= MAX_KERNEL_QUERY_ROWS:
-        from kernels.decode_attention import decode_attention
-
+    if use_kernel and T <= MAX_VERIFY_ROWS:
         seq_len = seq_len_on_device if seq_len_on_device is not None else start + T
-        return decode_attention(q, k_cache, v_cache, seq_len, scale=scale)
+        return attend_kernel_lanes(q, k_cache, v_cache, seq_len, scale)
     if seq_len_on_device is not None:
         # graph replay without our kernel: attend over the whole buffer, masking by device length
         visible_end = seq_len_on_device - T + torch.arange(T, device=q.device)  # [T]
@@ -91,6 +89,20 @@ def attend(q, k_cache, v_cache, start: int, scale: float, use_kernel: bool, seq_
     # CausalBias lets SDPA pick a fused kernel without materialising a [T, start + T] mask
     mask = causal_lower_right(T, start + T)
     return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
+
+
+def attend_kernel_lanes(q, k_cache, v_cache, seq_len, scale: float) -> torch.Tensor:
+    """kernels.decode_attention over T <= 17 lanes. The kernel's tile holds 16 lanes per head; the
+    widest verify (16 drafts + 1) runs as lanes 0..15 against a cache one row shorter, then lane 16.
+    Each lane's rows are computed alone in the tile, so a lane is bitwise its decode step either way."""
+    from kernels.decode_attention import MAX_Q_ROWS, decode_attention
+
+    T = q.shape[2]
+    if T <= MAX_Q_ROWS:
+        return decode_attention(q, k_cache, v_cache, seq_len, scale=scale)
+    head = decode_attention(q[:, :, :MAX_Q_ROWS], k_cache, v_cache, seq_len - (T - MAX_Q_ROWS), scale=scale)
+    tail = decode_attention(q[:, :, MAX_Q_ROWS:], k_cache, v_cache, seq_len, scale=scale)
+    return torch.cat([head, tail], dim=2)
 
 
 def attend_lane_cpu(q, keys, values, scale: float) -> torch.Tensor:

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-MAX_INVARIANT_ROWS = 16
+MAX_INVARIANT_ROWS = 17  # CUDA: 16 drafts plus the last accepted token (kernels.small_matmul takes 32)
 CPU_INVARIANT_ROWS = 17  # the widest verify step: 16 draft tokens plus the last accepted one
 # Smaller weights take the one-row products: there oneDNN's per-call overhead (and its threads'
 # wake-ups) costs more than the q + 1 products (a 64-wide test model runs 1.5-2x slower)

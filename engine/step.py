@@ -11,7 +11,7 @@ import torch
 from engine.kv_cache import KVCache
 from engine.model import Transformer
 
-MAX_GRAPH_WIDTH = 16
+MAX_GRAPH_WIDTH = 17  # the widest verify step: 16 drafts plus the last accepted token
 
 
 class StepRunner:

@@ -27,6 +27,7 @@ from engine.speculative.drafters import load_drafter
 from engine.speculative.proposers import DraftModelProposer, PromptLookupProposer, Proposal, Proposer
 from engine.speculative.stats import SpecStats
 from engine.speculative.verify import Verdict, certified_argmax, rejection_sample, verify_greedy
+from engine.attention import MAX_KERNEL_QUERY_ROWS
 from engine.step import MAX_GRAPH_WIDTH
 from engine.stopping import StopChecker
 from engine.types import SpeculationOptions, Telemetry
@@ -34,8 +35,13 @@ from engine.types import SpeculationOptions, Telemetry
 
 def max_width_on(engine) -> int:
     """The widest proposal this engine verifies with rows identical to decode's: on CUDA the
-    verify step (q + 1 rows) must fit a captured graph and the invariant kernels (16 rows)."""
-    return MAX_GRAPH_WIDTH - 1 if engine.device.type == "cuda" else MAX_WIDTH
+    verify step (q + 1 rows) must fit a captured graph and the invariant kernels (17 rows; the
+    sparse attention kernels take 16)."""
+    if engine.device.type != "cuda":
+        return MAX_WIDTH
+    if engine.cache.block_summaries is not None:
+        return MAX_KERNEL_QUERY_ROWS - 1
+    return MAX_GRAPH_WIDTH - 1
 
 
 def make_proposer(engine, options: SpeculationOptions, sampler: Sampler, telemetry: Telemetry) -> Proposer:

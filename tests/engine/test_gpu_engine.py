@@ -55,8 +55,9 @@ def test_kernel_attention_logits_close_to_sdpa(model):
     assert err < 2e-2
 
 
+@pytest.mark.parametrize("width", [8, 17], ids=lambda w: f"w{w}")
 @pytest.mark.parametrize("shape", ["smollm2-135m", "qwen2.5-0.5b", "qwen2.5-1.5b", "llama-3-8b"])
-def test_verify_rows_equal_decode_steps_bitwise(shape):
+def test_verify_rows_equal_decode_steps_bitwise(shape, width):
     """Greedy output may not change with speculation: row i of a q-token verify step must be the
     very logits that one-token decode produces at that position (batch-invariant projections,
     fixed attention splits)."""
@@ -65,10 +66,10 @@ def test_verify_rows_equal_decode_steps_bitwise(shape):
     tokens = torch.randint(0, config.vocab_size, (1, 400), device="cuda", generator=None)
     with torch.inference_mode():
         engine.cache.reset()
-        engine.runner.prefill(tokens[:, :390], 256)
-        verify = engine.runner.step(tokens[:, 390:398]).clone()
-        engine.cache.truncate(390)
-        decode = torch.cat([engine.runner.step(tokens[:, i : i + 1]).clone() for i in range(390, 398)], dim=1)
+        engine.runner.prefill(tokens[:, :380], 256)
+        verify = engine.runner.step(tokens[:, 380 : 380 + width]).clone()  # 17: 16 drafts + 1, graphed too
+        engine.cache.truncate(380)
+        decode = torch.cat([engine.runner.step(tokens[:, i : i + 1]).clone() for i in range(380, 380 + width)], dim=1)
     assert torch.equal(verify, decode)
 
 

@@ -54,7 +54,11 @@ def params_from_options(options: dict[str, Any]) -> dict[str, Any]:
     return params
 
 
+MODEL_OPTIONS = ("model_path", "model_name", "device", "dtype", "max_context", "attention", "sparse_top_k_blocks")
+
+
 def model_options(func: Callable) -> Callable:
+    """The model a worker serves (`MODEL_OPTIONS`; batchd.cli.worker.model_settings reads them)."""
     return _stack(
         click.option("--model", "model_path", type=click.Path(), envvar="BATCHD_MODEL",
                      help="Checkpoint: a GGUF file or a Hugging Face folder (default: SmolLM2-135M-Instruct)."),

@@ -27,10 +27,9 @@ from batchd.worker import load_engine, run_worker
               help="Print the results table at the end.")
 @click.option("--loglevel", default="WARNING", show_default=True, type=click.Choice(["DEBUG", "INFO", "WARNING"]))
 @pass_cli
-def run(cli: CliContext, show_results: bool, loglevel: str, model_path, model_name, device, dtype, max_context,
-        attention, sparse_top_k_blocks, **options) -> None:
+def run(cli: CliContext, show_results: bool, loglevel: str, **options) -> None:
     """Submit INPUTS, run a worker (and relay, and broker) until the batch is done, print results."""
-    settings = model_settings(cli, model_path, model_name, device, dtype, max_context, attention, sparse_top_k_blocks)
+    settings = model_settings(cli, options)
     engine = load_engine(settings)
     with broker_url_for(settings, start=True) as broker_url:
         report = do_submit(settings, options)

@@ -5,11 +5,12 @@ import logging
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import click
 
 from batchd.cli.context import CliContext, pass_cli
-from batchd.cli.options import model_options
+from batchd.cli.options import MODEL_OPTIONS, model_options
 from batchd.config import Settings
 from batchd.embedded import broker_url_for
 from batchd.worker import load_engine, run_worker
@@ -25,10 +26,10 @@ def checked_model_path(settings: Settings) -> Settings:
     return settings
 
 
-def model_settings(cli: CliContext, model_path, model_name, device, dtype, max_context, attention=None,
-                   sparse_top_k_blocks=None) -> Settings:
-    settings = cli.settings(model_path=model_path, model_name=model_name, device=device, dtype=dtype,
-                            max_context=max_context, attention=attention, sparse_top_k_blocks=sparse_top_k_blocks)
+def model_settings(cli: CliContext, options: dict[str, Any]) -> Settings:
+    """The settings of a command with `model_options`, which it takes out of `options`: those
+    options over BATCHD_*, the database schema made current, the checkpoint checked."""
+    settings = cli.settings(**{name: options.pop(name) for name in MODEL_OPTIONS})
     return checked_model_path(cli.database(settings))
 
 
@@ -38,10 +39,9 @@ def model_settings(cli: CliContext, model_path, model_name, device, dtype, max_c
               help="Also run the relay in this process (pending jobs, lost messages, expired leases).")
 @click.option("--loglevel", default="INFO", show_default=True, type=click.Choice(["DEBUG", "INFO", "WARNING"]))
 @pass_cli
-def worker(cli: CliContext, relay: bool, loglevel: str, model_path, model_name, device, dtype, max_context,
-           attention, sparse_top_k_blocks) -> None:
+def worker(cli: CliContext, relay: bool, loglevel: str, **options) -> None:
     """Serve one model on one device from its queue (SIGTERM: finish the job, then stop)."""
-    settings = model_settings(cli, model_path, model_name, device, dtype, max_context, attention, sparse_top_k_blocks)
+    settings = model_settings(cli, options)
     engine = load_engine(settings)
     with broker_url_for(settings, start=True) as broker_url:
         click.echo(f"worker for model {settings.model_name} on {settings.device}, queue {settings.queue_name}", err=True)

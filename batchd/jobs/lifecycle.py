@@ -49,7 +49,7 @@ INSERT_RESULT = insert(RESULTS)
 
 @dataclass(frozen=True)
 class Transition:
-    """One compare-and-swap of a job's row, the event it records when it matched, and for
+    """A compare-and-swap UPDATE of jobs, the event it records for each job it moved, and for
     `complete` the result row. `durable=False`: a crash may lose it (see `claim`)."""
 
     event: Optional[str]
@@ -74,23 +74,24 @@ class Transition:
                 ["job_id", *(c.name for c in RESULT_COLUMNS)], select(moved.c.id, *values)).cte("result"))
         return select(moved).add_cte(*inserts)
 
-    def run(self, url: str, params: dict[str, Any], result: Optional[dict[str, Any]] = None) -> Optional[Row]:
-        """The job's RETURNING row when the swap happened, else None."""
-        params = {"detail": None, **params}
+    def run(self, url: str, params: dict[str, Any], result: Optional[dict[str, Any]] = None) -> list[Row]:
+        """The RETURNING rows of the jobs that swapped (none: the swap did not happen)."""
+        params = {"worker": None, "detail": None, **params}
         if is_postgresql(url):
             if self.with_result:
                 params.update({f"result_{c.name}": result.get(c.name) for c in RESULT_COLUMNS},
                               result_created_at=params["now"])
             with statement_engine(url, durable=self.durable).connect() as connection:
-                return connection.execute(self.single_statement, params).first()
+                return connection.execute(self.single_statement, params).all()
         with db_engine(url).begin() as connection:
-            row = connection.execute(self.cas, params).first()
-            if row is not None and self.event is not None:
-                connection.execute(INSERT_EVENT, {"job_id": row.id, "event": self.event, "worker_id": params["worker"],
-                                                  "detail": params["detail"], "at": params["now"]})
-            if row is not None and self.with_result:
+            rows = connection.execute(self.cas, params).all()
+            if rows and self.event is not None:
+                connection.execute(INSERT_EVENT, [{"job_id": row.id, "event": self.event, "worker_id": params["worker"],
+                                                   "detail": params["detail"], "at": params["now"]} for row in rows])
+            if rows and self.with_result:
+                [row] = rows  # a result belongs to one job
                 connection.execute(INSERT_RESULT, {"job_id": row.id, "created_at": params["now"], **result})
-            return row
+            return rows
 
 
 def _running_job_of_worker(**values) -> Update:
@@ -124,36 +125,37 @@ def claim(url: str, job_id: int, worker_id: str, lease_s: float) -> Optional[Row
     this worker's final compare-and-swap finds the job not running under its id, so its
     result is discarded and the job runs again. Submits, results and failures stay durable."""
     now = utcnow()
-    return CLAIM.run(url, {"job": job_id, "worker": worker_id, "now": now,
-                           "lease_until": now + timedelta(seconds=lease_s)})
+    claimed = CLAIM.run(url, {"job": job_id, "worker": worker_id, "now": now,
+                              "lease_until": now + timedelta(seconds=lease_s)})
+    return claimed[0] if claimed else None
 
 
 def renew_lease(url: str, job_id: int, worker_id: str, lease_s: float) -> bool:
     """Extend the lease of a job this worker runs; False when the job is no longer ours.
     Not flushed before it returns, like the claim (a lost renewal at worst requeues the job)."""
     now = utcnow()
-    return RENEW_LEASE.run(url, {"job": job_id, "worker": worker_id, "now": now,
-                                 "lease_until": now + timedelta(seconds=lease_s)}) is not None
+    return bool(RENEW_LEASE.run(url, {"job": job_id, "worker": worker_id, "now": now,
+                                      "lease_until": now + timedelta(seconds=lease_s)}))
 
 
 def complete(url: str, job_id: int, worker_id: str, result: dict[str, Any]) -> bool:
     """running -> succeeded and the result row, in one transaction: both or neither."""
     unknown = set(result) - {c.name for c in RESULT_COLUMNS}
     assert not unknown, f"not columns of results: {sorted(unknown)}"
-    return COMPLETE.run(url, {"job": job_id, "worker": worker_id, "now": utcnow()}, result) is not None
+    return bool(COMPLETE.run(url, {"job": job_id, "worker": worker_id, "now": utcnow()}, result))
 
 
 def fail(url: str, job_id: int, worker_id: str, kind: str, message: str, retryable: bool) -> bool:
     """running -> failed with a kind and a message a person can act on."""
-    return FAIL.run(url, {"job": job_id, "worker": worker_id, "now": utcnow(), "kind": kind, "message": message,
-                          "may_retry": retryable, "detail": f"{kind}: {message}"}) is not None
+    return bool(FAIL.run(url, {"job": job_id, "worker": worker_id, "now": utcnow(), "kind": kind, "message": message,
+                               "may_retry": retryable, "detail": f"{kind}: {message}"}))
 
 
 def release(url: str, job_id: int, worker_id: str, reason: str, queue_lease_s: float) -> bool:
     """running -> queued, for a retry after a transient error (the retry message follows)."""
     now = utcnow()
-    return RELEASE.run(url, {"job": job_id, "worker": worker_id, "now": now, "detail": reason,
-                             "lease_until": now + timedelta(seconds=queue_lease_s)}) is not None
+    return bool(RELEASE.run(url, {"job": job_id, "worker": worker_id, "now": now, "detail": reason,
+                                  "lease_until": now + timedelta(seconds=queue_lease_s)}))
 
 
 # INSERT ... SELECT ... RETURNING: the event and the status it names, in one statement

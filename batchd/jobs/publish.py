@@ -14,19 +14,38 @@ from typing import Optional, Sequence
 
 from kombu.common import maybe_declare
 from kombu.utils.uuid import uuid
-from sqlalchemy import insert, select, update
+from sqlalchemy import String, bindparam, select, update
 from sqlalchemy.sql import func
 
 from batchd.config import Settings, queue_name
-from batchd.db.models import Job, JobEvent, JobStatus
+from batchd.db.models import Job, JobStatus
 from batchd.db.session import session_scope
 from batchd.db.types import utcnow
+from batchd.jobs.lifecycle import JOBS, LEASE_UNTIL, NOW, Transition
 
 log = logging.getLogger(__name__)
 
 TASK_NAME = "batchd.run_job"
 SEND_BATCH = 1000
 MARK_CHUNK = 1000
+
+
+def _mark_queued(only_given_ids: bool) -> Transition:
+    """The UPDATE ... RETURNING that marks pending jobs queued. Rows are taken with SKIP LOCKED,
+    so relays on PostgreSQL share the work; a job without a model gets the default one."""
+    pending = JOBS.alias("pending")
+    oldest = select(pending.c.id).where(pending.c.status == JobStatus.PENDING)
+    if only_given_ids:
+        oldest = oldest.where(pending.c.id.in_(bindparam("ids", expanding=True)))
+    oldest = oldest.order_by(pending.c.id).limit(MARK_CHUNK).with_for_update(skip_locked=True)
+    return Transition("queued", cas=(
+        update(JOBS).where(JOBS.c.id.in_(oldest), JOBS.c.status == JobStatus.PENDING)
+        .values(status=JobStatus.QUEUED, queued_at=NOW, lease_expires_at=LEASE_UNTIL,
+                model=func.coalesce(JOBS.c.model, bindparam("default_model", type_=String)))
+        .returning(JOBS.c.id, JOBS.c.model)))
+
+
+MARK_OLDEST_QUEUED, MARK_THESE_QUEUED = _mark_queued(False), _mark_queued(True)
 
 
 class Publisher:
@@ -76,23 +95,16 @@ class Publisher:
         return sent
 
     def mark_queued(self, job_ids: Optional[list[int]]) -> list[tuple[int, str]]:
+        """pending -> queued for the oldest `MARK_CHUNK` pending jobs (or those of `job_ids`);
+        their (id, model), oldest first. One statement on PostgreSQL (see batchd.jobs.lifecycle)."""
         now = utcnow()
-        with session_scope(self.settings.database_url) as session:
-            query = (select(Job.id, Job.model).where(Job.status == JobStatus.PENDING)
-                     .order_by(Job.id).limit(MARK_CHUNK).with_for_update(skip_locked=True))
-            if job_ids is not None:
-                query = query.where(Job.id.in_(job_ids))
-            rows = [(job_id, model or self.settings.model_name) for job_id, model in session.execute(query)]
-            if not rows:
-                return []
-            ids = [job_id for job_id, _ in rows]
-            session.execute(
-                update(Job).where(Job.id.in_(ids), Job.status == JobStatus.PENDING)
-                .values(status=JobStatus.QUEUED, queued_at=now, model=func.coalesce(Job.model, self.settings.model_name),
-                        lease_expires_at=now + timedelta(seconds=self.settings.queue_lease_s))
-            )
-            session.execute(insert(JobEvent), [{"job_id": i, "event": "queued", "at": now} for i in ids])
-        return rows
+        params = {"now": now, "lease_until": now + timedelta(seconds=self.settings.queue_lease_s),
+                  "default_model": self.settings.model_name}
+        if job_ids is None:
+            marked = MARK_OLDEST_QUEUED.run(self.settings.database_url, params)
+        else:
+            marked = MARK_THESE_QUEUED.run(self.settings.database_url, {**params, "ids": job_ids})
+        return sorted((job.id, job.model) for job in marked)
 
     def unmark(self, job_ids: list[int]) -> None:
         with session_scope(self.settings.database_url) as session:

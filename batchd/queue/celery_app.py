@@ -9,7 +9,9 @@
 - soft and hard time limits (the solo pool does not enforce Celery's; the job runner does);
 - one queue per model name.
 
-`celery --app batchd.queue.celery_app:app flower` works with BATCHD_BROKER_URL set.
+`celery --app batchd.queue.celery_app:app flower` works with BATCHD_BROKER_URL set. Workers do
+not send task events unless asked: each is a broker round trip before the job starts, and
+Flower asks for them itself (it broadcasts `enable_events` to the workers it watches).
 """
 from __future__ import annotations
 
@@ -43,7 +45,7 @@ def celery_config(settings: Settings, broker_url: str) -> dict:
         "task_create_missing_queues": True,
         "worker_hijack_root_logger": False,
         "worker_redirect_stdouts": False,  # `batchd run` prints its own progress and results
-        "worker_send_task_events": True,  # for Flower
+        "worker_send_task_events": False,  # Flower turns them on (module docstring)
         "worker_cancel_long_running_tasks_on_connection_loss": False,  # the database decides, not the socket
         "enable_utc": True,
     }

@@ -130,6 +130,49 @@ def test_a_worker_that_lost_its_job_cannot_write_a_result(settings):
     assert result_count(settings, job_id) == 0
 
 
+def test_a_result_that_cannot_be_written_leaves_the_job_running(settings):
+    [job_id] = submit(settings)
+    make_queued(settings, [job_id])
+    lifecycle.claim(settings.database_url, job_id, "w1", 30)
+    with pytest.raises(sa.exc.IntegrityError):  # output_sha256 and the rest are NOT NULL
+        lifecycle.complete(settings.database_url, job_id, "w1", {"output_text": "half a result"})
+    assert job(settings, job_id).status == JobStatus.RUNNING  # succeeded, result and event: none of them
+    assert result_count(settings, job_id) == 0
+    assert "succeeded" not in events(settings, job_id)
+
+
+def test_submit_writes_each_job_and_its_event(settings):
+    jobs = [JobInput(custom_id="text", source="t", prompt="Résumé: «x» 'y' \"z\"", params={"seed": 3}),
+            JobInput(custom_id="chat", source="t", messages=[{"role": "user", "content": "hi"}]),
+            JobInput(custom_id="bad", source="t", prompt="p", params={"temperature": -1})]
+    report = submit_jobs(settings, "b", jobs, expires_in_s=60)
+    assert len(report.job_ids) == 2 and [custom_id for custom_id, _ in report.rejected] == ["bad"]
+    text, chat = (job(settings, job_id) for job_id in report.job_ids)
+    assert (text.custom_id, text.prompt, text.messages, text.params) == ("text", jobs[0].prompt, None, {"seed": 3})
+    assert (chat.custom_id, chat.prompt, chat.messages) == ("chat", None, [{"role": "user", "content": "hi"}])
+    assert text.status == JobStatus.PENDING and text.expires_at > text.created_at and text.attempts == 0
+    with session_scope(settings.database_url) as session:
+        written = session.execute(select(Job.custom_id, JobEvent.event, JobEvent.detail, Job.error_kind)
+                                  .join(JobEvent, JobEvent.job_id == Job.id).order_by(Job.id)).all()
+    assert [row[:2] for row in written] == [("text", "submitted"), ("chat", "submitted"), ("bad", "rejected")]
+    assert written[0].detail == "pending" and written[2].error_kind == "bad_input" and "temperature" in written[2].detail
+
+
+def test_only_claims_and_lease_renewals_skip_the_wal_flush(settings):
+    if not settings.database_url.startswith("postgresql"):
+        pytest.skip("synchronous_commit is PostgreSQL's")
+    from batchd.db.session import db_engine, statement_engine
+
+    def flush_setting(engine) -> str:
+        with engine.connect() as connection:
+            return connection.execute(sa.text("SHOW synchronous_commit")).scalar()
+    url = settings.database_url
+    assert flush_setting(statement_engine(url, durable=False)) == "off"  # claim, renew_lease
+    assert flush_setting(statement_engine(url)) == flush_setting(db_engine(url)) == "on"  # submit, results, failures
+    assert not lifecycle.CLAIM.durable and not lifecycle.RENEW_LEASE.durable
+    assert all(t.durable for t in (lifecycle.COMPLETE, lifecycle.FAIL, lifecycle.RELEASE))
+
+
 @pytest.mark.parametrize("error, kind, retryable", [
     (PromptTooLongError("the prompt has 9000 tokens"), "too_long", False),
     (DeviceOutOfMemoryError("out of device memory"), "oom", True),
@@ -174,3 +217,8 @@ def test_retry_puts_failed_jobs_back_to_pending(settings):
     assert retry(settings.database_url, batch="b", error_kind="oom") == [job_id]
     again = job(settings, job_id)
     assert again.status == JobStatus.PENDING and again.error_kind is None and again.attempts == 0
+
+
+def events(settings, job_id) -> list[str]:
+    with session_scope(settings.database_url) as session:
+        return list(session.scalars(select(JobEvent.event).where(JobEvent.job_id == job_id).order_by(JobEvent.id)))

@@ -20,17 +20,19 @@ import torch
 from batchd.samples import aclsum_papers
 from tests.conftest import smollm2_gguf_path
 
-NEEDLES = [  # (fact, question, answer) - short, unusual facts no paper contains
-    ("The secret password of the blue lighthouse is 4721.",
-     "What is the secret password of the blue lighthouse?", "4721"),
-    ("Professor Okonkwo keeps a pet iguana named Biscuit.",
-     "What is the name of Professor Okonkwo's pet iguana?", "Biscuit"),
-    ("The annual rowing contest of Lake Varn is held in Tromsdal.",
-     "Where is the annual rowing contest of Lake Varn held?", "Tromsdal"),
-    ("The emerald tea kettle was painted by Mirela Stanchev.",
-     "Who painted the emerald tea kettle?", "Mirela Stanchev"),
-    ("The orange submarine carries exactly 93 passengers.",
-     "How many passengers does the orange submarine carry?", "93"),
+NEEDLES = [  # (fact, question, answer) - unusual facts no paper contains, each answer one common
+    # word, a single SmolLM2 token: a 135M model copies those from 8K tokens back where it loses
+    # digit strings ("4721" is four tokens) and rare names ("Tromsdal", "Mirela Stanchev")
+    ("Zorblax's favourite fruit is pineapple.",
+     "What is Zorblax's favourite fruit?", "pineapple"),
+    ("Professor Okonkwo keeps a pet iguana named Pepper.",
+     "What is the name of Professor Okonkwo's pet iguana?", "Pepper"),
+    ("The annual rowing contest of Lake Varn is held in Lisbon.",
+     "Where is the annual rowing contest of Lake Varn held?", "Lisbon"),
+    ("The emerald tea kettle was painted by a zebra.",
+     "Who painted the emerald tea kettle?", "zebra"),
+    ("The orange submarine carries exactly eleven passengers.",
+     "How many passengers does the orange submarine carry?", "eleven"),
 ]
 NEEDLE_DEPTHS = (0.02, 0.20, 0.50, 0.80, 0.98)
 

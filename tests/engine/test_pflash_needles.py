@@ -3,12 +3,13 @@ question about each at the end. At keep ratio 0.1 PFlash (SmolLM2 drafting for i
 all five, and SmolLM2 answers from the compressed prompt what it answers from the full one.
 
 Each answer is SmolLM2's greedy continuation after "Question: ...", with the assistant turn
-opened by the fact's own stem ("The secret password of the blue lighthouse is"), asked once
-after the full document and once after the compressed one (the document's KV rows are reused
-across the five questions). SmolLM2-135M itself misses some needles in a full 8K context (a
-135M model at the end of its context window), so the comparison is: every needle it finds in
-the full document it also finds, with the same answer, in the compressed one; and from the
-compressed document it finds all five.
+opened by the fact's own stem ("Zorblax's favourite fruit is"), asked once after the full
+document and once after the compressed one (the document's KV rows are reused across the five
+questions). The answers are single common-word tokens (test_pflash_helpers.NEEDLES): from the
+full 8K context SmolLM2-135M then finds four of the five (the 2% needle, ~7.5K tokens back, it
+answers from another needle); with the old digit-string and rare-name answers it found two.
+So: every needle it finds in the full document it also finds, with the same answer, in the
+compressed one; it finds at least four in the full one; and all five in the compressed one.
 """
 from __future__ import annotations
 
@@ -78,4 +79,4 @@ def test_five_needles_survive_keep_ratio_0_1_and_answers_match():
         assert answer in c
         if answer in f:
             assert c == f
-    assert sum(answer in f for (_, _, answer), f in zip(NEEDLES, from_full)) >= 2
+    assert sum(answer in f for (_, _, answer), f in zip(NEEDLES, from_full)) >= 4

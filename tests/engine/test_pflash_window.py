@@ -107,3 +107,22 @@ def test_scores_above_the_window_are_the_masked_references(tiny):
 def test_bad_windows_are_refused(bad):
     with pytest.raises(ValueError):
         ScoringWindow(**bad)
+
+
+def test_the_compressor_scores_long_prompts_windowed_and_says_so(tmp_path):
+    from engine.pflash import PromptCompressor
+    from engine.runtime import Engine
+    from engine.types import CompressionOptions, Telemetry
+    from tests.engine.test_pflash_helpers import llama3_tokenizer_json, tiny_drafter
+
+    engine = Engine.load(str(tiny_drafter(tmp_path / "tiny", llama3_tokenizer_json())), max_context=1024)
+    ids = random_ids(600, seed=5, vocab=engine.config.vocab_size - 300)  # no special tokens
+    options = CompressionOptions(mode="always", keep_ratio=0.5)
+    notes = {}
+    for window in (SMALL, ScoringWindow(window=1024, block=512)):
+        telemetry = Telemetry()
+        compressor = PromptCompressor(scoring_window=window)
+        compressor.compress(engine, ids, options, telemetry)
+        notes[window.window] = (compressor.last_report.windowed_scoring, telemetry.notes)
+    assert notes[32][0] and any("windowed prefill (window 32 + sink 4 keys" in n for n in notes[32][1])
+    assert not notes[1024][0] and not any("windowed" in n for n in notes[1024][1])  # 600 < 1536: exact

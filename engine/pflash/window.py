@@ -22,8 +22,8 @@ rows' own forward and their scoring pass over ALL keys (engine.pflash.scoring,
 kernels.chunk_scoring). A prompt of at most `exact_tokens` tokens goes through the model's own
 forward (every row would see every key anyway): its scores are bit-identical to exact scoring.
 
-Measured: on the H200 (bench/pflash.py, Qwen2.5-0.5B shape, bf16) 128K tokens score in 0.77 s
-with the defaults, against 1.99 s exactly. What it costs, with real weights (SmolLM2-135M on
+Measured: on the H200 (bench/pflash.py, Qwen2.5-0.5B shape, bf16) a compressed 128K-token job
+scored in 0.77 s with the defaults once warm (commit 73379cf), against 1.99 s exactly. What it costs, with real weights (SmolLM2-135M on
 three 8K-token aclsum papers, `bench/pflash.py --sections real --windows 1024,2048,4096
 --block 512`: each row sees 1/8 to 1/2 of the paper): 96-100% of exact scoring's kept chunks
 kept at keep ratio 0.1 (80-100% of those picked by score rather than as head, tail or anchor).

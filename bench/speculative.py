@@ -2,7 +2,8 @@
 
 CPU (default): the real SmolLM2-135M GGUF in float32 summarising aclsum papers. Per method
 (plain decode, prompt lookup adaptive and at fixed widths, interleaved per paper): decode
-tokens/s, speed-up over plain in the same run (overall, and its range over the papers),
+tokens/s, speed-up over plain in the same run (overall, its range over the papers, and as
+modelled from step counts and the measured verify/decode cost ratios),
 acceptance rate, mean accepted length (bonus token included), whether speculation switched itself
 off; the greedy outputs are checked to be identical. Then the cost of one verify step of q + 1
 rows over a one-token decode step at the prompt's context.
@@ -27,6 +28,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -109,7 +111,7 @@ def bench_cpu(args) -> None:
     engine.warm_up()  # packs the weights for the small-step path (engine.linear) before any timing
     methods = {"plain": SpeculationOptions(), "lookup adaptive": SpeculationOptions("lookup")}
     methods.update({f"lookup q={w}": SpeculationOptions("lookup", width=w) for w in args.widths})
-    totals = {name: dict(tokens=0, seconds=0.0, offered=0, accepted=0, steps=0, disabled=0) for name in methods}
+    totals = {name: dict(jobs=0, tokens=0, seconds=0.0, offered=0, accepted=0, steps=0, disabled=0) for name in methods}
     speedups = {name: [] for name in methods}  # per paper, over plain on the same paper
     load_before = os.getloadavg()
     prompts = []
@@ -121,6 +123,7 @@ def bench_cpu(args) -> None:
             out, t = run(engine, ids, spec, args.new_tokens)
             outputs[name], seconds[name] = out.token_ids, out.decode_s
             row = totals[name]
+            row["jobs"] += 1
             row["tokens"] += len(out.token_ids)
             row["seconds"] += out.decode_s
             row["offered"] += t.spec_draft_tokens_offered
@@ -132,12 +135,14 @@ def bench_cpu(args) -> None:
         for name in methods:
             speedups[name].append(seconds["plain"] / seconds[name] * len(outputs[name]) / len(outputs["plain"]))
         print(f"{paper.paper_id}: {len(ids)} prompt tokens, outputs identical: {same}; tok/s {rates}", flush=True)
+    costs = verify_costs(engine, prompts[0], repeats=args.repeats)
     plain_rate = totals["plain"]["tokens"] / totals["plain"]["seconds"]
     rows = []
     for name, r in totals.items():
         rate = r["tokens"] / r["seconds"]
         rows.append({"method": name, "decode tok/s": rate, "vs plain": rate / plain_rate,
                      "per paper": f"{min(speedups[name]):.2f}-{max(speedups[name]):.2f}",
+                     "modelled": modelled_speedup(r, costs),
                      "acceptance": r["accepted"] / r["offered"] if r["offered"] else None,
                      "mean accepted len": (r["accepted"] + r["steps"]) / r["steps"] if r["steps"] else None,
                      "spec steps": r["steps"], "switched off": f"{r['disabled']}/{args.papers}"})
@@ -145,10 +150,25 @@ def bench_cpu(args) -> None:
           f"{args.new_tokens} new tokens each, greedy; load average {load_before[0]:.2f} before, "
           f"{os.getloadavg()[0]:.2f} after (1 min)")
     print_table(rows)
-    costs = verify_costs(engine, prompts[0], repeats=args.repeats)
     print(f"\nverify step (q + 1 rows) / decode step at {len(prompts[0])} tokens of context "
           f"(decode step {costs[0] * 1e3:.1f} ms)")
     print_table([{f"q={q}": costs[q] for q in VERIFY_WIDTHS}])
+
+
+def modelled_speedup(totals: dict, costs: dict[int, float]) -> float:
+    """Plain decode steps saved, from step counts and the measured verify/decode cost ratios (less
+    sensitive to a shared machine's load than tokens/s): the tokens over the decode-step
+    equivalents spent, each speculative step costed at its mean width (interpolated), every other
+    token a plain step. Each job's first token comes from the prefill, as in plain decoding."""
+    steps = totals["steps"]
+    if not steps:
+        return 1.0
+    decode_tokens = totals["tokens"] - totals["jobs"]
+    spec_tokens = totals["accepted"] + steps
+    widths = sorted(q for q in costs if q)
+    mean_width = totals["offered"] / steps
+    step_cost = float(np.interp(mean_width, [0, *widths], [1.0, *(costs[q] for q in widths)]))
+    return decode_tokens / (steps * step_cost + decode_tokens - spec_tokens)
 
 
 # ---- GPU: random weights at real shapes -------------------------------------------------------

@@ -34,7 +34,7 @@ def check_width(width: Optional[int]) -> None:
 
 class WidthPolicy:
     def __init__(self, fixed_width: Optional[int] = None, *, prior_acceptance: float = 0.7, prior_weight: float = 1.0,
-                 decay: float = 0.7, lane_cost: float = 0.05, calibration_steps: int = 4, window: int = 32,
+                 decay: float = 0.7, lane_cost: float = 0.05, calibration_steps: int = 2, window: int = 32,
                  clock: Callable[[], float] = time.perf_counter):
         check_width(fixed_width)
         self.fixed_width = fixed_width

@@ -118,9 +118,10 @@ class ScoringWindow:
 def prefill_windowed(model: Transformer, tokens: torch.Tensor, cache: KVCache, attention: PrefillAttention) -> None:
     """tokens: [1, T], appended to `cache` (keys and values of every layer), no logits.
 
-    Transformer.forward_at's layer loop with `attention` in place of its attend_cached: the
-    maths of each layer is the model's own (tests hold it to model.forward with exact attention);
-    the last layer stops once its keys and values are cached.
+    Transformer.forward_at's layer loop for prefill chunks (Block.forward without decode
+    fusions) with `attention` in place of its attend_cached: the maths of each layer is the
+    model's own (tests hold it to model.forward with exact attention, bit for bit); the last
+    layer stops once its keys and values are cached.
     """
     T = tokens.shape[1]
     cache.reserve(T)
@@ -129,12 +130,11 @@ def prefill_windowed(model: Transformer, tokens: torch.Tensor, cache: KVCache, a
         model.setup_rope(cache.max_len)
     positions = torch.arange(start, start + T, device=tokens.device)
     cos, sin = model.rope_cos[positions], model.rope_sin[positions]  # [T, D]
-    residual = model.embed_tokens(tokens)  # [1, T, H]
-    normed = model.layers[0].input_layernorm(residual)
+    hidden = model.embed_tokens(tokens)  # [1, T, H], the residual stream
     for i, layer in enumerate(model.layers):
         attn = layer.self_attn
         k_cache, v_cache = cache.keys[i], cache.values[i]
-        qkv = project(normed, attn.qkv_proj)  # [1, T, (Hq + 2 Hkv) D]
+        qkv = project(layer.input_layernorm(hidden), attn.qkv_proj)  # [1, T, (Hq + 2 Hkv) D]
         if fused.rope_kernel is not None and qkv.is_cuda and qkv.dtype == k_cache.dtype:
             norms = (attn.q_norm.weight, attn.k_norm.weight) if attn.q_norm is not None else (None, None)
             q = fused.rope_kernel(qkv, cos, sin, positions, k_cache, v_cache, attn.num_heads, attn.num_kv_heads,
@@ -143,12 +143,11 @@ def prefill_windowed(model: Transformer, tokens: torch.Tensor, cache: KVCache, a
             q = attn.rope_and_store(qkv, cos, sin, positions, k_cache, v_cache)  # [1, Hq, T, D]
         if i + 1 == len(model.layers):
             break  # the cache is complete: the last layer's output feeds nothing here
-        out = attention(q.to(k_cache.dtype), k_cache, v_cache, start, attn.scale)
-        attn_out = project(out.to(normed.dtype).transpose(1, 2).reshape(1, T, -1), attn.o_proj)
-        next_norm = model.layers[i + 1].input_layernorm
+        out = attention(q.to(k_cache.dtype), k_cache, v_cache, start, attn.scale)  # [1, Hq, T, D]
+        attn_out = project(out.to(hidden.dtype).transpose(1, 2).reshape(1, T, -1), attn.o_proj)
         post = layer.post_attention_layernorm
-        residual, normed = fused.add_rms_norm(attn_out, residual, post.weight, post.eps)
-        residual, normed = fused.add_rms_norm(layer.mlp(normed), residual, next_norm.weight, next_norm.eps)
+        hidden, normed = fused.add_rms_norm(attn_out, hidden, post.weight, post.eps)
+        hidden = hidden + layer.mlp(normed)
     cache.advance(T)
 
 

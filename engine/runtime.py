@@ -204,9 +204,17 @@ class Engine:
             "seed": s.seed, "max_new_tokens": s.max_new_tokens, "spec_method": spec.method,
             "spec_width": spec.width, "drafter_path": spec.drafter_path or comp.drafter_path,
             "compress": comp.mode, "keep_ratio": comp.keep_ratio if comp.mode != "off" else None,
+            "scoring_window": self._scoring_window_key() if comp.mode != "off" else None,
             "attention": self.attention if self.attention == "dense" else f"sparse-top{self.cache.sparse_top_k}",
             **drafter,
         }
+
+    def _scoring_window_key(self) -> str:
+        """How long prompts are scored: the window decides which chunks survive compression."""
+        from engine.pflash import compressor_for
+
+        window = compressor_for(self).scoring_window
+        return "exact" if window is None else f"w{window.window}-b{window.block}-s{window.sink}"
 
     def close(self) -> None:
         self._drafters.clear()

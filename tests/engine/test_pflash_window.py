@@ -126,3 +126,19 @@ def test_the_compressor_scores_long_prompts_windowed_and_says_so(tmp_path):
         notes[window.window] = (compressor.last_report.windowed_scoring, telemetry.notes)
     assert notes[32][0] and any("windowed prefill (window 32 + sink 4 keys" in n for n in notes[32][1])
     assert not notes[1024][0] and not any("windowed" in n for n in notes[1024][1])  # 600 < 1536: exact
+
+
+def test_fingerprint_tells_how_long_prompts_were_scored():
+    from engine.pflash import PromptCompressor, ScoringWindow, set_compressor
+    from engine.runtime import Engine
+    from engine.types import CompressionOptions, GenerationRequest
+    from tests.engine.tiny_models import hf_model, ours_from_hf
+
+    engine = Engine(ours_from_hf(hf_model("llama")), None, max_context=256, eos_ids=set())
+    compressed = GenerationRequest(compression=CompressionOptions(mode="auto"))
+    assert engine.fingerprint(GenerationRequest())["scoring_window"] is None       # no compression
+    assert engine.fingerprint(compressed)["scoring_window"] == "w8192-b4096-s128"  # the default
+    set_compressor(engine, PromptCompressor(scoring_window=ScoringWindow(window=4096, block=2048, sink=64)))
+    assert engine.fingerprint(compressed)["scoring_window"] == "w4096-b2048-s64"
+    set_compressor(engine, PromptCompressor(scoring_window=None))
+    assert engine.fingerprint(compressed)["scoring_window"] == "exact"

@@ -110,10 +110,11 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, hidden, normed_inputs, next_norm: RMSNorm, cos, sin, cache, layer_idx, start, positions,
+    def forward(self, hidden, normed_inputs, next_norm: Optional[RMSNorm], cos, sin, cache, layer_idx, start, positions,
                 use_kernel, seq_len_on_device, observer):
         """hidden: the residual stream [B, T, H] -> (the stream after this layer, its NormInputs for
-        `next_norm` or None).
+        `next_norm` or None; the last layer passes None: the final norm runs on its own, as the
+        head-less verify path returns its output).
 
         With `normed_inputs` (a decode or verify step on CUDA: `decode_fusion_applies`) the layer
         runs in six launches: qkv with the input norm folded in, rope + cache write, attention (two
@@ -130,6 +131,8 @@ class Block(nn.Module):
         hidden, post_inputs = fused_project(attn, self.self_attn.o_proj, residual=hidden, emit_norm=post)
         act = fused_project(post_inputs.weighted.view(hidden.shape), mlp.gate_up_proj, norm_inputs=post_inputs,
                             eps=post.eps, gated=True)
+        if next_norm is None:
+            return fused_project(act, mlp.down_proj, residual=hidden), None
         return fused_project(act, mlp.down_proj, residual=hidden, emit_norm=next_norm)
 
 
@@ -220,7 +223,7 @@ class Transformer(nn.Module):
 
             normed_inputs = norm_inputs(hidden.view(-1, hidden.shape[-1]), self.layers[0].input_layernorm.weight)
         for i, layer in enumerate(self.layers):
-            next_norm = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
+            next_norm = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else None
             hidden, normed_inputs = layer(hidden, normed_inputs, next_norm, cos, sin, cache, i, start, positions,
                                           self.use_attention_kernel, seq_len_on_device, observer)
         if last_only:

@@ -23,6 +23,7 @@ def main() -> None:
     parser.add_argument("--shape", default="qwen2.5-1.5b")
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--graphs", type=int, default=1)
+    parser.add_argument("--trace", help="write every kernel (name, start us, duration us) to this CSV")
     args = parser.parse_args()
     config = preset(args.shape)
     engine = Engine(build_model(config, "cuda", torch.bfloat16), None, max_context=args.context + 64,
@@ -34,6 +35,15 @@ def main() -> None:
         out = engine.generate_ids(prompt, request)
     print(f"{args.shape}: {len(out.token_ids) / out.decode_s:.0f} tok/s")
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=70))
+    kernels = sorted((e for e in prof.events() if e.device_type.name == "CUDA"), key=lambda e: e.time_range.start)
+    busy = sum(e.time_range.elapsed_us() for e in kernels)
+    span = kernels[-1].time_range.end - kernels[0].time_range.start if kernels else 0
+    print(f"{len(kernels)} kernels, busy {busy / 1e3:.2f} ms of a {span / 1e3:.2f} ms span ({busy / max(span, 1):.0%})")
+    if args.trace:
+        with open(args.trace, "w") as f:
+            f.write("name,start_us,duration_us\n")
+            for e in kernels:
+                f.write(f"{e.name.replace(',', ';')[:90]},{e.time_range.start},{e.time_range.elapsed_us()}\n")
 
 
 if __name__ == "__main__":

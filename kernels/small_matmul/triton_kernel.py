@@ -7,8 +7,14 @@ goes through the same instructions whether it is alone or one of 17, in any posi
 M enters only as a mask bound and as the number of m blocks (M = 17..32 runs a second m block, the
 same code). The k splits are cut at multiples of BLOCK_K that depend on (N, K) only; with more than
 one split the float32 partials go to a [splits, M, N] buffer and a second kernel sums them in split
-order 0, 1, 2, ... (no atomics), adds the bias and casts. One config per (N, K, dtype): a table
+order 0, 1, 2, ... (no atomics), adds the bias and casts. (Summing them in the split kernel, by the
+last program of a tile to arrive on an atomic counter, measured slower: its fence, atomic and
+serial loads cost more than a launch under PDL; NOTES.md.) One config per (N, K, dtype): a table
 measured on an H200 (bench/small_matmul.py --tune), a heuristic elsewhere; never autotuned per call.
+
+Under programmatic dependent launch a program requests its first `preload` weight tiles before
+griddepcontrol.wait: weights do not depend on the previous kernel, so their first memory round
+trip overlaps that kernel's tail (at batch 1 the small projections are all ramp and tail).
 
 SWAP computes out^T = W x^T (the weight as the MMA's A operand, BLOCK_N its M side), which lets
 Hopper use wgmma with the 16 rows of x as its narrow N side; SWAP=False computes x W^T.
@@ -18,7 +24,6 @@ Nothing syncs the host; outputs come from torch.empty, so a call can be captured
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass
 
 import torch
@@ -29,7 +34,6 @@ from kernels._backend import interpreting, launch_options, multiprocessor_count,
 
 BLOCK_M = 16
 REDUCE_BLOCK = 1024
-PREFETCH_MAX_BYTES = 32 << 20
 
 if interpreting():
     patch_interpreter_index()
@@ -43,6 +47,14 @@ class SmallLinearConfig:
     num_warps: int = 4
     num_stages: int = 3
     swap: bool = True
+    preload: int = 0       # k steps of weight tiles requested before griddepcontrol.wait (0..4)
+
+    def preload_steps(self, K: int) -> int:
+        """`preload`, capped by the k steps of the shortest (last) split."""
+        k_blocks = triton.cdiv(K, self.block_k)
+        per_split = triton.cdiv(self.k_per_split(K), self.block_k)
+        last = k_blocks - (self.effective_splits(K) - 1) * per_split
+        return max(0, min(self.preload, last, 4))
 
     def k_per_split(self, K: int) -> int:
         """Columns of K per split, a multiple of block_k (depends on K only)."""
@@ -54,7 +66,9 @@ class SmallLinearConfig:
 
 
 # Measured on one H200 (132 SMs, copy bandwidth 4.27 TB/s) by `python bench/small_matmul.py --tune`,
-# bf16 at M = 1, weights streamed from HBM; f16 uses the bf16 entry (same bytes). Narrow 16-row weight
+# bf16 at M = 1, weights streamed from HBM; f16 uses the bf16 entry (same bytes). `preload` from
+# `python bench/preload_sweep.py` on whole decode steps: it pays on weights of 100 MB and more
+# (Llama-3-8B 226 -> 234 tok/s) and costs 1-2% on the small ones, which are latency-bound. Narrow 16-row weight
 # tiles win for the small projections (more programs without a k split and its reduce launch).
 # Key: (N, K, element size in bytes).
 TUNED: dict[tuple[int, int, int], SmallLinearConfig] = {
@@ -67,9 +81,9 @@ TUNED: dict[tuple[int, int, int], SmallLinearConfig] = {
     # Llama-3-8B
     (6144, 4096, 2): SmallLinearConfig(64, 128, 1, num_warps=4, num_stages=4, swap=True),      # qkv
     (4096, 4096, 2): SmallLinearConfig(32, 256, 1, num_warps=4, num_stages=4, swap=True),      # o
-    (28672, 4096, 2): SmallLinearConfig(64, 128, 1, num_warps=4, num_stages=4, swap=True),     # gate_up
-    (4096, 14336, 2): SmallLinearConfig(64, 128, 3, num_warps=4, num_stages=4, swap=True),     # down
-    (128256, 4096, 2): SmallLinearConfig(64, 128, 1, num_warps=4, num_stages=4, swap=True),    # lm_head
+    (28672, 4096, 2): SmallLinearConfig(64, 128, 1, num_warps=4, num_stages=4, swap=True, preload=4),   # gate_up
+    (4096, 14336, 2): SmallLinearConfig(64, 128, 3, num_warps=4, num_stages=4, swap=True, preload=4),   # down
+    (128256, 4096, 2): SmallLinearConfig(64, 128, 1, num_warps=4, num_stages=4, swap=True, preload=4),  # lm_head
 }
 
 
@@ -105,18 +119,42 @@ def choose_config(N: int, K: int, dtype: torch.dtype, device: torch.device, *, g
 
 
 @triton.jit
-def _prefetch_l2(ptrs):
-    """Ask L2 for the 128-byte lines at `ptrs` (no registers, no wait): PTX prefetch.global.L2."""
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // dummy $0", "=r,l", [ptrs], dtype=tl.int32,
-                              is_pure=False, pack=1)
+def _load_weight_tile(w_ptrs, k0, K, n_ok, offs_k, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr):
+    """The [BLOCK_N, BLOCK_K] weight tile at column k0 (streamed once: evict first)."""
+    if EVEN_K:
+        if EVEN_N:
+            w = tl.load(w_ptrs + k0, eviction_policy="evict_first")
+        else:
+            w = tl.load(w_ptrs + k0, mask=n_ok[:, None], other=0.0, eviction_policy="evict_first")
+    else:
+        k_ok = (k0 + offs_k) < K
+        w = tl.load(w_ptrs + k0, mask=n_ok[:, None] & k_ok[None, :], other=0.0, eviction_policy="evict_first")
+    return w
+
+
+@triton.jit
+def _accumulate(acc, w, x_ptrs, k0, K, m_ok, offs_k, EVEN_K: tl.constexpr, SWAP: tl.constexpr,
+                UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """acc += the product of weight tile w with x's [BLOCK_M, BLOCK_K] tile at column k0."""
+    if EVEN_K:
+        x = tl.load(x_ptrs + k0, mask=m_ok[:, None], other=0.0)
+    else:
+        x = tl.load(x_ptrs + k0, mask=m_ok[:, None] & ((k0 + offs_k) < K)[None, :], other=0.0)
+    if UPCAST_DOT:
+        x = x.to(tl.float32)
+        w = w.to(tl.float32)
+    if SWAP:
+        acc = tl.dot(w, tl.trans(x), acc, input_precision=DOT_PRECISION)        # [BLOCK_N, BLOCK_M]
+    else:
+        acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)        # [BLOCK_M, BLOCK_N]
+    return acc
 
 
 @triton.jit(do_not_specialize=["M"])
 def _small_linear_kernel(
     X, W, Bias, Res, Out, Part, SumSqIn, NextNormW, WeightedOut, SumSqOut,
     # X [M, K]; W [N, K] ([2N, K]: gate rows, then up rows, when GATED); Bias [N]; Res, Out [M, N];
-    # Part [SPLITS, M, N] f32; SumSqIn [parts_in, M] f32; NextNormW [N]; WeightedOut [M, N];
-    # SumSqOut [N / OUT_N, M] f32
+    # Part [SPLITS, M, N] f32; SumSqIn [parts_in, M] f32; NextNormW [N]; WeightedOut [M, N]; SumSqOut [N / OUT_N, M] f32
     M, N, K, eps, parts_in,
     stride_xm, stride_wn, stride_rm, stride_om,
     k_per_split,               # multiple of BLOCK_K
@@ -124,7 +162,7 @@ def _small_linear_kernel(
     EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
     UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     SCALE_ROWS: tl.constexpr, PARTS_P2: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr,
-    EMIT_NORM: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH: tl.constexpr,
+    EMIT_NORM: tl.constexpr, USE_PDL: tl.constexpr, PRELOAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """Nothing but loads feeds tl.dot, so Triton pipelines both operands (an elementwise op on x
@@ -132,6 +170,7 @@ def _small_linear_kernel(
     tl.static_assert(BLOCK_M >= 16)
     tl.static_assert(BLOCK_K % 16 == 0)
     tl.static_assert(not (GATED and SPLIT))
+    tl.static_assert(PRELOAD <= 4)
     OUT_N: tl.constexpr = BLOCK_N // 2 if GATED else BLOCK_N     # output columns per program
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -145,43 +184,43 @@ def _small_linear_kernel(
     n_ok = col < N
     k_start = pid_s * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
-    dtype = X.dtype.element_ty
 
     w_ptrs = W + w_row[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
-    if PREFETCH:
-        # The weights never depend on the previous kernel: under programmatic dependent launch
-        # this runs while that kernel finishes, so the loop below reads them from L2.
-        rows = tl.where(n_ok, w_row, 0).to(tl.int64) * stride_wn
-        for k0 in range(k_start, k_end, 8 * 64):
-            cols = tl.minimum(k0 + tl.arange(0, 8) * 64, K - 1)           # one address per 128 B (bf16)
-            _prefetch_l2(W + rows[:, None] + cols[None, :])
+    # The first PRELOAD weight tiles never depend on the previous kernel: they are requested before
+    # griddepcontrol.wait, so under programmatic dependent launch their memory round trip overlaps
+    # that kernel's tail. (The host keeps PRELOAD within every split's k range.)
+    if PRELOAD >= 1:
+        w0 = _load_weight_tile(w_ptrs, k_start, K, n_ok, offs_k, EVEN_N, EVEN_K)
+    if PRELOAD >= 2:
+        w1 = _load_weight_tile(w_ptrs, k_start + BLOCK_K, K, n_ok, offs_k, EVEN_N, EVEN_K)
+    if PRELOAD >= 3:
+        w2 = _load_weight_tile(w_ptrs, k_start + 2 * BLOCK_K, K, n_ok, offs_k, EVEN_N, EVEN_K)
+    if PRELOAD >= 4:
+        w3 = _load_weight_tile(w_ptrs, k_start + 3 * BLOCK_K, K, n_ok, offs_k, EVEN_N, EVEN_K)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()                 # X, Res, SumSqIn: written by the previous kernel
-        tl.extra.cuda.gdc_launch_dependents()    # the next kernel may start its prefetch
+        tl.extra.cuda.gdc_launch_dependents()    # the next kernel may start loading its weights
 
     x_ptrs = X + offs_m[:, None] * stride_xm + offs_k[None, :]
     if SWAP:
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(k_start, k_end, BLOCK_K):
-        if EVEN_K:
-            x = tl.load(x_ptrs + k0, mask=m_ok[:, None], other=0.0)
-            if EVEN_N:
-                w = tl.load(w_ptrs + k0, eviction_policy="evict_first")
-            else:
-                w = tl.load(w_ptrs + k0, mask=n_ok[:, None], other=0.0, eviction_policy="evict_first")
-        else:
-            k_ok = (k0 + offs_k) < K
-            x = tl.load(x_ptrs + k0, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-            w = tl.load(w_ptrs + k0, mask=n_ok[:, None] & k_ok[None, :], other=0.0, eviction_policy="evict_first")
-        if UPCAST_DOT:
-            x = x.to(tl.float32)
-            w = w.to(tl.float32)
-        if SWAP:
-            acc = tl.dot(w, tl.trans(x), acc, input_precision=DOT_PRECISION)       # [BLOCK_N, BLOCK_M]
-        else:
-            acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)       # [BLOCK_M, BLOCK_N]
+    # k steps in increasing order whether preloaded or not: the same sums, bit for bit
+    if PRELOAD >= 1:
+        acc = _accumulate(acc, w0, x_ptrs, k_start, K, m_ok, offs_k, EVEN_K, SWAP, UPCAST_DOT, DOT_PRECISION)
+    if PRELOAD >= 2:
+        acc = _accumulate(acc, w1, x_ptrs, k_start + BLOCK_K, K, m_ok, offs_k, EVEN_K, SWAP, UPCAST_DOT,
+                          DOT_PRECISION)
+    if PRELOAD >= 3:
+        acc = _accumulate(acc, w2, x_ptrs, k_start + 2 * BLOCK_K, K, m_ok, offs_k, EVEN_K, SWAP, UPCAST_DOT,
+                          DOT_PRECISION)
+    if PRELOAD >= 4:
+        acc = _accumulate(acc, w3, x_ptrs, k_start + 3 * BLOCK_K, K, m_ok, offs_k, EVEN_K, SWAP, UPCAST_DOT,
+                          DOT_PRECISION)
+    for k0 in range(k_start + PRELOAD * BLOCK_K, k_end, BLOCK_K):
+        w = _load_weight_tile(w_ptrs, k0, K, n_ok, offs_k, EVEN_N, EVEN_K)
+        acc = _accumulate(acc, w, x_ptrs, k0, K, m_ok, offs_k, EVEN_K, SWAP, UPCAST_DOT, DOT_PRECISION)
     if not SWAP:
         acc = tl.trans(acc)                           # [BLOCK_N, BLOCK_M] from here on
 
@@ -199,25 +238,38 @@ def _small_linear_kernel(
     else:
         cols = pid_n * BLOCK_N + j
     mask = (cols < N)[:, None] & m_ok[None, :]
-    out_offs = offs_m[None, :] * stride_om + cols[:, None]
     if SPLIT:
         tl.store(Part + (pid_s * M + offs_m[None, :]) * N + cols[:, None], acc, mask=mask)
+    elif GATED:
+        _epilogue(acc, gate, up, cols, offs_m, mask, pid_n, M, N, Bias, Res, Out, NextNormW, WeightedOut,
+                  SumSqOut, stride_rm, stride_om, True, HAS_BIAS, RESIDUAL, EMIT_NORM)
     else:
-        if GATED:
-            # silu(gate) * up with the eager rounding: gate, up and silu(gate) each in the model dtype
-            g = gate.to(dtype).to(tl.float32)
-            silu = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
-            y = (silu * up.to(dtype).to(tl.float32)).to(dtype)
-        else:
-            if HAS_BIAS:
-                acc += tl.load(Bias + cols, mask=cols < N, other=0.0).to(tl.float32)[:, None]
-            y = acc.to(dtype)
-        if RESIDUAL:
-            res = tl.load(Res + offs_m[None, :] * stride_rm + cols[:, None], mask=mask, other=0.0)
-            y = (y.to(tl.float32) + res.to(tl.float32)).to(dtype)
-        tl.store(Out + out_offs, y, mask=mask)
-        if EMIT_NORM:
-            _emit_norm_inputs(y, cols, offs_m, mask, pid_n, M, N, NextNormW, WeightedOut, SumSqOut, stride_om)
+        _epilogue(acc, acc, acc, cols, offs_m, mask, pid_n, M, N, Bias, Res, Out, NextNormW, WeightedOut,
+                  SumSqOut, stride_rm, stride_om, False, HAS_BIAS, RESIDUAL, EMIT_NORM)
+
+
+@triton.jit
+def _epilogue(acc, gate, up, cols, offs_m, mask, part, M, N, Bias, Res, Out, NextNormW, WeightedOut, SumSqOut,
+              stride_rm, stride_om, GATED: tl.constexpr, HAS_BIAS: tl.constexpr, RESIDUAL: tl.constexpr,
+              EMIT_NORM: tl.constexpr):
+    """The finished float32 sums [cols, rows] (gate and up halves when GATED) -> the output rows:
+    bias or silu(gate) * up, the cast, the residual, the store, and the next norm's inputs."""
+    dtype = Out.dtype.element_ty
+    if GATED:
+        # silu(gate) * up with the eager rounding: gate, up and silu(gate) each in the model dtype
+        g = gate.to(dtype).to(tl.float32)
+        silu = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
+        y = (silu * up.to(dtype).to(tl.float32)).to(dtype)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(Bias + cols, mask=cols < N, other=0.0).to(tl.float32)[:, None]
+        y = acc.to(dtype)
+    if RESIDUAL:
+        res = tl.load(Res + offs_m[None, :] * stride_rm + cols[:, None], mask=mask, other=0.0)
+        y = (y.to(tl.float32) + res.to(tl.float32)).to(dtype)
+    tl.store(Out + offs_m[None, :] * stride_om + cols[:, None], y, mask=mask)
+    if EMIT_NORM:
+        _emit_norm_inputs(y, cols, offs_m, mask, part, M, N, NextNormW, WeightedOut, SumSqOut, stride_om)
 
 
 @triton.jit
@@ -320,18 +372,18 @@ def small_linear_triton(
     if gated and (splits > 1 or config.block_n % 32):
         raise ValueError(f"a gated projection needs no k split and block_n % 32 == 0 (config {config})")
     out_n = config.block_n // 2 if gated else config.block_n
+    grid = (triton.cdiv(M, BLOCK_M), triton.cdiv(N, out_n), splits)
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     part = torch.empty(splits, M, N, dtype=torch.float32, device=x.device) if splits > 1 else out
     emit = emit_norm_weight is not None
     if emit:
         weighted = torch.empty_like(out)
-        emit_parts = triton.cdiv(N, REDUCE_BLOCK) if splits > 1 else triton.cdiv(N, out_n)
+        emit_parts = triton.cdiv(N, REDUCE_BLOCK) if splits > 1 else grid[1]
         sumsq_out = torch.empty(emit_parts, M, dtype=torch.float32, device=x.device)
     else:
         weighted, sumsq_out = out, part
     upcast, precision = dot_flags(x.dtype)
     pdl = pdl_enabled(x.device)
-    grid = (triton.cdiv(M, BLOCK_M), triton.cdiv(N, out_n), splits)
     bias_arg = bias if bias is not None else out
     res_arg = residual if residual is not None else out
     parts_in = row_sumsq.shape[0] if row_sumsq is not None else 1
@@ -345,8 +397,8 @@ def small_linear_triton(
         EVEN_N=N % out_n == 0, EVEN_K=K % config.block_k == 0,
         UPCAST_DOT=upcast, DOT_PRECISION=precision,
         SCALE_ROWS=row_sumsq is not None, PARTS_P2=triton.next_power_of_2(parts_in), GATED=gated,
-        RESIDUAL=residual is not None, EMIT_NORM=emit and splits == 1,
-        USE_PDL=pdl, PREFETCH=pdl and should_prefetch(weight),
+        RESIDUAL=residual is not None, EMIT_NORM=emit and splits == 1, USE_PDL=pdl,
+        PRELOAD=config.preload_steps(K),
         BLOCK_M=BLOCK_M, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         num_warps=config.num_warps, num_stages=config.num_stages, **launch_options(pdl),
     )
@@ -358,16 +410,6 @@ def small_linear_triton(
             BLOCK=REDUCE_BLOCK, num_warps=4, **launch_options(pdl),
         )
     return (out, NormInputs(weighted, sumsq_out)) if emit else out
-
-
-def should_prefetch(weight: torch.Tensor) -> bool:
-    """Prefetch into L2 only what L2 can hold beside the kernel before (a fraction of its 50 MB).
-    Off unless BATCHD_L2_PREFETCH=1: on the H200 it cost 5% at the Qwen2.5-1.5B shape and 2% at
-    Llama-3-8B (bench/decode.py, PDL on both ways), the prefetched lines evicting the running
-    kernel's."""
-    if os.environ.get("BATCHD_L2_PREFETCH", "0") != "1":
-        return False
-    return weight.numel() * weight.element_size() <= PREFETCH_MAX_BYTES
 
 
 __all__ = [

@@ -1,8 +1,8 @@
 """small_linear: the Triton kernel against the reference, and row i bitwise independent of M.
 
 On CPU the Triton cases run under TRITON_INTERPRET=1 (conftest) with small shapes and explicit
-configs that still reach every path: masked N and K edges, k splits with the reduce kernel, both
-operand orders, a second block of 16 rows (M = 17..32). On CUDA the same tests run compiled, plus
+configs that still reach every path: masked N and K edges, k splits with the reduce kernel,
+weight tiles preloaded before the wait, both operand orders, a second block of 16 rows (M = 17..32). On CUDA the same tests run compiled, plus
 model-sized shapes with the tuned configs and a CUDA graph capture.
 """
 from __future__ import annotations
@@ -27,10 +27,10 @@ def make(M, N, K, dtype, bias=False, seed=0):
     return x, w, b
 
 
-def config(block_n, block_k, splits, swap=True):
+def config(block_n, block_k, splits, swap=True, preload=0):
     from kernels.small_matmul.triton_kernel import SmallLinearConfig
 
-    return SmallLinearConfig(block_n, block_k, splits, num_warps=4, num_stages=2, swap=swap)
+    return SmallLinearConfig(block_n, block_k, splits, num_warps=4, num_stages=2, swap=swap, preload=preload)
 
 
 def run_triton(x, w, b, cfg):
@@ -100,6 +100,20 @@ def test_triton_rows_are_batch_invariant(dtype, cfg, bias):
     # a row does not depend on its neighbours either
     shuffled = x[torch.tensor([16, 3, 0, 9])]
     assert torch.equal(run_triton(shuffled, w, b, cfg), alone[[16, 3, 0, 9]])
+
+
+@needs_triton
+@pytest.mark.triton
+@pytest.mark.parametrize("cfg", [(32, 32, 1, True), (32, 16, 3, False), (16, 16, 4, True)],
+                         ids=["nosplit-swap", "split3-noswap", "split4-short-last-split"])
+def test_preloaded_weight_tiles_change_no_bits(cfg):
+    """Tiles requested before the wait enter the sums in the same order: equal bits for every
+    preload depth, including depths past the shortest split's k range (capped by the host)."""
+    x, w, b = make(5, 40, 72, torch.bfloat16, bias=True, seed=5)
+    plain = run_triton(x, w, b, config(*cfg))
+    for preload in (1, 2, 4):
+        assert torch.equal(run_triton(x, w, b, config(*cfg, preload=preload)), plain), f"preload={preload}"
+    assert config(*cfg, preload=4).preload_steps(72) <= 4
 
 
 @needs_triton

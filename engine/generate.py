@@ -64,6 +64,7 @@ def decode_plain(runner: StepRunner, next_token: torch.Tensor, sampler: Sampler,
     if device.type != "cuda":
         sync_every = 1
     pending = [next_token]  # device ids not yet read back by the host
+    chain = sampler.greedy and runner.chains
     finish = None
     budget = stopper.max_new_tokens
     steps = 0
@@ -77,8 +78,11 @@ def decode_plain(runner: StepRunner, next_token: torch.Tensor, sampler: Sampler,
             finish = stopper.accept(generated, torch.cat(pending).tolist()) if pending else None
             finish = finish or "length"
             break
-        logits = runner.step(next_token.view(1, 1))
-        next_token = sampler.sample(logits[:, -1])
+        if chain:
+            next_token = runner.greedy_step(next_token)  # one graph launch: forward, argmax, feed
+        else:
+            logits = runner.step(next_token.view(1, 1))
+            next_token = sampler.sample(logits[:, -1])
         pending.append(next_token)
         steps += 1
     synchronize(device)

@@ -59,6 +59,10 @@ class KVCache:
         self.length += rows
         self.length_on_device.fill_(self.length)
 
+    def advanced_on_device(self, rows: int) -> None:
+        """A replayed CUDA graph already added `rows` to length_on_device: follow on the host."""
+        self.length += rows
+
     def truncate(self, length: int) -> None:
         """Forget rows from `length` on (rejected speculative rows)."""
         if not 0 <= length <= self.length:

@@ -55,25 +55,38 @@ class Attention(nn.Module):
                 normed_inputs=None):
         """hidden: the residual stream [B, T, H] -> attention output before o_proj [B, T, Hq * D].
         `norm` (the layer's input norm) is applied first; with `normed_inputs` (kernels.small_matmul
-        NormInputs of hidden for that norm) it is folded into the qkv projection."""
+        NormInputs of hidden for that norm) it is folded into the qkv projection, which then also
+        applies rope and writes the cache rows (llama, qwen2)."""
         B, T, _ = hidden.shape
-        if normed_inputs is not None:
-            qkv = fused_project(normed_inputs.weighted.view(hidden.shape), self.qkv_proj, norm_inputs=normed_inputs,
-                                eps=norm.eps)  # [B, T, (Hq + 2 Hkv) D]
-        else:
-            qkv = project(norm(hidden), self.qkv_proj)
         k_cache, v_cache = cache.keys[layer_idx], cache.values[layer_idx]
-        if fused.rope_kernel is not None and qkv.is_cuda and qkv.dtype == k_cache.dtype:
-            # norm, rope and the cache write in one launch (kernels.rope_cache)
-            norms = (self.q_norm.weight, self.k_norm.weight) if self.q_norm is not None else (None, None)
-            q = fused.rope_kernel(qkv, cos, sin, positions, k_cache, v_cache, self.num_heads, self.num_kv_heads,
-                                  q_norm=norms[0], k_norm=norms[1], eps=self.rms_eps)
-        else:
-            q = self.rope_and_store(qkv, cos, sin, positions, k_cache, v_cache)
+        if normed_inputs is not None and self.q_norm is None:
+            # projection, rope and the cache write in one launch (kernels.small_matmul.qkv_rope_and_store)
+            from kernels.small_matmul import qkv_rope_and_store
+
+            q = qkv_rope_and_store(normed_inputs.weighted, self.qkv_proj.weight, self.qkv_proj.bias, cos=cos, sin=sin,
+                                   positions=positions, k_cache=k_cache, v_cache=v_cache, num_heads=self.num_heads,
+                                   num_kv_heads=self.num_kv_heads, row_sumsq=normed_inputs.sumsq, eps=norm.eps)
+        else:  # qwen3's per-head q/k norm needs whole heads, which the projection's tiles do not hold
+            if normed_inputs is not None:
+                qkv = fused_project(normed_inputs.weighted.view(hidden.shape), self.qkv_proj,
+                                    norm_inputs=normed_inputs, eps=norm.eps)  # [B, T, (Hq + 2 Hkv) D]
+            else:
+                qkv = project(norm(hidden), self.qkv_proj)
+            q = self.rope_norm_and_store(qkv, cos, sin, positions, k_cache, v_cache)
         if observer is not None:
             observer(layer_idx, q, k_cache[:, :, : start + T], v_cache[:, :, : start + T], start)
         out = attend_cached(q.to(k_cache.dtype), cache, layer_idx, start, self.scale, use_kernel, seq_len_on_device)
         return out.to(hidden.dtype).transpose(1, 2).reshape(B, T, -1)
+
+    def rope_norm_and_store(self, qkv, cos, sin, positions, k_cache, v_cache):
+        """qkv [B, T, (Hq + 2 Hkv) D] -> rotated q [B, Hq, T, D], k/v rows into the caches: in one
+        launch on CUDA (kernels.rope_cache), else `rope_and_store`."""
+        if fused.rope_kernel is not None and qkv.is_cuda and qkv.dtype == k_cache.dtype:
+            # norm, rope and the cache write in one launch (kernels.rope_cache)
+            norms = (self.q_norm.weight, self.k_norm.weight) if self.q_norm is not None else (None, None)
+            return fused.rope_kernel(qkv, cos, sin, positions, k_cache, v_cache, self.num_heads, self.num_kv_heads,
+                                     q_norm=norms[0], k_norm=norms[1], eps=self.rms_eps)
+        return self.rope_and_store(qkv, cos, sin, positions, k_cache, v_cache)
 
     def rope_and_store(self, qkv, cos, sin, positions, k_cache, v_cache):
         """Eager twin of kernels.rope_cache: q/k norm (qwen3), rope, k/v rows into the cache.
@@ -117,8 +130,9 @@ class Block(nn.Module):
         head-less verify path returns its output).
 
         With `normed_inputs` (a decode or verify step on CUDA: `decode_fusion_applies`) the layer
-        runs in six launches: qkv with the input norm folded in, rope + cache write, attention (two
-        at long context), o + residual (emitting the post-attention norm's inputs), gate/up with that
+        runs in six launches (seven with down's k split): qkv with the input norm folded in and
+        rope + cache write in its epilogue (a separate launch for qwen3's q/k norm), attention
+        (split + merge), o + residual (emitting the post-attention norm's inputs), gate/up with that
         norm folded in and silu*mul, down + residual (emitting `next_norm`'s inputs); rows stay
         independent of the step's width (kernels.small_matmul). Prefill chunks and CPU steps run
         the same maths op by op and pass None."""

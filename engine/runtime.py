@@ -178,8 +178,9 @@ class Engine:
         telemetry measures the job (a worker calls this once at start). Returns seconds spent."""
         started = time.perf_counter()
         prompt = list(range(min(16, self.config.vocab_size)))
-        request = GenerationRequest(sampling=SamplingParams(max_new_tokens=4, ignore_eos=True))
-        self.generate_ids(prompt, request)
+        for sampling in (SamplingParams(max_new_tokens=4, ignore_eos=True),       # the greedy chain's graph
+                         SamplingParams(max_new_tokens=4, ignore_eos=True, temperature=1.0, seed=0)):  # plain
+            self.generate_ids(prompt, GenerationRequest(sampling=sampling))
         self.cache.reset()
         return time.perf_counter() - started
 

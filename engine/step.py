@@ -3,6 +3,10 @@
 A decode (T=1) or verify (T=q) step has static shapes, so each width is captured once per
 cache and replayed: the positions come from `cache.length_on_device`, so a replay needs nothing
 from the host. Prefill chunks and CPU steps run eagerly.
+
+Greedy decoding goes further (`greedy_step`): its graph also picks the next token, records it and
+feeds it to its own next replay, and advances the device length, so a step is one graph launch
+with nothing launched from the host between tokens.
 """
 from __future__ import annotations
 
@@ -20,8 +24,12 @@ class StepRunner:
         self.cuda_graphs = cuda_graphs and cache.device.type == "cuda"
         # one graph per (width, sparse?): with sparse attention the host picks, per step, the graph
         # whose attention the sparse rule asks for at this length
-        self._graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
+        self._graphs: dict[tuple[int, bool, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
         self._pool = None
+        # greedy chain: the token fed to the next replay [1, 1], and picked[i] = the greedy token
+        # chosen after cache row i ([max_len] long), shared by the chain's dense and sparse graphs
+        self._chain_tokens: torch.Tensor | None = None
+        self._picked: torch.Tensor | None = None
 
     @torch.inference_mode()
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -33,14 +41,43 @@ class StepRunner:
         cache = self.cache
         cache.reserve(T)
         cache.sparse_step = self._sparse_rule(T)
-        key = (T, cache.sparse_step)
+        key = (T, cache.sparse_step, False)
         graph, static_tokens, static_logits = self._graphs.get(key) or self._capture(key)
         static_tokens.copy_(tokens)
         graph.replay()
         cache.advance(T)
-        for summary in cache.block_summaries or ():
-            summary.length = cache.length  # the replay updated the summaries on the device
+        self._follow_summaries()
         return static_logits
+
+    @property
+    def chains(self) -> bool:
+        """Whether `greedy_step` replays one graph per token (CUDA graphs on)."""
+        return self.cuda_graphs
+
+    @torch.inference_mode()
+    def greedy_step(self, token: torch.Tensor) -> torch.Tensor:
+        """token: [1] (or [1, 1]) on the device, the next input -> the greedy token after it, [1]:
+        a view of a buffer that later steps do not overwrite (row i's pick lives at index i), so
+        the caller may hold it until it reads it back. The same ids as `step` then argmax."""
+        cache = self.cache
+        cache.reserve(1)
+        if self._picked is None:
+            self._chain_tokens = torch.zeros((1, 1), dtype=torch.long, device=cache.device)
+            self._picked = torch.zeros(cache.max_len, dtype=torch.long, device=cache.device)
+        row = cache.length
+        if not (row > 0 and token.data_ptr() == self._picked[row - 1 :].data_ptr()):
+            self._chain_tokens.copy_(token.view(1, 1))  # not the chain's own last pick: feed it
+        cache.sparse_step = self._sparse_rule(1)
+        key = (1, cache.sparse_step, True)
+        graph = (self._graphs.get(key) or self._capture(key))[0]
+        graph.replay()
+        cache.advanced_on_device(1)                     # the graph advanced length_on_device
+        self._follow_summaries()
+        return self._picked[row : row + 1]
+
+    def _follow_summaries(self) -> None:
+        for summary in self.cache.block_summaries or ():
+            summary.length = self.cache.length  # the replay updated the summaries on the device
 
     def _sparse_rule(self, width: int) -> bool:
         if self.cache.block_summaries is None:
@@ -58,22 +95,33 @@ class StepRunner:
             logits = self.model(tokens[:, begin : begin + chunk_size], self.cache, last_only=True)
         return logits
 
-    def _capture(self, key: tuple[int, bool]):
-        width = key[0]
+    def _capture(self, key: tuple[int, bool, bool]):
+        width, _, chain = key
         cache, model = self.cache, self.model
-        static_tokens = torch.zeros((1, width), dtype=torch.long, device=cache.device)
+        static_tokens = self._chain_tokens if chain else torch.zeros((1, width), dtype=torch.long, device=cache.device)
         saved_length = cache.length
 
         def run():
-            return model.forward_at(static_tokens, cache, cache.length, start_on_device=cache.length_on_device)
+            logits = model.forward_at(static_tokens, cache, cache.length, start_on_device=cache.length_on_device)
+            if chain:  # pick, record, feed the pick to the next replay, advance the length
+                picked = logits[:, -1].argmax(-1)                              # [1]
+                self._picked.index_copy_(0, cache.length_on_device, picked)
+                static_tokens.copy_(picked.view(1, 1))
+                cache.length_on_device.add_(1)
+            return logits
 
         # warm-up on a side stream (allocator and Triton autotuning), then capture; both write
-        # rows at the current length, which the real step overwrites right after
+        # rows at the current length, which the real step overwrites right after (a chain's
+        # warm-up also moves its token and the device length: put back below)
+        fed = static_tokens.clone()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(2):
                 run()
+                if chain:
+                    static_tokens.copy_(fed)
+                    cache.length_on_device.fill_(saved_length)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):

@@ -15,9 +15,10 @@ from kernels._backend import resolve_backend
 from kernels.rope_cache.reference import rope_and_store_reference
 
 
-def rope_and_store(qkv, cos, sin, positions, k_cache, v_cache, num_heads: int, num_kv_heads: int, *,
-                   q_norm=None, k_norm=None, eps: float = 1e-6, backend: str = "auto") -> torch.Tensor:
-    B, T, width = qkv.shape
+def check_rope_inputs(B: int, T: int, width: int, cos, sin, positions, k_cache, v_cache, num_heads: int,
+                      num_kv_heads: int) -> None:
+    """Raise ValueError naming the numbers when a step's q/k/v rows [B, T, width], rope tables and
+    caches do not fit together."""
     D = k_cache.shape[-1]
     if width != (num_heads + 2 * num_kv_heads) * D:
         raise ValueError(f"qkv width {width} != (Hq {num_heads} + 2 * Hkv {num_kv_heads}) * D {D}")
@@ -28,6 +29,12 @@ def rope_and_store(qkv, cos, sin, positions, k_cache, v_cache, num_heads: int, n
         raise ValueError(f"caches {list(k_cache.shape)}, {list(v_cache.shape)} must be [{B}, {num_kv_heads}, S, {D}]")
     if D % 2 or D & (D - 1):
         raise ValueError(f"head_dim must be a power of two, got {D}")
+
+
+def rope_and_store(qkv, cos, sin, positions, k_cache, v_cache, num_heads: int, num_kv_heads: int, *,
+                   q_norm=None, k_norm=None, eps: float = 1e-6, backend: str = "auto") -> torch.Tensor:
+    B, T, width = qkv.shape
+    check_rope_inputs(B, T, width, cos, sin, positions, k_cache, v_cache, num_heads, num_kv_heads)
     if (q_norm is None) != (k_norm is None):
         raise ValueError("give both q_norm and k_norm, or neither")
     if resolve_backend(backend, qkv.device) == "reference" or qkv.stride(-1) != 1 or qkv.dtype != k_cache.dtype:
@@ -39,4 +46,4 @@ def rope_and_store(qkv, cos, sin, positions, k_cache, v_cache, num_heads: int, n
                                  num_heads, num_kv_heads, q_norm, k_norm, eps)
 
 
-__all__ = ["rope_and_store", "rope_and_store_reference"]
+__all__ = ["rope_and_store", "rope_and_store_reference", "check_rope_inputs"]

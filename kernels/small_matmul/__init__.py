@@ -105,6 +105,43 @@ def small_linear(
     return small_linear_triton(x, weight, bias, **kwargs)
 
 
+def qkv_rope_and_store(
+    x: torch.Tensor,                     # [M = B * T, K] (norm_weight * h with row_sumsq)
+    weight: torch.Tensor,                # [(Hq + 2 Hkv) * D, K], the fused q/k/v projection
+    bias: torch.Tensor | None,           # [(Hq + 2 Hkv) * D] or None
+    *,
+    cos: torch.Tensor, sin: torch.Tensor,          # [T, D] float32 rope tables at the rows' positions
+    positions: torch.Tensor,                       # [T] int64 cache rows (on the device)
+    k_cache: torch.Tensor, v_cache: torch.Tensor,  # [B, Hkv, S_max, D]
+    num_heads: int, num_kv_heads: int,
+    row_sumsq: torch.Tensor | None = None, eps: float = 1e-6,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """The q/k/v projection of a decode or verify step and what follows it (kernels.rope_cache:
+    rope of q and k, k/v rows into the caches) -> rotated q [B, Hq, T, D]. On CUDA in one launch
+    where the projection's tile holds whole rope pairs (triton_kernel.rope_fits), else as the two
+    launches; the bits are the same either way."""
+    from kernels.rope_cache import check_rope_inputs, rope_and_store
+
+    check_linear_inputs(x, weight, bias)
+    check_fusion_inputs(x, weight, bias, row_sumsq, None, False, None)
+    B, T = k_cache.shape[0], x.shape[0] // k_cache.shape[0]
+    if B * T != x.shape[0]:
+        raise ValueError(f"x has {x.shape[0]} rows, not a multiple of the caches' batch {B}")
+    check_rope_inputs(B, T, weight.shape[0], cos, sin, positions, k_cache, v_cache, num_heads, num_kv_heads)
+    if resolve_backend(backend, x.device) == "triton" and x.dtype == k_cache.dtype:
+        from kernels.small_matmul.triton_kernel import RopeTarget, choose_config, rope_fits, small_linear_triton
+
+        N, K = weight.shape
+        config = choose_config(N, K, x.dtype, x.device)
+        if rope_fits(config, N, K, k_cache.shape[-1]):
+            target = RopeTarget(cos.contiguous(), sin.contiguous(), positions, k_cache, v_cache, num_heads, num_kv_heads)
+            return small_linear_triton(x, weight, bias, row_sumsq=row_sumsq, eps=eps, rope=target, config=config)
+    qkv = small_linear(x, weight, bias, row_sumsq=row_sumsq, eps=eps, backend=backend)
+    return rope_and_store(qkv.view(B, T, -1), cos, sin, positions, k_cache, v_cache, num_heads, num_kv_heads,
+                          backend=backend)
+
+
 def norm_inputs(h: torch.Tensor, norm_weight: torch.Tensor, *, backend: str = "auto") -> NormInputs:
     """h [M, K] -> NormInputs (norm_weight * h, sums of squares) for a projection with RMSNorm folded in."""
     if norm_weight.shape != (h.shape[-1],) or h.dim() != 2:
@@ -116,4 +153,4 @@ def norm_inputs(h: torch.Tensor, norm_weight: torch.Tensor, *, backend: str = "a
     return norm_inputs_triton(h.contiguous(), norm_weight)
 
 
-__all__ = ["small_linear", "norm_inputs", "NormInputs", "check_fusion_inputs", "small_linear_reference", "check_linear_inputs", "MAX_ROWS"]
+__all__ = ["small_linear", "qkv_rope_and_store", "norm_inputs", "NormInputs", "check_fusion_inputs", "small_linear_reference", "check_linear_inputs", "MAX_ROWS"]

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import triton
@@ -118,6 +119,24 @@ def choose_config(N: int, K: int, dtype: torch.dtype, device: torch.device, *, g
     return config
 
 
+class RopeTarget(NamedTuple):
+    """Where the q/k/v projection of a decode step puts its rows when rope is fused into it."""
+    cos: torch.Tensor           # [T, D] float32, "rotate half" tables at the rows' positions
+    sin: torch.Tensor           # [T, D] float32
+    positions: torch.Tensor     # [T] int64 cache rows
+    k_cache: torch.Tensor       # [B, Hkv, S_max, D]
+    v_cache: torch.Tensor       # [B, Hkv, S_max, D]
+    num_heads: int
+    num_kv_heads: int
+
+
+def rope_fits(config: SmallLinearConfig, N: int, K: int, head_dim: int) -> bool:
+    """Rope goes into the projection's epilogue when a program's tile holds whole rope pairs of one
+    head (block_n / 2 divides D / 2) and there is no k split (the rotation needs the whole sum)."""
+    half = config.block_n // 2
+    return config.effective_splits(K) == 1 and half >= 1 and (head_dim // 2) % half == 0 and N % config.block_n == 0
+
+
 @triton.jit
 def _load_weight_tile(w_ptrs, k0, K, n_ok, offs_k, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr):
     """The [BLOCK_N, BLOCK_K] weight tile at column k0 (streamed once: evict first)."""
@@ -152,17 +171,21 @@ def _accumulate(acc, w, x_ptrs, k0, K, m_ok, offs_k, EVEN_K: tl.constexpr, SWAP:
 
 @triton.jit(do_not_specialize=["M"])
 def _small_linear_kernel(
-    X, W, Bias, Res, Out, Part, SumSqIn, NextNormW, WeightedOut, SumSqOut,
+    X, W, Bias, Res, Out, Part, SumSqIn, NextNormW, WeightedOut, SumSqOut, Cos, Sin, Pos, QOut, KCache, VCache,
     # X [M, K]; W [N, K] ([2N, K]: gate rows, then up rows, when GATED); Bias [N]; Res, Out [M, N];
-    # Part [SPLITS, M, N] f32; SumSqIn [parts_in, M] f32; NextNormW [N]; WeightedOut [M, N]; SumSqOut [N / OUT_N, M] f32
-    M, N, K, eps, parts_in,
+    # Part [SPLITS, M, N] f32; SumSqIn [parts_in, M] f32; NextNormW [N]; WeightedOut [M, N];
+    # SumSqOut [N / OUT_N, M] f32; with ROPE: Cos, Sin [T, D] f32, Pos [T] int64, QOut [B, Hq, T, D],
+    # KCache, VCache [B, Hkv, S_max, D] (rows m = b * T + t)
+    M, N, K, eps, parts_in, T,
     stride_xm, stride_wn, stride_rm, stride_om,
+    stride_qb, stride_qh, stride_qt, stride_cb, stride_ch, stride_cn,
     k_per_split,               # multiple of BLOCK_K
     HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, SWAP: tl.constexpr,
     EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
     UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     SCALE_ROWS: tl.constexpr, PARTS_P2: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr,
     EMIT_NORM: tl.constexpr, USE_PDL: tl.constexpr, PRELOAD: tl.constexpr,
+    ROPE: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """Nothing but loads feeds tl.dot, so Triton pipelines both operands (an elementwise op on x
@@ -171,14 +194,24 @@ def _small_linear_kernel(
     tl.static_assert(BLOCK_K % 16 == 0)
     tl.static_assert(not (GATED and SPLIT))
     tl.static_assert(PRELOAD <= 4)
+    tl.static_assert(not (ROPE and (SPLIT or GATED)))
     OUT_N: tl.constexpr = BLOCK_N // 2 if GATED else BLOCK_N     # output columns per program
+    HALF_N: tl.constexpr = BLOCK_N // 2
+    HALF_D: tl.constexpr = HEAD_DIM // 2
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_s = tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     j = tl.arange(0, BLOCK_N)
-    col = pid_n * OUT_N + j % OUT_N                  # output column of weight-tile row j
-    w_row = (j // OUT_N) * N + col                   # gated: rows [0, OUT_N) gate, [OUT_N, BLOCK_N) up
+    if ROPE:
+        # tile rows [0, HALF_N) are dims d of one head, rows [HALF_N, BLOCK_N) their rope partners
+        # d + D/2 (the host keeps HALF_N a divisor of D/2, so a tile never spans two heads)
+        pair = pid_n * HALF_N + j % HALF_N           # head * D/2 + d
+        col = (pair // HALF_D) * HEAD_DIM + (j // HALF_N) * HALF_D + pair % HALF_D
+        w_row = col
+    else:
+        col = pid_n * OUT_N + j % OUT_N              # output column of weight-tile row j
+        w_row = (j // OUT_N) * N + col               # gated: rows [0, OUT_N) gate, [OUT_N, BLOCK_N) up
     offs_k = tl.arange(0, BLOCK_K)
     m_ok = offs_m < M
     n_ok = col < N
@@ -235,10 +268,18 @@ def _small_linear_kernel(
     if GATED:
         gate, up = tl.split(tl.permute(tl.reshape(acc, [2, OUT_N, BLOCK_M]), [1, 2, 0]))   # [OUT_N, BLOCK_M]
         cols = pid_n * OUT_N + tl.arange(0, OUT_N)
+    elif ROPE:
+        cols = col
     else:
         cols = pid_n * BLOCK_N + j
     mask = (cols < N)[:, None] & m_ok[None, :]
-    if SPLIT:
+    if ROPE:
+        if HAS_BIAS:
+            acc += tl.load(Bias + cols).to(tl.float32)[:, None]
+        _rope_epilogue(acc, pid_n * HALF_N, offs_m, m_ok, T, Cos, Sin, Pos, QOut, KCache, VCache,
+                       stride_qb, stride_qh, stride_qt, stride_cb, stride_ch, stride_cn,
+                       HQ, HKV, HEAD_DIM, HALF_N, BLOCK_M)
+    elif SPLIT:
         tl.store(Part + (pid_s * M + offs_m[None, :]) * N + cols[:, None], acc, mask=mask)
     elif GATED:
         _epilogue(acc, gate, up, cols, offs_m, mask, pid_n, M, N, Bias, Res, Out, NextNormW, WeightedOut,
@@ -246,6 +287,47 @@ def _small_linear_kernel(
     else:
         _epilogue(acc, acc, acc, cols, offs_m, mask, pid_n, M, N, Bias, Res, Out, NextNormW, WeightedOut,
                   SumSqOut, stride_rm, stride_om, False, HAS_BIAS, RESIDUAL, EMIT_NORM)
+
+
+@triton.jit
+def _rope_epilogue(acc, first_pair, offs_m, m_ok, T, Cos, Sin, Pos, QOut, KCache, VCache,
+                   stride_qb, stride_qh, stride_qt, stride_cb, stride_ch, stride_cn,
+                   HQ: tl.constexpr, HKV: tl.constexpr, HEAD_DIM: tl.constexpr, HALF_N: tl.constexpr,
+                   BLOCK_M: tl.constexpr):
+    """What kernels.rope_cache does after the q/k/v projection, on this tile's sums acc [BLOCK_N,
+    rows] (dims d, then d + D/2, of one head): round to the model dtype, rotate q and k ("rotate
+    half", cos/sin rounded to the model dtype as there), store q rows to QOut and k/v rows into the
+    caches at their positions. The same operations in the same order: the same bits."""
+    HALF_D: tl.constexpr = HEAD_DIM // 2
+    dtype = KCache.dtype.element_ty
+    x1, x2 = tl.split(tl.permute(tl.reshape(acc.to(dtype).to(tl.float32), [2, HALF_N, BLOCK_M]), [1, 2, 0]))
+    head = first_pair // HALF_D
+    d = (first_pair % HALF_D + tl.arange(0, HALF_N))[:, None]           # [HALF_N, 1]
+    b = offs_m // T
+    t = offs_m % T
+    ok = m_ok[None, :]
+    if head < HQ + HKV:
+        cos1 = tl.load(Cos + t[None, :] * HEAD_DIM + d, mask=ok, other=0.0).to(dtype).to(tl.float32)
+        cos2 = tl.load(Cos + t[None, :] * HEAD_DIM + HALF_D + d, mask=ok, other=0.0).to(dtype).to(tl.float32)
+        sin1 = tl.load(Sin + t[None, :] * HEAD_DIM + d, mask=ok, other=0.0).to(dtype).to(tl.float32)
+        sin2 = tl.load(Sin + t[None, :] * HEAD_DIM + HALF_D + d, mask=ok, other=0.0).to(dtype).to(tl.float32)
+        y1 = x1 * cos1 - x2 * sin1                    # rotate half: [x1, x2] -> [-x2, x1]
+        y2 = x2 * cos2 + x1 * sin2
+    else:                                             # a value head: stored as it is
+        y1 = x1
+        y2 = x2
+    if head < HQ:
+        dst = QOut + (b * stride_qb + head * stride_qh + t * stride_qt)[None, :] + d
+        tl.store(dst, y1.to(QOut.dtype.element_ty), mask=ok)
+        tl.store(dst + HALF_D, y2.to(QOut.dtype.element_ty), mask=ok)
+    else:
+        pos = tl.load(Pos + t, mask=m_ok, other=0)
+        if head < HQ + HKV:
+            dst = KCache + (b * stride_cb + (head - HQ) * stride_ch + pos * stride_cn)[None, :] + d
+        else:
+            dst = VCache + (b * stride_cb + (head - HQ - HKV) * stride_ch + pos * stride_cn)[None, :] + d
+        tl.store(dst, y1.to(dtype), mask=ok)
+        tl.store(dst + HALF_D, y2.to(dtype), mask=ok)
 
 
 @triton.jit
@@ -357,10 +439,12 @@ def small_linear_triton(
     residual: torch.Tensor | None = None,        # [M, N], stride(1) == 1: out = residual + product
     gated: bool = False,                         # out = silu(x Wg^T) * (x Wu^T)
     emit_norm_weight: torch.Tensor | None = None,  # [N]: also return NormInputs of out for that norm
+    rope: RopeTarget | None = None,              # the q/k/v projection: rope + cache write, -> q
     config: SmallLinearConfig | None = None,
 ):
     """Shapes are validated by the public wrapper; `config` overrides the table (tests, bench --tune).
-    -> out [M, N], or (out, NormInputs) with emit_norm_weight."""
+    -> out [M, N], or (out, NormInputs) with emit_norm_weight, or rotated q [B, Hq, T, D] with rope
+    (the caller checks `rope_fits` first)."""
     from kernels.small_matmul.reference import NormInputs
 
     M, K = x.shape
@@ -387,21 +471,33 @@ def small_linear_triton(
     bias_arg = bias if bias is not None else out
     res_arg = residual if residual is not None else out
     parts_in = row_sumsq.shape[0] if row_sumsq is not None else 1
+    if rope is not None:
+        k_cache = rope.k_cache
+        B, D = k_cache.shape[0], k_cache.shape[3]
+        q_out = torch.empty(B, rope.num_heads, M // B, D, dtype=x.dtype, device=x.device)
+        rope_args = (rope.cos, rope.sin, rope.positions, q_out, k_cache, rope.v_cache)
+        rope_strides = (*q_out.stride()[:3], *k_cache.stride()[:3])
+    else:
+        rope_args, rope_strides = (out,) * 6, (0,) * 6
     _small_linear_kernel[grid](
         x, weight, bias_arg, res_arg, out, part, row_sumsq if row_sumsq is not None else part,
-        emit_norm_weight if emit else out, weighted, sumsq_out,
-        M, N, K, eps, parts_in,
-        x.stride(0), weight.stride(0), res_arg.stride(0), out.stride(0),
+        emit_norm_weight if emit else out, weighted, sumsq_out, *rope_args,
+        M, N, K, eps, parts_in, M // rope.k_cache.shape[0] if rope is not None else 1,
+        x.stride(0), weight.stride(0), res_arg.stride(0), out.stride(0), *rope_strides,
         k_per_split,
         HAS_BIAS=bias is not None, SPLIT=splits > 1, SWAP=config.swap,
         EVEN_N=N % out_n == 0, EVEN_K=K % config.block_k == 0,
         UPCAST_DOT=upcast, DOT_PRECISION=precision,
         SCALE_ROWS=row_sumsq is not None, PARTS_P2=triton.next_power_of_2(parts_in), GATED=gated,
         RESIDUAL=residual is not None, EMIT_NORM=emit and splits == 1, USE_PDL=pdl,
-        PRELOAD=config.preload_steps(K),
+        PRELOAD=config.preload_steps(K), ROPE=rope is not None,
+        HQ=rope.num_heads if rope else 1, HKV=rope.num_kv_heads if rope else 1,
+        HEAD_DIM=rope.k_cache.shape[3] if rope else 2,
         BLOCK_M=BLOCK_M, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         num_warps=config.num_warps, num_stages=config.num_stages, **launch_options(pdl),
     )
+    if rope is not None:
+        return q_out
     if splits > 1:
         _reduce_splits_kernel[(M, triton.cdiv(N, REDUCE_BLOCK))](
             part, bias_arg, res_arg, out, emit_norm_weight if emit else out, weighted, sumsq_out,
@@ -413,6 +509,8 @@ def small_linear_triton(
 
 
 __all__ = [
+    "RopeTarget",
+    "rope_fits",
     "small_linear_triton",
     "norm_inputs_triton",
     "SmallLinearConfig",

@@ -26,9 +26,24 @@ PROMPT = torch.randint(0, 49152, (300,), generator=torch.Generator().manual_seed
 
 
 def test_graph_replay_matches_eager_steps(model):
+    """Greedy decoding replays the chain graph (forward, argmax, feed); eager steps argmax on the host."""
     graphed = Engine(model, None, max_context=1024, eos_ids=set(), cuda_graphs=True)
     eager = Engine(model, None, max_context=1024, eos_ids=set(), cuda_graphs=False)
     assert greedy_ids(graphed, PROMPT) == greedy_ids(eager, PROMPT)
+    assert set(graphed.runner._graphs) == {(1, False, True)}
+    # a second job on the same engine: the chain's first token is fed again, the length follows
+    assert greedy_ids(graphed, PROMPT[:200], 20) == greedy_ids(eager, PROMPT[:200], 20)
+
+
+def test_greedy_chain_and_plain_graph_give_the_same_ids(model, monkeypatch):
+    from engine.step import StepRunner
+
+    chained = Engine(model, None, max_context=1024, eos_ids=set())
+    plain = Engine(model, None, max_context=1024, eos_ids=set())
+    monkeypatch.setattr(StepRunner, "chains", property(lambda self: False))
+    want = greedy_ids(plain, PROMPT)
+    monkeypatch.undo()
+    assert greedy_ids(chained, PROMPT) == want
 
 
 def test_second_job_after_long_job_matches_fresh(model):
@@ -88,7 +103,7 @@ def test_sparse_graph_replay_matches_eager_sparse_steps(model):
 def test_warm_up_captures_the_decode_graph_and_leaves_no_trace(model):
     warmed = Engine(model, None, max_context=1024, eos_ids=set())
     assert warmed.warm_up() > 0
-    assert (1, False) in warmed.runner._graphs and warmed.cache.length == 0
+    assert {(1, False, True), (1, False, False)} <= set(warmed.runner._graphs) and warmed.cache.length == 0
     fresh = Engine(model, None, max_context=1024, eos_ids=set())
     assert greedy_ids(warmed, PROMPT) == greedy_ids(fresh, PROMPT)
 

@@ -324,3 +324,52 @@ def test_fusion_inputs_are_checked():
         small_linear(x, torch.randn(6, 8), torch.randn(3), gated=True)
     with pytest.raises(ValueError, match="needs residual"):
         small_linear(x, w, emit_norm_weight=torch.ones(5))
+
+
+# ---- rope and the cache write in the q/k/v projection's epilogue ----
+
+QKV_ROPE = [  # (block_n, splits, bias, T): tiles of 8 and 4 rope pairs, one and three rows
+    pytest.param(16, 1, True, 3, id="pairs8-bias-t3"),
+    pytest.param(8, 1, False, 1, id="pairs4-t1"),
+    pytest.param(16, 1, False, 17, id="pairs8-t17"),
+]
+
+
+@needs_triton
+@pytest.mark.triton
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])
+@pytest.mark.parametrize("block_n, splits, bias, T", QKV_ROPE)
+def test_qkv_rope_epilogue_equals_projection_then_rope_kernel(block_n, splits, bias, T, dtype):
+    """One launch (projection + rope + cache write) against the two it replaces, bitwise: q and
+    both caches, with the input RMSNorm folded in as in a decode step."""
+    from kernels.rope_cache import rope_and_store
+    from kernels.small_matmul.triton_kernel import RopeTarget, rope_fits, small_linear_triton
+
+    Hq, Hkv, D, K, S, start = 4, 2, 16, 48, 40, 5
+    N = (Hq + 2 * Hkv) * D
+    t = fusion_inputs(T, N, K, dtype, seed=7)
+    x, w, b, sumsq = t["weighted"], t["w"], t["b"] if bias else None, t["sumsq"]
+    g = torch.Generator().manual_seed(8)
+    angles = torch.randn(T, D // 2, generator=g)
+    cos, sin = torch.cat([angles.cos()] * 2, -1).to(DEVICE), torch.cat([angles.sin()] * 2, -1).to(DEVICE)
+    positions = torch.arange(start, start + T, device=DEVICE)
+    cfg = config(block_n, 16, splits)
+    assert rope_fits(cfg, N, K, D)
+    caches = [torch.randn(1, Hkv, S, D, generator=g).to(dtype).to(DEVICE) for _ in range(2)]
+    fused_k, fused_v = caches[0].clone(), caches[1].clone()
+    q = small_linear_triton(x, w, b, row_sumsq=sumsq, eps=1e-5, config=cfg,
+                            rope=RopeTarget(cos, sin, positions, fused_k, fused_v, Hq, Hkv))
+    qkv = small_linear_triton(x, w, b, row_sumsq=sumsq, eps=1e-5, config=cfg)
+    want_q = rope_and_store(qkv.view(1, T, N), cos, sin, positions, caches[0], caches[1], Hq, Hkv, backend="triton")
+    assert q.shape == (1, Hq, T, D)
+    assert torch.equal(q, want_q)
+    assert torch.equal(fused_k, caches[0]) and torch.equal(fused_v, caches[1])
+
+
+def test_rope_fits_needs_whole_pairs_of_one_head_and_no_split():
+    from kernels.small_matmul.triton_kernel import rope_fits
+
+    assert rope_fits(config(64, 128, 1), 6144, 4096, 128)
+    assert not rope_fits(config(256, 128, 1), 6144, 4096, 128)       # a tile would span two heads
+    assert not rope_fits(config(64, 128, 3), 6144, 4096, 128)        # a k split
+    assert not rope_fits(config(32, 16, 1), 128, 48, 16)             # 16 pairs per tile, 8 per head half

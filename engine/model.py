@@ -216,9 +216,10 @@ class Transformer(nn.Module):
         return logits
 
     def forward_at(self, tokens, cache: KVCache, start: int, *, start_on_device=None, observer=None,
-                   last_only: bool = False, head: bool = True):
+                   last_only: bool = False, head: bool = True, float_logits: bool = True):
         """The step itself, without touching host state: with `start_on_device` ([1] long) the
-        positions come from the device, so a captured CUDA graph replays at any cache length."""
+        positions come from the device, so a captured CUDA graph replays at any cache length.
+        float_logits=False leaves the logits in the model's dtype (a greedy pick needs no copy)."""
         T = tokens.shape[1]
         if self.rope_cos is None or self.rope_cos.shape[0] < cache.max_len:
             self.setup_rope(cache.max_len)
@@ -245,7 +246,8 @@ class Transformer(nn.Module):
         normed = self.norm(hidden)
         if not head:
             return normed
-        return project(normed, self.lm_head).float()
+        logits = project(normed, self.lm_head)
+        return logits.float() if float_logits else logits
 
     # ---- weights ---------------------------------------------------------------------------
 

@@ -14,6 +14,7 @@ import torch
 
 from engine.kv_cache import KVCache
 from engine.model import Transformer
+from kernels.argmax import argmax_rows
 
 MAX_GRAPH_WIDTH = 17  # the widest verify step: 16 drafts plus the last accepted token
 
@@ -102,9 +103,10 @@ class StepRunner:
         saved_length = cache.length
 
         def run():
-            logits = model.forward_at(static_tokens, cache, cache.length, start_on_device=cache.length_on_device)
+            logits = model.forward_at(static_tokens, cache, cache.length, start_on_device=cache.length_on_device,
+                                      float_logits=not chain)
             if chain:  # pick, record, feed the pick to the next replay, advance the length
-                picked = logits[:, -1].argmax(-1)                              # [1]
+                picked = argmax_rows(logits[:, -1])                            # [1], torch.argmax's ids
                 self._picked.index_copy_(0, cache.length_on_device, picked)
                 static_tokens.copy_(picked.view(1, 1))
                 cache.length_on_device.add_(1)

@@ -1,0 +1,60 @@
+"""Two-pass argmax: program (row, block) finds its block's maximum and the first index holding it;
+one program per row then takes the largest of those, the lowest index among equals (blocks are in
+index order, so that is the first occurrence in the row)."""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels._backend import launch_options, pdl_enabled
+
+BLOCK = 2048
+
+
+@triton.jit
+def _block_argmax_kernel(X, BestVal, BestIdx, V, stride_x, NUM_BLOCKS, USE_PDL: tl.constexpr, BLOCK: tl.constexpr):
+    # X [M, V]; BestVal [M, NUM_BLOCKS] f32; BestIdx [M, NUM_BLOCKS] int32
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()                 # the logits come from the kernel before
+        tl.extra.cuda.gdc_launch_dependents()
+    row = tl.program_id(0)
+    block = tl.program_id(1)
+    idx = block * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(X + row * stride_x + idx, mask=idx < V, other=float("-inf")).to(tl.float32)
+    best = tl.max(x, 0)
+    first = tl.min(tl.where(x == best, idx, V), 0)   # all -inf: the block's first index
+    first = tl.where(best == float("-inf"), block * BLOCK, first)
+    tl.store(BestVal + row * NUM_BLOCKS + block, best)
+    tl.store(BestIdx + row * NUM_BLOCKS + block, first)
+
+
+@triton.jit
+def _row_argmax_kernel(BestVal, BestIdx, Out, NUM_BLOCKS, USE_PDL: tl.constexpr, BLOCKS_P2: tl.constexpr):
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCKS_P2)
+    ok = offs < NUM_BLOCKS
+    val = tl.load(BestVal + row * NUM_BLOCKS + offs, mask=ok, other=float("-inf"))
+    idx = tl.load(BestIdx + row * NUM_BLOCKS + offs, mask=ok, other=2147483647)
+    best = tl.max(val, 0)
+    tl.store(Out + row, tl.min(tl.where(ok & (val == best), idx, 2147483647), 0).to(tl.int64))
+
+
+def argmax_rows_triton(logits: torch.Tensor) -> torch.Tensor:
+    M, V = logits.shape
+    blocks = triton.cdiv(V, BLOCK)
+    best_val = torch.empty(M, blocks, dtype=torch.float32, device=logits.device)
+    best_idx = torch.empty(M, blocks, dtype=torch.int32, device=logits.device)
+    out = torch.empty(M, dtype=torch.int64, device=logits.device)
+    pdl = pdl_enabled(logits.device)
+    _block_argmax_kernel[(M, blocks)](logits, best_val, best_idx, V, logits.stride(0), blocks, USE_PDL=pdl,
+                                      BLOCK=BLOCK, num_warps=8, **launch_options(pdl))
+    _row_argmax_kernel[(M,)](best_val, best_idx, out, blocks, USE_PDL=pdl,
+                             BLOCKS_P2=max(16, triton.next_power_of_2(blocks)), num_warps=4, **launch_options(pdl))
+    return out
+
+
+__all__ = ["argmax_rows_triton", "BLOCK"]

@@ -58,9 +58,20 @@ def project(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
 def project_rows_cpu(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
     """x: [M, K], M <= 17 -> [M, N]; row i is the same for every M (a decode step is M = 1)."""
     packed = packed_weight(layer)
-    if packed is None:
-        return F.linear(x, layer.weight, layer.bias) if x.shape[0] == 1 else rows_as_decode(x, layer)
-    return torch.ops.mkldnn._linear_pointwise(x, packed, layer.bias, "none", [], "")
+    if packed is not None:
+        return torch.ops.mkldnn._linear_pointwise(x, packed, layer.bias, "none", [], "")
+    if x.dtype != torch.float32:
+        # bf16/f16: the batched products' rows were seen to differ from one-row F.linear under the
+        # full test suite (CI, an AVX512-BF16 CPU), so each row gets the very call a decode step
+        # makes, on a 64-byte aligned copy (a SIMD kernel may split its sums by the address)
+        return torch.cat([F.linear(_aligned(x[i : i + 1]), layer.weight, layer.bias) for i in range(x.shape[0])])
+    if x.shape[0] == 1:
+        return F.linear(x, layer.weight, layer.bias)
+    return rows_as_decode(x, layer)
+
+
+def _aligned(row: torch.Tensor) -> torch.Tensor:
+    return row if row.data_ptr() % 64 == 0 else row.clone()
 
 
 def rows_are_invariant(layer: nn.Linear) -> bool:

@@ -66,6 +66,7 @@ class Engine:
         self.eos_ids = eos_ids
         self.checkpoint_sha256 = checkpoint_sha256
         self.checkpoint_path = checkpoint_path
+        self.compress_drafter_sha256 = ""  # set per job by `compress`: the fingerprint names the drafter
         self.max_context = max_context
         self.prefill_chunk = prefill_chunk
         self.attention = attention
@@ -168,10 +169,19 @@ class Engine:
         return generate_speculative(self, prompt_ids, sampler, stopper, spec, telemetry)
 
     def compress(self, prompt_ids: list[int], request: GenerationRequest, telemetry: Telemetry) -> list[int]:
-        """PFlash prompt compression when the job asks for it (engine.pflash)."""
+        """PFlash prompt compression when the job asks for it (engine.pflash). Sets
+        `compress_drafter_sha256` to the drafter checkpoint's hash when this job was compressed."""
+        self.compress_drafter_sha256 = ""
         if request.compression.mode == "off":
             return prompt_ids
-        return compress_for_request(self, prompt_ids, request, telemetry)
+        from engine.pflash import compressor_for
+
+        before = compressor_for(self).last_report
+        ids = compress_for_request(self, prompt_ids, request, telemetry)
+        report = compressor_for(self).last_report
+        if report is not None and report is not before:
+            self.compress_drafter_sha256 = report.drafter_sha256.partition("#")[0]
+        return ids
 
     def warm_up(self) -> float:
         """Compile the fused kernels and capture the decode graph before the first job, so its
@@ -207,6 +217,8 @@ class Engine:
             "compress": comp.mode, "keep_ratio": comp.keep_ratio if comp.mode != "off" else None,
             "scoring_window": self._scoring_window_key() if comp.mode != "off" else None,
             "attention": self.attention if self.attention == "dense" else f"sparse-top{self.cache.sparse_top_k}",
+            # the PFlash drafter's checkpoint hash, where this job's prompt was compressed
+            "compress_drafter_sha256": self.compress_drafter_sha256 or None,
             **drafter,
         }
 

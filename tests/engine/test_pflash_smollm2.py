@@ -164,3 +164,21 @@ def test_check_features_takes_compression_options():
         check_features("qwen2", "cuda", compression=CompressionOptions(mode="auto"), drafter_architecture="gemma3")
     assert check_features("qwen3", "cuda", compression=CompressionOptions(mode="auto"),
                           drafter_architecture="qwen3") == []
+
+
+def test_fingerprint_names_the_compression_drafter_of_compressed_jobs_only(engine, llama3_drafter):
+    """A compressed job's output depends on the drafter's weights: their hash is in its fingerprint."""
+    from pathlib import Path
+
+    from engine.checkpoint.base import files_sha256
+
+    def fingerprint_after(words: int, mode: str) -> dict:
+        request = GenerationRequest(prompt=paper_prompt(words), chat=True, compression=CompressionOptions(
+            mode=mode, threshold_tokens=4096, keep_ratio=0.3, drafter_path=llama3_drafter))
+        engine.compress(engine.codec.encode_request(request.prompt, None, True), request, Telemetry())
+        return engine.fingerprint(request)
+
+    weights = sorted(Path(llama3_drafter).glob("*.safetensors"))
+    assert fingerprint_after(600, "always")["compress_drafter_sha256"] == files_sha256(weights)
+    assert fingerprint_after(300, "auto")["compress_drafter_sha256"] is None      # under the threshold
+    assert fingerprint_after(300, "off")["compress_drafter_sha256"] is None

@@ -54,7 +54,7 @@ def shape_cases():
             yield pytest.param(route, dtype, shape, id=f"{route}-{str(dtype)[6:]}-{shape[0]}x{shape[1]}")
 
 
-@pytest.mark.parametrize("route, dtype, shape", shape_cases())
+@pytest.mark.parametrize("route, dtype, shape", list(shape_cases()))
 def test_projection_rows_do_not_depend_on_row_count(use_route, route, dtype, shape):
     use_route(route)
     for bias in (False, True):

@@ -64,3 +64,20 @@ def test_rollback_and_reset_keep_summaries_in_step():
         sparse.model(torch.tensor([prompt[:590]]), sparse.cache)
         fresh = sparse.model(torch.tensor([prompt[590:]]), sparse.cache)
     torch.testing.assert_close(after_rollback, fresh, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("start", [300, 505, 700], ids=["dense-rule", "across-the-rule", "sparse-rule"])
+def test_verify_rows_equal_decode_steps_with_sparse_attention_on_cpu(start):
+    """Speculation must not change greedy output with --attention sparse either: each row of an
+    8-token verify step is bitwise the logits of the one-token step at its position, where the
+    rule says dense (every lane exact), across it (lanes 0..6 at most 512 rows, lane 7 past it),
+    and where it says sparse."""
+    _, sparse = engines(top_k_blocks=4)  # keep_all_rows = 2 * 4 * 64 = 512
+    tokens = torch.tensor([prompt_of(start + 8, seed=4)])
+    with torch.inference_mode():
+        sparse.cache.reset()
+        sparse.model(tokens[:, :start], sparse.cache)
+        one_by_one = torch.cat([sparse.model(tokens[:, t : t + 1], sparse.cache) for t in range(start, start + 8)], 1)
+        sparse.cache.truncate(start)
+        verified = sparse.model(tokens[:, start:], sparse.cache)
+    assert torch.equal(verified, one_by_one)

@@ -9,6 +9,9 @@ Decode-step fusions (each saves a launch per layer, which at batch 1 costs more 
               # RMSNorm folded in; silu(x Wg^T) * (x Wu^T) of a stacked [gate; up] weight
     first = norm_inputs(h, ln1.weight)                                         # where no projection
               # wrote h (the embedding)
+    q = qkv_rope_and_store(first.weighted, w_qkv, b_qkv, row_sumsq=first.sumsq, cos=cos, sin=sin,
+                           positions=pos, k_cache=k, v_cache=v, num_heads=Hq, num_kv_heads=Hkv)
+              # the q/k/v projection with rope and the KV cache write in its epilogue -> rotated q
 """
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
-"""Where a decode step's time goes: the top CUDA kernels over 32 graph-replayed steps.
+"""Where a decode step's time goes: the top CUDA kernels over 32 graph-replayed steps, and what
+each kernel adds to a step (end-to-end increments, which stay meaningful under PDL overlap).
 
-    python bench/profile_decode.py --shape qwen2.5-1.5b
+    python bench/profile_decode.py --shape qwen2.5-1.5b [--trace kernels.csv]
 """
 from __future__ import annotations
 
@@ -39,11 +40,27 @@ def main() -> None:
     busy = sum(e.time_range.elapsed_us() for e in kernels)
     span = kernels[-1].time_range.end - kernels[0].time_range.start if kernels else 0
     print(f"{len(kernels)} kernels, busy {busy / 1e3:.2f} ms of a {span / 1e3:.2f} ms span ({busy / max(span, 1):.0%})")
+    print_increments(kernels[len(kernels) // 2:], steps=len(out.token_ids) // 2)
     if args.trace:
         with open(args.trace, "w") as f:
             f.write("name,start_us,duration_us\n")
             for e in kernels:
                 f.write(f"{e.name.replace(',', ';')[:90]},{e.time_range.start},{e.time_range.elapsed_us()}\n")
+
+
+def print_increments(kernels, steps: int) -> None:
+    """What each kernel adds to a step. Under programmatic dependent launch a kernel starts early
+    and its duration includes its wait, so durations overlap; the time from the previous kernel's
+    end to this one's end is what it costs the step. Per kernel name: launches per step, median
+    and total increment per step (the second half of the run: steady decode steps)."""
+    increments: dict[str, list[float]] = {}
+    for before, kernel in zip(kernels, kernels[1:]):
+        increments.setdefault(kernel.name[:48], []).append(kernel.time_range.end - before.time_range.end)
+    print(f"{'kernel':48s} {'per step':>8s} {'median us':>9s} {'us/step':>8s}")
+    for name, values in sorted(increments.items(), key=lambda kv: -sum(kv[1])):
+        values.sort()
+        print(f"{name:48s} {len(values) / max(steps, 1):8.1f} {values[len(values) // 2]:9.2f} "
+              f"{sum(values) / max(steps, 1):8.1f}")
 
 
 if __name__ == "__main__":

@@ -23,8 +23,8 @@ class StepRunner:
     def __init__(self, model: Transformer, cache: KVCache, *, cuda_graphs: bool = True):
         self.model, self.cache = model, cache
         self.cuda_graphs = cuda_graphs and cache.device.type == "cuda"
-        # one graph per (width, sparse?): with sparse attention the host picks, per step, the graph
-        # whose attention the sparse rule asks for at this length
+        # one graph per (width, sparse?, greedy chain?): with sparse attention the host picks, per
+        # step, the graph whose attention the sparse rule asks for at this length
         self._graphs: dict[tuple[int, bool, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
         self._pool = None
         # greedy chain: the token fed to the next replay [1, 1], and picked[i] = the greedy token

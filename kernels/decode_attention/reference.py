@@ -48,9 +48,18 @@ def decode_attention_reference(
     scale: float | None = None,
     compute_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """-> [B, Hq, Q, D] in q's dtype. Reads only the first max(seq_len) rows of the cache."""
+    """-> [B, Hq, Q, D] in q's dtype. Reads only the first max(seq_len) rows of the cache.
+
+    Lane by lane, each over the cache rows a one-row step of its length reads: a [Q, S] product
+    moves a lane's last bits with Q, and on the CPU a verify lane must equal its decode step
+    bitwise (as the kernel's lanes do by construction)."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    rows = int(seq_len.max())                                     # host sync: the reference is not for graphs
-    k, v = k_cache[:, :, :rows], v_cache[:, :, :rows]
-    visible = causal_visibility(seq_len, q.shape[2], rows)[:, None]   # [B, 1, Q, S]
-    return masked_attention_reference(q, k, v, visible, scale, compute_dtype).to(q.dtype)
+    QR = q.shape[2]
+    lanes = []
+    for i in range(QR):
+        lane_len = seq_len - (QR - 1 - i)                         # the lane as a one-row step's seq_len
+        rows = max(1, int(lane_len.max()))                        # host sync: the reference is not for graphs
+        visible = causal_visibility(lane_len, 1, rows)[:, None]   # [B, 1, 1, S]
+        lanes.append(masked_attention_reference(q[:, :, i : i + 1], k_cache[:, :, :rows], v_cache[:, :, :rows],
+                                                visible, scale, compute_dtype))
+    return torch.cat(lanes, dim=2).to(q.dtype)

@@ -141,11 +141,6 @@ def sparse_decode_attention(
     if min_seq_len is None:
         min_seq_len = int(seq_len.min()) if isinstance(seq_len, torch.Tensor) else int(seq_len)
     if not sparse_is_worthwhile(min_seq_len, QR, top_k, summary.block_size):
-        if resolve_backend(backend, q.device) == "reference" and QR > 1:
-            # lane by lane, as each lane's decode step computes it: the reference's [Q, S] products
-            # move a lane's last bits with Q (the kernel's lanes are independent by construction)
-            return torch.cat([decode_attention(q[:, :, t : t + 1], k_cache, v_cache, seq_len - (QR - 1 - t),
-                                               scale=scale, backend=backend) for t in range(QR)], dim=2)
         return decode_attention(q, k_cache, v_cache, seq_len, scale=scale, backend=backend)
     if isinstance(seq_len, int) and summary.length < seq_len:
         raise ValueError(f"summary covers {summary.length} rows but seq_len is {seq_len}: call summary.update")

@@ -12,10 +12,11 @@ paths, use the library's GEMM.
   (`torch.ops.mkldnn._linear_pointwise`, the op Inductor uses for frozen linears). Its rows are
   independent of M from 1 to 17, so a verify step of q + 1 rows costs about what one GEMM of
   q + 1 rows costs, not q + 1 decode steps. That is measured, not promised by oneDNN: the first
-  use of each (shape, dtype, bias, threads) checks it on random rows (`_rows_are_invariant`), and
-  where it fails, where oneDNN cannot take the dtype (bf16 without AVX512-BF16 or AVX-NE-CONVERT)
-  and for tiny weights, the step runs as one-row products instead (`rows_as_decode`: the very
-  call a decode step makes, batched; invariant by construction, but q + 1 passes over the weight).
+  use of each (shape, dtype, bias, threads) checks it on random rows (`_rows_are_invariant`). Where
+  it fails, and for tiny weights, a float32 step runs as one-row products instead
+  (`rows_as_decode`: the very call a decode step makes, batched; invariant by construction, but
+  q + 1 passes over the weight). bf16/f16 steps never take oneDNN (`_pack` says why) and run one
+  aligned one-row F.linear per row.
 """
 from __future__ import annotations
 
@@ -122,7 +123,7 @@ def _pack(weight: torch.Tensor):
         return None
     try:
         return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
-    except RuntimeError:  # e.g. bf16 on a CPU without AVX512-BF16 / AVX-NE-CONVERT
+    except RuntimeError:  # a build or CPU whose oneDNN cannot reorder this weight
         return None
 
 

@@ -115,7 +115,7 @@ class StepRunner:
         # warm-up on a side stream (allocator and Triton autotuning), then capture; both write
         # rows at the current length, which the real step overwrites right after (a chain's
         # warm-up also moves its token and the device length: put back below)
-        fed = static_tokens.clone()
+        fed = static_tokens.clone() if chain else None
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):

@@ -18,6 +18,19 @@ if interpreting():
 
 
 @triton.jit
+def rotate_half(x1, x2, cos_ptrs, sin_ptrs, HALF: tl.constexpr, mask, dtype: tl.constexpr):
+    """Rope of a head's halves x1 (dims d) and x2 (dims d + D/2), float32: [x1, x2] ->
+    [x1 cos - x2 sin, x2 cos + x1 sin], with cos/sin read at cos_ptrs, sin_ptrs (dims d) and
+    + HALF, rounded to the model dtype first as the eager path's tables are. Shared by this kernel
+    and the q/k/v projection's epilogue (kernels.small_matmul), so both give the same bits."""
+    cos1 = tl.load(cos_ptrs, mask=mask, other=0.0).to(dtype).to(tl.float32)
+    cos2 = tl.load(cos_ptrs + HALF, mask=mask, other=0.0).to(dtype).to(tl.float32)
+    sin1 = tl.load(sin_ptrs, mask=mask, other=0.0).to(dtype).to(tl.float32)
+    sin2 = tl.load(sin_ptrs + HALF, mask=mask, other=0.0).to(dtype).to(tl.float32)
+    return x1 * cos1 - x2 * sin1, x2 * cos2 + x1 * sin2
+
+
+@triton.jit
 def _rope_and_store_kernel(
     QKV, Cos, Sin, Pos, QNorm, KNorm, QOut, KCache, VCache,
     T, eps,
@@ -52,12 +65,7 @@ def _rope_and_store_kernel(
         # as the eager norm: normalise in float32, round to the model dtype, then scale
         x1 = (w1 * (x1 * inv).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
         x2 = (w2 * (x2 * inv).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
-    cos1 = tl.load(Cos + t * HEAD_DIM + offs).to(dtype).to(tl.float32)
-    cos2 = tl.load(Cos + t * HEAD_DIM + HALF + offs).to(dtype).to(tl.float32)
-    sin1 = tl.load(Sin + t * HEAD_DIM + offs).to(dtype).to(tl.float32)
-    sin2 = tl.load(Sin + t * HEAD_DIM + HALF + offs).to(dtype).to(tl.float32)
-    y1 = x1 * cos1 - x2 * sin1            # rotate half: [x1, x2] -> [-x2, x1]
-    y2 = x2 * cos2 + x1 * sin2
+    y1, y2 = rotate_half(x1, x2, Cos + t * HEAD_DIM + offs, Sin + t * HEAD_DIM + offs, HALF, True, dtype)
     if is_query:
         out = QOut + b * stride_qo_b + head * stride_qo_h + t * stride_qo_t
         tl.store(out + offs, y1.to(QOut.dtype.element_ty))

@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 
 from kernels._backend import interpreting, launch_options, multiprocessor_count, patch_interpreter_index, pdl_enabled
+from kernels.rope_cache.triton_kernel import rotate_half
 
 BLOCK_M = 16
 REDUCE_BLOCK = 1024
@@ -297,7 +298,7 @@ def _rope_epilogue(acc, first_pair, offs_m, m_ok, T, Cos, Sin, Pos, QOut, KCache
     """What kernels.rope_cache does after the q/k/v projection, on this tile's sums acc [BLOCK_N,
     rows] (dims d, then d + D/2, of one head): round to the model dtype, rotate q and k ("rotate
     half", cos/sin rounded to the model dtype as there), store q rows to QOut and k/v rows into the
-    caches at their positions. The same operations in the same order: the same bits."""
+    caches at their positions. The rotation is kernels.rope_cache's own (`rotate_half`): the same bits."""
     HALF_D: tl.constexpr = HEAD_DIM // 2
     dtype = KCache.dtype.element_ty
     x1, x2 = tl.split(tl.permute(tl.reshape(acc.to(dtype).to(tl.float32), [2, HALF_N, BLOCK_M]), [1, 2, 0]))
@@ -307,12 +308,8 @@ def _rope_epilogue(acc, first_pair, offs_m, m_ok, T, Cos, Sin, Pos, QOut, KCache
     t = offs_m % T
     ok = m_ok[None, :]
     if head < HQ + HKV:
-        cos1 = tl.load(Cos + t[None, :] * HEAD_DIM + d, mask=ok, other=0.0).to(dtype).to(tl.float32)
-        cos2 = tl.load(Cos + t[None, :] * HEAD_DIM + HALF_D + d, mask=ok, other=0.0).to(dtype).to(tl.float32)
-        sin1 = tl.load(Sin + t[None, :] * HEAD_DIM + d, mask=ok, other=0.0).to(dtype).to(tl.float32)
-        sin2 = tl.load(Sin + t[None, :] * HEAD_DIM + HALF_D + d, mask=ok, other=0.0).to(dtype).to(tl.float32)
-        y1 = x1 * cos1 - x2 * sin1                    # rotate half: [x1, x2] -> [-x2, x1]
-        y2 = x2 * cos2 + x1 * sin2
+        y1, y2 = rotate_half(x1, x2, Cos + t[None, :] * HEAD_DIM + d, Sin + t[None, :] * HEAD_DIM + d, HALF_D, ok,
+                             dtype)
     else:                                             # a value head: stored as it is
         y1 = x1
         y2 = x2
@@ -473,16 +470,18 @@ def small_linear_triton(
     parts_in = row_sumsq.shape[0] if row_sumsq is not None else 1
     if rope is not None:
         k_cache = rope.k_cache
-        B, D = k_cache.shape[0], k_cache.shape[3]
-        q_out = torch.empty(B, rope.num_heads, M // B, D, dtype=x.dtype, device=x.device)
+        B, head_dim = k_cache.shape[0], k_cache.shape[3]
+        T, heads, kv_heads = M // B, rope.num_heads, rope.num_kv_heads
+        q_out = torch.empty(B, heads, T, head_dim, dtype=x.dtype, device=x.device)
         rope_args = (rope.cos, rope.sin, rope.positions, q_out, k_cache, rope.v_cache)
         rope_strides = (*q_out.stride()[:3], *k_cache.stride()[:3])
     else:
         rope_args, rope_strides = (out,) * 6, (0,) * 6
+        T, heads, kv_heads, head_dim = 1, 1, 1, 2
     _small_linear_kernel[grid](
         x, weight, bias_arg, res_arg, out, part, row_sumsq if row_sumsq is not None else part,
         emit_norm_weight if emit else out, weighted, sumsq_out, *rope_args,
-        M, N, K, eps, parts_in, M // rope.k_cache.shape[0] if rope is not None else 1,
+        M, N, K, eps, parts_in, T,
         x.stride(0), weight.stride(0), res_arg.stride(0), out.stride(0), *rope_strides,
         k_per_split,
         HAS_BIAS=bias is not None, SPLIT=splits > 1, SWAP=config.swap,
@@ -490,9 +489,7 @@ def small_linear_triton(
         UPCAST_DOT=upcast, DOT_PRECISION=precision,
         SCALE_ROWS=row_sumsq is not None, PARTS_P2=triton.next_power_of_2(parts_in), GATED=gated,
         RESIDUAL=residual is not None, EMIT_NORM=emit and splits == 1, USE_PDL=pdl,
-        PRELOAD=config.preload_steps(K), ROPE=rope is not None,
-        HQ=rope.num_heads if rope else 1, HKV=rope.num_kv_heads if rope else 1,
-        HEAD_DIM=rope.k_cache.shape[3] if rope else 2,
+        PRELOAD=config.preload_steps(K), ROPE=rope is not None, HQ=heads, HKV=kv_heads, HEAD_DIM=head_dim,
         BLOCK_M=BLOCK_M, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         num_warps=config.num_warps, num_stages=config.num_stages, **launch_options(pdl),
     )

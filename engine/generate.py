@@ -2,8 +2,8 @@
 
 Phases: (1) prefill the prompt in chunks, (2) sample the first token, (3) decode step by step.
 On CUDA the loop never waits for the GPU between tokens: each sampled id stays on the device and
-feeds the next (graph-replayed) step; the host reads the ids back every `sync_every` steps to
-check EOS, stop strings and the budget. Steps run past the end are simply discarded.
+feeds the next (graph-replayed) step; the host reads the ids back every `sync_every` steps, a few
+steps late, to check EOS, stop strings and the budget. Steps run past the end are simply discarded.
 """
 from __future__ import annotations
 
@@ -39,10 +39,10 @@ def prefill_prompt(runner: StepRunner, prompt_ids: list[int], chunk_size: int) -
 
 @torch.inference_mode()
 def generate_plain(runner: StepRunner, prompt_ids: list[int], sampler: Sampler, stopper: StopChecker,
-                   *, prefill_chunk: int = 2048, sync_every: int = 16) -> TokenOutput:
+                   *, prefill_chunk: int = 2048, sync_every: int | None = None,
+                   read_lag: int | None = None) -> TokenOutput:
+    """Prefill, sample the first token, decode (`decode_plain`, whose defaults the None options take)."""
     device = runner.cache.device
-    if device.type != "cuda":
-        sync_every = 1
     started = time.perf_counter()
     logits = prefill_prompt(runner, prompt_ids, prefill_chunk)
     next_token = sampler.sample(logits[:, -1])  # [1]
@@ -51,39 +51,79 @@ def generate_plain(runner: StepRunner, prompt_ids: list[int], sampler: Sampler, 
 
     started = time.perf_counter()
     generated: list[int] = []
-    finish = decode_plain(runner, next_token, sampler, stopper, generated, sync_every=sync_every)
+    finish = decode_plain(runner, next_token, sampler, stopper, generated, sync_every=sync_every, read_lag=read_lag)
     return TokenOutput(generated, finish, prefill_s, time.perf_counter() - started)
 
 
 def decode_plain(runner: StepRunner, next_token: torch.Tensor, sampler: Sampler, stopper: StopChecker,
-                 generated: list[int], *, sync_every: int = 16) -> str:
+                 generated: list[int], *, sync_every: int | None = None, read_lag: int | None = None) -> str:
     """Decode one token per step from `next_token` ([1] on the device: sampled, not yet fed) until
     a stop rule applies; appends to `generated` and returns the finish reason. Also the fallback of
-    speculative decoding once it switches itself off (engine.speculative)."""
+    speculative decoding once it switches itself off (engine.speculative).
+
+    On CUDA each batch of `sync_every` ids is copied to the host without waiting and read only once
+    `read_lag` more steps are queued behind it, so the GPU never idles while the host checks stop
+    rules (reading at once cost 1.3% at Qwen2.5-1.5B: `bench/readback.py`). After a
+    stop, the steps already queued (fewer than sync_every + read_lag) are discarded."""
     device = runner.cache.device
-    if device.type != "cuda":
-        sync_every = 1
-    pending = [next_token]  # device ids not yet read back by the host
+    on_cuda = device.type == "cuda"  # elsewhere the host computed the ids: read each one at once
+    sync_every = sync_every if sync_every is not None else (16 if on_cuda else 1)
+    read_lag = read_lag if read_lag is not None else (2 if on_cuda else 0)
+    pending = [next_token]  # device ids not yet sent to the host
+    in_flight: _HostIds | None = None  # the last batch sent, not yet read
     chain = sampler.greedy and runner.chains
-    finish = None
     budget = stopper.max_new_tokens
-    steps = 0
-    while finish is None:
-        if len(pending) >= sync_every or len(generated) + len(pending) >= budget:
-            finish = stopper.accept(generated, torch.cat(pending).tolist())
-            pending = []
+    while True:
+        if in_flight is not None and len(pending) >= read_lag:
+            finish = stopper.accept(generated, in_flight.read())
+            in_flight = None
             if finish is not None:
                 break
-        if runner.cache.length + 1 > runner.cache.max_len:
-            finish = stopper.accept(generated, torch.cat(pending).tolist()) if pending else None
-            finish = finish or "length"
-            break
+        queued = len(generated) + len(pending) + (len(in_flight) if in_flight is not None else 0)
+        cache_full = runner.cache.length + 1 > runner.cache.max_len
+        if len(pending) >= sync_every or queued >= budget or cache_full:
+            if in_flight is not None:  # read in order (a batch cut short by the budget or the cache)
+                finish = stopper.accept(generated, in_flight.read())
+                in_flight = None
+                if finish is not None:
+                    break
+            batch, pending = _HostIds(pending), []
+            if queued >= budget or cache_full:
+                finish = stopper.accept(generated, batch.read()) or "length"
+                break
+            in_flight = batch
         if chain:
             next_token = runner.greedy_step(next_token)  # one graph launch: forward, argmax, feed
         else:
             logits = runner.step(next_token.view(1, 1))
             next_token = sampler.sample(logits[:, -1])
         pending.append(next_token)
-        steps += 1
     synchronize(device)
     return finish
+
+
+class _HostIds:
+    """Device ids [1] each -> one host copy, started at once (pinned, non-blocking on CUDA) and
+    waited for in `read`."""
+
+    def __init__(self, ids: list[torch.Tensor]):
+        self.count = len(ids)
+        self.host, self.ready = None, None
+        if not ids:
+            return
+        on_device = torch.cat(ids)
+        if on_device.is_cuda:
+            self.host = torch.empty(on_device.shape, dtype=on_device.dtype, pin_memory=True)
+            self.host.copy_(on_device, non_blocking=True)
+            self.ready = torch.cuda.Event()
+            self.ready.record()
+        else:
+            self.host = on_device
+
+    def __len__(self) -> int:
+        return self.count
+
+    def read(self) -> list[int]:
+        if self.ready is not None:
+            self.ready.synchronize()
+        return [] if self.host is None else self.host.tolist()

@@ -22,6 +22,7 @@ from engine.kv_cache import KVCache
 from engine import linear
 from engine.linear import project
 from engine.rope import rope_tables
+from kernels.step_inputs import step_inputs
 
 # observer(layer_idx, q [B, Hq, T, D] after rope, keys, values [B, Hkv, start+T, D], start)
 AttentionObserver = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, int], None]
@@ -150,9 +151,11 @@ class Block(nn.Module):
         return fused_project(act, mlp.down_proj, residual=hidden, emit_norm=next_norm)
 
 
-def decode_fusion_applies(x: torch.Tensor) -> bool:
-    """True for a step of few rows on CUDA with the invariant kernel on: the fused layer path."""
-    return linear._small_linear is not None and x.is_cuda and x.shape[0] * x.shape[1] <= linear.MAX_INVARIANT_ROWS
+def decode_fusion_applies(tokens: torch.Tensor) -> bool:
+    """True for a step of few rows (tokens [B, T]) on CUDA with the invariant kernel on: the fused
+    layer path."""
+    return (linear._small_linear is not None and tokens.is_cuda
+            and tokens.shape[0] * tokens.shape[1] <= linear.MAX_INVARIANT_ROWS)
 
 
 def fused_project(x: torch.Tensor, layer: nn.Linear, *, norm_inputs=None, eps: float = 1e-6,
@@ -220,23 +223,15 @@ class Transformer(nn.Module):
         """The step itself, without touching host state: with `start_on_device` ([1] long) the
         positions come from the device, so a captured CUDA graph replays at any cache length.
         float_logits=False leaves the logits in the model's dtype (a greedy pick needs no copy)."""
-        T = tokens.shape[1]
         if self.rope_cos is None or self.rope_cos.shape[0] < cache.max_len:
             self.setup_rope(cache.max_len)
-        offsets = torch.arange(T, device=tokens.device)
-        if start_on_device is not None:
-            positions = start_on_device + offsets
-            seq_len_on_device = start_on_device + T
-        else:
-            positions = offsets + start
-            seq_len_on_device = None
-        cos, sin = self.rope_cos[positions], self.rope_sin[positions]  # [T, D]
-        hidden = self.embed_tokens(tokens)
-        normed_inputs = None
-        if decode_fusion_applies(hidden):
-            from kernels.small_matmul import norm_inputs
-
-            normed_inputs = norm_inputs(hidden.view(-1, hidden.shape[-1]), self.layers[0].input_layernorm.weight)
+        # positions [T], seq_len_on_device [1] or None, cos/sin [T, D], hidden [B, T, H], and for the
+        # fused layer path the first norm's inputs: one launch on CUDA (kernels.step_inputs)
+        fusion = decode_fusion_applies(tokens)
+        inputs = step_inputs(tokens, start if start_on_device is None else start_on_device, self.embed_tokens.weight,
+                             self.rope_cos, self.rope_sin, self.layers[0].input_layernorm.weight if fusion else None,
+                             backend="auto" if fusion else "reference")
+        positions, seq_len_on_device, cos, sin, hidden, normed_inputs = inputs
         for i, layer in enumerate(self.layers):
             next_norm = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else None
             hidden, normed_inputs = layer(hidden, normed_inputs, next_norm, cos, sin, cache, i, start, positions,

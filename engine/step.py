@@ -14,7 +14,7 @@ import torch
 
 from engine.kv_cache import KVCache
 from engine.model import Transformer
-from kernels.argmax import argmax_rows
+from kernels.argmax import pick_and_advance
 
 MAX_GRAPH_WIDTH = 17  # the widest verify step: 16 drafts plus the last accepted token
 
@@ -105,11 +105,8 @@ class StepRunner:
         def run():
             logits = model.forward_at(static_tokens, cache, cache.length, start_on_device=cache.length_on_device,
                                       float_logits=not chain)
-            if chain:  # pick, record, feed the pick to the next replay, advance the length
-                picked = argmax_rows(logits[:, -1])                            # [1], torch.argmax's ids
-                self._picked.index_copy_(0, cache.length_on_device, picked)
-                static_tokens.copy_(picked.view(1, 1))
-                cache.length_on_device.add_(1)
+            if chain:  # pick (torch.argmax's id), record it, feed it to the next replay, advance the length
+                pick_and_advance(logits[:, -1], self._picked, static_tokens, cache.length_on_device)
             return logits
 
         # warm-up on a side stream (allocator and Triton autotuning), then capture; both write

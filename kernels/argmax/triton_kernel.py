@@ -30,7 +30,10 @@ def _block_argmax_kernel(X, BestVal, BestIdx, V, stride_x, NUM_BLOCKS, USE_PDL: 
 
 
 @triton.jit
-def _row_argmax_kernel(BestVal, BestIdx, Out, NUM_BLOCKS, USE_PDL: tl.constexpr, BLOCKS_P2: tl.constexpr):
+def _row_argmax_kernel(BestVal, BestIdx, Out, Picked, NextToken, Length, NUM_BLOCKS, USE_PDL: tl.constexpr,
+                       RECORD: tl.constexpr, BLOCKS_P2: tl.constexpr):
+    # Out [M] int64; with RECORD (M = 1, the greedy chain): Picked [max_len] int64, NextToken [1],
+    # Length [1] int64: picked[length] = id, next_token = id, length += 1
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -40,19 +43,30 @@ def _row_argmax_kernel(BestVal, BestIdx, Out, NUM_BLOCKS, USE_PDL: tl.constexpr,
     val = tl.load(BestVal + row * NUM_BLOCKS + offs, mask=ok, other=float("-inf"))
     idx = tl.load(BestIdx + row * NUM_BLOCKS + offs, mask=ok, other=2147483647)
     best = tl.max(val, 0)
-    tl.store(Out + row, tl.min(tl.where(ok & (val == best), idx, 2147483647), 0).to(tl.int64))
+    picked = tl.min(tl.where(ok & (val == best), idx, 2147483647), 0).to(tl.int64)
+    if RECORD:
+        length = tl.load(Length)
+        tl.store(Picked + length, picked)
+        tl.store(NextToken, picked)
+        tl.store(Length, length + 1)
+    else:
+        tl.store(Out + row, picked)
 
 
-def argmax_rows_triton(logits: torch.Tensor) -> torch.Tensor:
+def argmax_rows_triton(logits: torch.Tensor, record=None) -> torch.Tensor | None:
+    """-> ids [M]; with record = (picked, next_token, length) (M = 1) the second launch writes the
+    id there and advances length instead, and nothing is returned."""
     M, V = logits.shape
     blocks = triton.cdiv(V, BLOCK)
     best_val = torch.empty(M, blocks, dtype=torch.float32, device=logits.device)
     best_idx = torch.empty(M, blocks, dtype=torch.int32, device=logits.device)
-    out = torch.empty(M, dtype=torch.int64, device=logits.device)
+    out = torch.empty(M, dtype=torch.int64, device=logits.device) if record is None else None
+    picked, next_token, length = record if record is not None else (out, out, out)
     pdl = pdl_enabled(logits.device)
     _block_argmax_kernel[(M, blocks)](logits, best_val, best_idx, V, logits.stride(0), blocks, USE_PDL=pdl,
                                       BLOCK=BLOCK, num_warps=8, **launch_options(pdl))
-    _row_argmax_kernel[(M,)](best_val, best_idx, out, blocks, USE_PDL=pdl,
+    _row_argmax_kernel[(M,)](best_val, best_idx, out if out is not None else picked, picked, next_token, length,
+                             blocks, USE_PDL=pdl, RECORD=record is not None,
                              BLOCKS_P2=max(16, triton.next_power_of_2(blocks)), num_warps=4, **launch_options(pdl))
     return out
 

@@ -72,19 +72,23 @@ class SmallLinearConfig:
 # `python bench/preload_sweep.py` on whole decode steps: it pays on weights of 100 MB and more
 # (Llama-3-8B 226 -> 234 tok/s) and costs 1-2% on the small ones, which are latency-bound. Narrow 16-row weight
 # tiles win for the small projections (more programs without a k split and its reduce launch).
+# Qwen2.5-1.5B gate_up/down and Llama-3-8B down were then re-chosen on whole decode steps, where
+# launches overlap (`bench/preload_sweep.py` specs, NOTES.md): 1.5B down in 6 splits 703 -> 709-712
+# tok/s (in isolation 11 measured best), gate_up in 128-row tiles 703 -> 709, 8B down in 4 splits
+# 237 -> 239.
 # Key: (N, K, element size in bytes).
 TUNED: dict[tuple[int, int, int], SmallLinearConfig] = {
     # Qwen2.5-1.5B
     (2048, 1536, 2): SmallLinearConfig(16, 256, 1, num_warps=4, num_stages=4, swap=True),      # qkv
     (1536, 1536, 2): SmallLinearConfig(16, 256, 1, num_warps=4, num_stages=4, swap=True),      # o
-    (17920, 1536, 2): SmallLinearConfig(64, 128, 1, num_warps=4, num_stages=3, swap=True),     # gate_up
-    (1536, 8960, 2): SmallLinearConfig(64, 128, 11, num_warps=4, num_stages=3, swap=True),     # down
+    (17920, 1536, 2): SmallLinearConfig(128, 128, 1, num_warps=4, num_stages=3, swap=True),    # gate_up
+    (1536, 8960, 2): SmallLinearConfig(64, 128, 6, num_warps=4, num_stages=3, swap=True),      # down
     (151936, 1536, 2): SmallLinearConfig(64, 128, 1, num_warps=4, num_stages=3, swap=True),    # lm_head
     # Llama-3-8B
     (6144, 4096, 2): SmallLinearConfig(64, 128, 1, num_warps=4, num_stages=4, swap=True),      # qkv
     (4096, 4096, 2): SmallLinearConfig(32, 256, 1, num_warps=4, num_stages=4, swap=True),      # o
     (28672, 4096, 2): SmallLinearConfig(64, 128, 1, num_warps=4, num_stages=4, swap=True, preload=4),   # gate_up
-    (4096, 14336, 2): SmallLinearConfig(64, 128, 3, num_warps=4, num_stages=4, swap=True, preload=4),   # down
+    (4096, 14336, 2): SmallLinearConfig(64, 128, 4, num_warps=4, num_stages=4, swap=True, preload=4),   # down
     (128256, 4096, 2): SmallLinearConfig(64, 128, 1, num_warps=4, num_stages=4, swap=True, preload=4),  # lm_head
 }
 
@@ -399,7 +403,14 @@ def _norm_inputs_kernel(H, NormW, Weighted, SumSq, M, K, stride_h, USE_PDL: tl.c
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     ok = offs < K
-    h = tl.load(H + row * stride_h + offs, mask=ok, other=0.0).to(tl.float32)
+    norm_row(tl.load(H + row * stride_h + offs, mask=ok, other=0.0), NormW, Weighted, SumSq, row, K, offs, ok)
+
+
+@triton.jit
+def norm_row(h, NormW, Weighted, SumSq, row, K, offs, ok):
+    """Row `row` of NormInputs from its values h [BLOCK] (masked by ok): norm_weight * h in the
+    model dtype, and the row's sum of squares (kernels.step_inputs runs this same code)."""
+    h = h.to(tl.float32)
     nw = tl.load(NormW + offs, mask=ok, other=0.0).to(tl.float32)
     tl.store(Weighted + row * K + offs, (h * nw).to(Weighted.dtype.element_ty), mask=ok)
     tl.store(SumSq + row, tl.sum(h * h, 0))
@@ -510,6 +521,7 @@ __all__ = [
     "rope_fits",
     "small_linear_triton",
     "norm_inputs_triton",
+    "norm_row",
     "SmallLinearConfig",
     "choose_config",
     "heuristic_config",

@@ -93,3 +93,30 @@ def test_second_job_matches_fresh_engine():
     second = run(engine, PROMPT, max_new_tokens=20).token_ids
     _, fresh = tiny_engine("qwen2")
     assert second == run(fresh, PROMPT, max_new_tokens=20).token_ids
+
+
+@pytest.mark.parametrize("sync_every, read_lag", [(1, 0), (4, 2), (3, 5), (16, 2)])
+def test_batched_late_read_back_keeps_ids_budget_and_stops(sync_every, read_lag):
+    """The CUDA loop's read-back schedule (batches of sync_every ids, read read_lag steps late),
+    forced on the CPU: the same ids, the budget to the token, EOS and the full cache in time."""
+    from engine.generate import generate_plain
+    from engine.sampling import Sampler
+    from engine.stopping import StopChecker
+
+    _, engine = tiny_engine("llama", max_context=len(PROMPT) + 20)
+
+    def decode(max_new, eos=()):
+        engine.cache.reset()
+        sampling = SamplingParams(max_new_tokens=max_new)
+        out = generate_plain(engine.runner, PROMPT, Sampler(sampling, engine.device), StopChecker(set(eos), max_new),
+                             sync_every=sync_every, read_lag=read_lag)
+        return out.token_ids, out.finish_reason
+
+    reference = run(engine, PROMPT, max_new_tokens=20, ignore_eos=True).token_ids
+    for n in (1, 2, 5, 17):
+        assert decode(n) == (reference[:n], "length")
+    eos = reference[6]
+    assert decode(20, eos={eos}) == (reference[: reference.index(eos)], "eos")
+    # the cache holds the prompt and 20 more rows, and the last token needs none: 21 tokens fit
+    all_that_fit, reason = decode(40)
+    assert (len(all_that_fit), reason) == (21, "length") and all_that_fit[:20] == reference

@@ -37,3 +37,30 @@ def test_ties_take_the_first_index_across_blocks():
 def test_bad_shape_says_what_was_given():
     with pytest.raises(ValueError, match=r"\[M, V\]"):
         argmax_rows(torch.zeros(3))
+
+
+@needs_triton
+@pytest.mark.triton
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])
+def test_pick_and_advance_records_feeds_and_advances(dtype):
+    from kernels.argmax import pick_and_advance
+    from kernels.argmax.triton_kernel import BLOCK
+
+    logits = torch.randn(1, 2 * BLOCK + 3, generator=torch.Generator().manual_seed(1)).to(dtype).to(DEVICE)
+    results = []
+    for backend in ("triton", "reference"):
+        picked = torch.full((8,), -1, dtype=torch.long, device=DEVICE)
+        next_token = torch.zeros(1, 1, dtype=torch.long, device=DEVICE)
+        length = torch.tensor([5], device=DEVICE)
+        pick_and_advance(logits, picked, next_token, length, backend=backend)
+        results.append((picked.tolist(), next_token.item(), length.item()))
+    want = argmax_rows_reference(logits).item()
+    assert results[0] == results[1] == ([-1] * 5 + [want, -1, -1], want, 6)
+
+
+def test_pick_and_advance_wants_one_row():
+    from kernels.argmax import pick_and_advance
+
+    with pytest.raises(ValueError, match=r"one row \[1, V\]"):
+        pick_and_advance(torch.zeros(2, 5), torch.zeros(4, dtype=torch.long), torch.zeros(1, dtype=torch.long),
+                         torch.zeros(1, dtype=torch.long))

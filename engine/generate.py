@@ -62,9 +62,10 @@ def decode_plain(runner: StepRunner, next_token: torch.Tensor, sampler: Sampler,
     speculative decoding once it switches itself off (engine.speculative).
 
     On CUDA each batch of `sync_every` ids is copied to the host without waiting and read only once
-    `read_lag` more steps are queued behind it, so the GPU never idles while the host checks stop
-    rules (reading at once cost 1.3% at Qwen2.5-1.5B: `bench/readback.py`). After a
-    stop, the steps already queued (fewer than sync_every + read_lag) are discarded."""
+    `read_lag` more steps are queued behind it, so the GPU does not idle while the host checks stop
+    rules. On a quiet host this measures the same as reading at once (`bench/readback.py`); the lag
+    is slack for a worker whose host is busy. After a stop, the steps already queued (fewer than
+    sync_every + read_lag) are discarded."""
     device = runner.cache.device
     on_cuda = device.type == "cuda"  # elsewhere the host computed the ids: read each one at once
     sync_every = sync_every if sync_every is not None else (16 if on_cuda else 1)

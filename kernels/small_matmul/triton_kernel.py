@@ -75,12 +75,12 @@ class SmallLinearConfig:
 # Qwen2.5-1.5B gate_up/down and Llama-3-8B down were then re-chosen on whole decode steps, where
 # launches overlap (`bench/preload_sweep.py` specs, NOTES.md): 1.5B down in 6 splits 703 -> 709-712
 # tok/s (in isolation 11 measured best), gate_up in 128-row tiles 703 -> 709, 8B down in 4 splits
-# 237 -> 239.
+# 237 -> 239; later 1.5B qkv and o in 128-column k steps, 725 -> 729-730 each.
 # Key: (N, K, element size in bytes).
 TUNED: dict[tuple[int, int, int], SmallLinearConfig] = {
     # Qwen2.5-1.5B
-    (2048, 1536, 2): SmallLinearConfig(16, 256, 1, num_warps=4, num_stages=4, swap=True),      # qkv
-    (1536, 1536, 2): SmallLinearConfig(16, 256, 1, num_warps=4, num_stages=4, swap=True),      # o
+    (2048, 1536, 2): SmallLinearConfig(16, 128, 1, num_warps=4, num_stages=4, swap=True),      # qkv
+    (1536, 1536, 2): SmallLinearConfig(16, 128, 1, num_warps=4, num_stages=4, swap=True),      # o
     (17920, 1536, 2): SmallLinearConfig(128, 128, 1, num_warps=4, num_stages=3, swap=True),    # gate_up
     (1536, 8960, 2): SmallLinearConfig(64, 128, 6, num_warps=4, num_stages=3, swap=True),      # down
     (151936, 1536, 2): SmallLinearConfig(64, 128, 1, num_warps=4, num_stages=3, swap=True),    # lm_head

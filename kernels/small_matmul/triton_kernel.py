@@ -70,19 +70,21 @@ class SmallLinearConfig:
 # Measured on one H200 (132 SMs, copy bandwidth 4.27 TB/s) by `python bench/small_matmul.py --tune`,
 # bf16 at M = 1, weights streamed from HBM; f16 uses the bf16 entry (same bytes). `preload` from
 # `python bench/preload_sweep.py` on whole decode steps: it pays on weights of 100 MB and more
-# (Llama-3-8B 226 -> 234 tok/s) and costs 1-2% on the small ones, which are latency-bound. Narrow 16-row weight
+# (Llama-3-8B 226 -> 234 tok/s) and on Qwen2.5-1.5B's down (split in 6), and is neutral or costs
+# 1-2% on the other small ones, which are latency-bound. Narrow 16-row weight
 # tiles win for the small projections (more programs without a k split and its reduce launch).
 # Qwen2.5-1.5B gate_up/down and Llama-3-8B down were then re-chosen on whole decode steps, where
 # launches overlap (`bench/preload_sweep.py` specs, NOTES.md): 1.5B down in 6 splits 703 -> 709-712
 # tok/s (in isolation 11 measured best), gate_up in 128-row tiles 703 -> 709, 8B down in 4 splits
-# 237 -> 239; later 1.5B qkv and o in 128-column k steps, 725 -> 729-730 each.
+# 237 -> 239; later 1.5B qkv and o in 128-column k steps, 725 -> 729-730 each, and 1.5B down with
+# preload 2, 730 -> 736-738 (on qkv and o it measured neutral, on gate_up's 128-row tiles 725 -> 639).
 # Key: (N, K, element size in bytes).
 TUNED: dict[tuple[int, int, int], SmallLinearConfig] = {
     # Qwen2.5-1.5B
     (2048, 1536, 2): SmallLinearConfig(16, 128, 1, num_warps=4, num_stages=4, swap=True),      # qkv
     (1536, 1536, 2): SmallLinearConfig(16, 128, 1, num_warps=4, num_stages=4, swap=True),      # o
     (17920, 1536, 2): SmallLinearConfig(128, 128, 1, num_warps=4, num_stages=3, swap=True),    # gate_up
-    (1536, 8960, 2): SmallLinearConfig(64, 128, 6, num_warps=4, num_stages=3, swap=True),      # down
+    (1536, 8960, 2): SmallLinearConfig(64, 128, 6, num_warps=4, num_stages=3, swap=True, preload=2),    # down
     (151936, 1536, 2): SmallLinearConfig(64, 128, 1, num_warps=4, num_stages=3, swap=True),    # lm_head
     # Llama-3-8B
     (6144, 4096, 2): SmallLinearConfig(64, 128, 1, num_warps=4, num_stages=4, swap=True),      # qkv

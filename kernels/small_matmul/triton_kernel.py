@@ -77,14 +77,15 @@ class SmallLinearConfig:
 # launches overlap (`bench/preload_sweep.py` specs, NOTES.md): 1.5B down in 6 splits 703 -> 709-712
 # tok/s (in isolation 11 measured best), gate_up in 128-row tiles 703 -> 709, 8B down in 4 splits
 # 237 -> 239; later 1.5B qkv and o in 128-column k steps, 725 -> 729-730 each, and 1.5B down with
-# preload 2, 730 -> 736-738 (on qkv and o it measured neutral, on gate_up's 128-row tiles 725 -> 639).
+# preload 2, 730 -> 736-738 (on qkv and o it measured neutral, on gate_up's 128-row tiles 725 -> 639);
+# with preload, 8 splits beat 6: 736 -> 747 (10 and 11: 748, 5: 731, 4 with preload 4: 722).
 # Key: (N, K, element size in bytes).
 TUNED: dict[tuple[int, int, int], SmallLinearConfig] = {
     # Qwen2.5-1.5B
     (2048, 1536, 2): SmallLinearConfig(16, 128, 1, num_warps=4, num_stages=4, swap=True),      # qkv
     (1536, 1536, 2): SmallLinearConfig(16, 128, 1, num_warps=4, num_stages=4, swap=True),      # o
     (17920, 1536, 2): SmallLinearConfig(128, 128, 1, num_warps=4, num_stages=3, swap=True),    # gate_up
-    (1536, 8960, 2): SmallLinearConfig(64, 128, 6, num_warps=4, num_stages=3, swap=True, preload=2),    # down
+    (1536, 8960, 2): SmallLinearConfig(64, 128, 8, num_warps=4, num_stages=3, swap=True, preload=2),    # down
     (151936, 1536, 2): SmallLinearConfig(64, 128, 1, num_warps=4, num_stages=3, swap=True),    # lm_head
     # Llama-3-8B
     (6144, 4096, 2): SmallLinearConfig(64, 128, 1, num_warps=4, num_stages=4, swap=True),      # qkv

@@ -75,21 +75,19 @@ def decode_plain(runner: StepRunner, next_token: torch.Tensor, sampler: Sampler,
     chain = sampler.greedy and runner.chains
     budget = stopper.max_new_tokens
     while True:
-        if in_flight is not None and len(pending) >= read_lag:
+        queued = len(generated) + len(pending) + (len(in_flight) if in_flight is not None else 0)
+        last = queued >= budget or runner.cache.length + 1 > runner.cache.max_len
+        send = len(pending) >= sync_every or last
+        # the batch in flight is read once read_lag steps are queued behind it, and always before
+        # the next batch is sent (ids are accepted in order)
+        if in_flight is not None and (len(pending) >= read_lag or send):
             finish = stopper.accept(generated, in_flight.read())
             in_flight = None
             if finish is not None:
                 break
-        queued = len(generated) + len(pending) + (len(in_flight) if in_flight is not None else 0)
-        cache_full = runner.cache.length + 1 > runner.cache.max_len
-        if len(pending) >= sync_every or queued >= budget or cache_full:
-            if in_flight is not None:  # read in order (a batch cut short by the budget or the cache)
-                finish = stopper.accept(generated, in_flight.read())
-                in_flight = None
-                if finish is not None:
-                    break
+        if send:
             batch, pending = _HostIds(pending), []
-            if queued >= budget or cache_full:
+            if last:  # the budget is spent or the cache is full
                 finish = stopper.accept(generated, batch.read()) or "length"
                 break
             in_flight = batch

@@ -8,7 +8,7 @@ Decode-step fusions (each saves a launch per layer, which at batch 1 costs more 
     act = small_linear(post.weighted, w_gate_up, row_sumsq=post.sumsq, eps=ln2.eps, gated=True)
               # RMSNorm folded in; silu(x Wg^T) * (x Wu^T) of a stacked [gate; up] weight
     first = norm_inputs(h, ln1.weight)                                         # where no projection
-              # wrote h (the embedding)
+              # wrote h (the engine gets the embedding's in the same launch: kernels.step_inputs)
     q = qkv_rope_and_store(first.weighted, w_qkv, b_qkv, row_sumsq=first.sumsq, cos=cos, sin=sin,
                            positions=pos, k_cache=k, v_cache=v, num_heads=Hq, num_kv_heads=Hkv)
               # the q/k/v projection with rope and the KV cache write in its epilogue -> rotated q

@@ -70,16 +70,13 @@ class SmallLinearConfig:
 # Measured on one H200 (132 SMs, copy bandwidth 4.27 TB/s) by `python bench/small_matmul.py --tune`,
 # bf16 at M = 1, weights streamed from HBM; f16 uses the bf16 entry (same bytes). `preload` from
 # `python bench/preload_sweep.py` on whole decode steps: it pays on weights of 100 MB and more
-# (Llama-3-8B 226 -> 234 tok/s) and on Qwen2.5-1.5B's down (split in 6), and is neutral or costs
-# 1-2% on the other small ones, which are latency-bound. Narrow 16-row weight
-# tiles win for the small projections (more programs without a k split and its reduce launch).
-# Qwen2.5-1.5B gate_up/down and Llama-3-8B down were then re-chosen on whole decode steps, where
-# launches overlap (`bench/preload_sweep.py` specs, NOTES.md): 1.5B down in 6 splits 703 -> 709-712
-# tok/s (in isolation 11 measured best), gate_up in 128-row tiles 703 -> 709, 8B down in 4 splits
-# 237 -> 239; later 1.5B qkv and o in 128-column k steps, 725 -> 729-730 each, and 1.5B down with
-# preload 2, 730 -> 736-738 (on qkv and o it measured neutral, on gate_up's 128-row tiles 725 -> 639);
-# with preload, 8 splits beat 6: 736 -> 747 (10 and 11: 748, 5: 731, 4 with preload 4: 722).
-# Key: (N, K, element size in bytes).
+# (Llama-3-8B 226 -> 234 tok/s) and on Qwen2.5-1.5B's down (730 -> 736), and is neutral or costs
+# 1-2% on the other small ones, which are latency-bound. Narrow 16-row weight tiles win for the
+# small projections (more programs without a k split and its reduce launch). The Qwen2.5-1.5B
+# entries and Llama-3-8B's down were then re-chosen on whole decode steps, where launches overlap
+# (`bench/preload_sweep.py` specs): a kernel's best config alone is not its best in a step (1.5B
+# down: 11 splits alone, 8 with preload in steps, 703 -> 747 tok/s). Every variant tried and its
+# tok/s: NOTES.md, "Stop 10". Key: (N, K, element size in bytes).
 TUNED: dict[tuple[int, int, int], SmallLinearConfig] = {
     # Qwen2.5-1.5B
     (2048, 1536, 2): SmallLinearConfig(16, 128, 1, num_warps=4, num_stages=4, swap=True),      # qkv
@@ -427,10 +424,18 @@ def norm_inputs_triton(h: torch.Tensor, norm_weight: torch.Tensor):
     weighted = torch.empty_like(h)
     sumsq = torch.empty(1, M, dtype=torch.float32, device=h.device)
     pdl = pdl_enabled(h.device)
-    block = triton.next_power_of_2(K)
+    block, num_warps = norm_row_launch(K)
     _norm_inputs_kernel[(M,)](h, norm_weight, weighted, sumsq, M, K, h.stride(0), USE_PDL=pdl, BLOCK=block,
-                              num_warps=4 if block <= 2048 else 8, **launch_options(pdl))
+                              num_warps=num_warps, **launch_options(pdl))
     return NormInputs(weighted, sumsq)
+
+
+def norm_row_launch(K: int) -> tuple[int, int]:
+    """(BLOCK, num_warps) of a program running `norm_row` on rows of K: the block and the warps
+    decide the order of the sum of squares, so every kernel that calls norm_row launches with
+    these (kernels.step_inputs gives the same bits as norm_inputs_triton)."""
+    block = triton.next_power_of_2(K)
+    return block, 4 if block <= 2048 else 8
 
 
 def dot_flags(dtype: torch.dtype) -> tuple[bool, str]:
@@ -525,6 +530,7 @@ __all__ = [
     "small_linear_triton",
     "norm_inputs_triton",
     "norm_row",
+    "norm_row_launch",
     "SmallLinearConfig",
     "choose_config",
     "heuristic_config",

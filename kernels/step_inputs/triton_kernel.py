@@ -9,7 +9,7 @@ import triton
 import triton.language as tl
 
 from kernels._backend import launch_options, pdl_enabled
-from kernels.small_matmul.triton_kernel import norm_row
+from kernels.small_matmul.triton_kernel import norm_row, norm_row_launch
 
 
 @triton.jit
@@ -68,14 +68,14 @@ def step_inputs_triton(tokens, start, embed_weight, rope_cos, rope_sin, norm_wei
     weighted = torch.empty(B * T, H, dtype=embed_weight.dtype, device=device) if norm else hidden
     sumsq = torch.empty(1, B * T, dtype=torch.float32, device=device) if norm else cos
     pdl = pdl_enabled(device)
-    block_h = triton.next_power_of_2(H)
+    block_h, num_warps = norm_row_launch(H)   # norm_inputs_triton's launch: the same sums
     _step_inputs_kernel[(B * T,)](
         tokens, start if on_device else positions, embed_weight, rope_cos, rope_sin,
         norm_weight if norm else embed_weight, positions, seq_len if on_device else positions, cos, sin, hidden,
         weighted, sumsq,
         0 if on_device else int(start), T, H, D, embed_weight.stride(0),
         START_ON_DEVICE=on_device, NORM=norm, USE_PDL=pdl, BLOCK_H=block_h, BLOCK_D=triton.next_power_of_2(D),
-        num_warps=4 if block_h <= 2048 else 8, **launch_options(pdl),
+        num_warps=num_warps, **launch_options(pdl),
     )
     normed = NormInputs(weighted, sumsq) if norm else None
     return StepInputs(positions, seq_len, cos, sin, hidden, normed)

@@ -17,6 +17,8 @@ import triton
 import triton.language as tl
 
 from kernels._backend import interpreting, launch_options, multiprocessor_count, patch_interpreter_index, pdl_enabled
+from kernels.l2_prefetch import prefetch_args
+from kernels.l2_prefetch.triton_kernel import PREFETCH_THREADS, prefetch_l2
 
 LOG2E = 1.4426950408889634
 INVARIANT_Q_ROWS = 16  # tiles are sized for the widest verify, whatever Q a call has
@@ -38,6 +40,7 @@ def _split_len(s_max, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
 def _decode_split_kernel(
     Q, K, V, SeqLen,           # Q [B, Hq, QR, D]; K, V [B, Hkv, S_max, D]; SeqLen [B] int64
     O_part, L_part,            # O_part [B, Hq, QR, NUM_SPLITS, D] f32; L_part [B, Hq, QR, NUM_SPLITS] f32 (log2)
+    Prefetch, prefetch_bytes,  # bytes of a later kernel's weight for L2 (kernels.l2_prefetch)
     qk_scale,                  # softmax scale * log2(e)
     stride_qb, stride_qh, stride_qq,
     stride_kb, stride_kh, stride_kn,
@@ -45,9 +48,12 @@ def _decode_split_kernel(
     H_KV, S_MAX,
     Q_ROWS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
+    UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     tl.static_assert(BLOCK_M >= GROUP * Q_ROWS)
+    if PREFETCH:   # first, before splits past seq_len return: every program requests its share
+        prefetch_l2(Prefetch, prefetch_bytes, tl.program_id(0) + tl.num_programs(0) * tl.program_id(1),
+                    tl.num_programs(0) * tl.num_programs(1), PREFETCH_THREADS)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()                 # q and the new cache rows come from the kernel before
         tl.extra.cuda.gdc_launch_dependents()
@@ -190,8 +196,10 @@ def decode_attention_triton(
     block_n: int = 64,
     num_warps: int | None = None,
     num_stages: int = 2,
+    prefetch: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Shapes are validated by the public wrapper; the keyword knobs are for tuning (bench/attention.py)."""
+    """Shapes are validated by the public wrapper; the keyword knobs are for tuning (bench/attention.py).
+    `prefetch`: kernels.l2_prefetch.weight_range of a later kernel's weight, requested into L2."""
     B, Hq, QR, D = q.shape
     Hkv, S_max = k_cache.shape[1], k_cache.shape[2]
     G = Hq // Hkv
@@ -206,8 +214,9 @@ def decode_attention_triton(
     l_part = torch.empty(B, Hq, QR, num_splits, dtype=torch.float32, device=q.device)
     upcast, precision = dot_flags(q.dtype)
     pdl = pdl_enabled(q.device)
+    prefetch_ptr, prefetch_bytes, prefetching = prefetch_args(prefetch, l_part)
     _decode_split_kernel[(num_splits, B * Hkv)](
-        q, k_cache, v_cache, seq_len, o_part, l_part,
+        q, k_cache, v_cache, seq_len, o_part, l_part, prefetch_ptr, prefetch_bytes,
         scale * LOG2E,
         q.stride(0), q.stride(1), q.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -215,7 +224,7 @@ def decode_attention_triton(
         Hkv, S_max,
         Q_ROWS=QR, GROUP=G, HEAD_DIM=D, NUM_SPLITS=num_splits,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=triton.next_power_of_2(D),
-        UPCAST_DOT=upcast, DOT_PRECISION=precision, USE_PDL=pdl,
+        UPCAST_DOT=upcast, DOT_PRECISION=precision, USE_PDL=pdl, PREFETCH=prefetching,
         num_warps=num_warps, num_stages=num_stages, **launch_options(pdl),
     )
     # [B, Q, Hq, D] memory seen as [B, Hq, Q, D]: the o projection reads rows [B*Q, Hq*D] as they are

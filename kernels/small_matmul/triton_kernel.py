@@ -32,6 +32,8 @@ import triton
 import triton.language as tl
 
 from kernels._backend import interpreting, launch_options, multiprocessor_count, patch_interpreter_index, pdl_enabled
+from kernels.l2_prefetch import prefetch_args
+from kernels.l2_prefetch.triton_kernel import PREFETCH_THREADS, prefetch_l2
 from kernels.rope_cache.triton_kernel import rotate_half
 
 BLOCK_M = 16
@@ -177,10 +179,12 @@ def _accumulate(acc, w, x_ptrs, k0, K, m_ok, offs_k, EVEN_K: tl.constexpr, SWAP:
 @triton.jit(do_not_specialize=["M"])
 def _small_linear_kernel(
     X, W, Bias, Res, Out, Part, SumSqIn, NextNormW, WeightedOut, SumSqOut, Cos, Sin, Pos, QOut, KCache, VCache,
+    Prefetch, prefetch_bytes,
     # X [M, K]; W [N, K] ([2N, K]: gate rows, then up rows, when GATED); Bias [N]; Res, Out [M, N];
     # Part [SPLITS, M, N] f32; SumSqIn [parts_in, M] f32; NextNormW [N]; WeightedOut [M, N];
     # SumSqOut [N / OUT_N, M] f32; with ROPE: Cos, Sin [T, D] f32, Pos [T] int64, QOut [B, Hq, T, D],
-    # KCache, VCache [B, Hkv, S_max, D] (rows m = b * T + t)
+    # KCache, VCache [B, Hkv, S_max, D] (rows m = b * T + t); Prefetch: bytes of a later kernel's
+    # weight for L2 (kernels.l2_prefetch)
     M, N, K, eps, parts_in, T,
     stride_xm, stride_wn, stride_rm, stride_om,
     stride_qb, stride_qh, stride_qt, stride_cb, stride_ch, stride_cn,
@@ -189,7 +193,7 @@ def _small_linear_kernel(
     EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
     UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     SCALE_ROWS: tl.constexpr, PARTS_P2: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr,
-    EMIT_NORM: tl.constexpr, USE_PDL: tl.constexpr, PRELOAD: tl.constexpr,
+    EMIT_NORM: tl.constexpr, USE_PDL: tl.constexpr, PRELOAD: tl.constexpr, PREFETCH: tl.constexpr,
     ROPE: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
@@ -223,6 +227,10 @@ def _small_linear_kernel(
     k_start = pid_s * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
 
+    if PREFETCH:   # a later kernel's weight bytes into L2 while this one runs (no value changes)
+        prefetch_l2(Prefetch, prefetch_bytes,
+                    pid_m + tl.num_programs(0) * (pid_n + tl.num_programs(1) * pid_s),
+                    tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2), PREFETCH_THREADS)
     w_ptrs = W + w_row[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
     # The first PRELOAD weight tiles never depend on the previous kernel: they are requested before
     # griddepcontrol.wait, so under programmatic dependent launch their memory round trip overlaps
@@ -457,6 +465,7 @@ def small_linear_triton(
     emit_norm_weight: torch.Tensor | None = None,  # [N]: also return NormInputs of out for that norm
     rope: RopeTarget | None = None,              # the q/k/v projection: rope + cache write, -> q
     config: SmallLinearConfig | None = None,
+    prefetch: torch.Tensor | None = None,        # kernels.l2_prefetch.weight_range: bytes for L2
 ):
     """Shapes are validated by the public wrapper; `config` overrides the table (tests, bench --tune).
     -> out [M, N], or (out, NormInputs) with emit_norm_weight, or rotated q [B, Hq, T, D] with rope
@@ -497,9 +506,10 @@ def small_linear_triton(
     else:
         rope_args, rope_strides = (out,) * 6, (0,) * 6
         T, heads, kv_heads, head_dim = 1, 1, 1, 2
+    prefetch_ptr, prefetch_bytes, prefetching = prefetch_args(prefetch, out)
     _small_linear_kernel[grid](
         x, weight, bias_arg, res_arg, out, part, row_sumsq if row_sumsq is not None else part,
-        emit_norm_weight if emit else out, weighted, sumsq_out, *rope_args,
+        emit_norm_weight if emit else out, weighted, sumsq_out, *rope_args, prefetch_ptr, prefetch_bytes,
         M, N, K, eps, parts_in, T,
         x.stride(0), weight.stride(0), res_arg.stride(0), out.stride(0), *rope_strides,
         k_per_split,
@@ -508,7 +518,7 @@ def small_linear_triton(
         UPCAST_DOT=upcast, DOT_PRECISION=precision,
         SCALE_ROWS=row_sumsq is not None, PARTS_P2=triton.next_power_of_2(parts_in), GATED=gated,
         RESIDUAL=residual is not None, EMIT_NORM=emit and splits == 1, USE_PDL=pdl,
-        PRELOAD=config.preload_steps(K), ROPE=rope is not None, HQ=heads, HKV=kv_heads, HEAD_DIM=head_dim,
+        PRELOAD=config.preload_steps(K), PREFETCH=prefetching, ROPE=rope is not None, HQ=heads, HKV=kv_heads, HEAD_DIM=head_dim,
         BLOCK_M=BLOCK_M, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         num_warps=config.num_warps, num_stages=config.num_stages, **launch_options(pdl),
     )

@@ -305,31 +305,41 @@ def check_graph() -> bool:
     return ok
 
 
-def sweep() -> None:
-    """Time decode_attention_triton configurations at 64K; prints the three best per Q."""
-    S = 65536
-    kv_bytes = 2 * HKV * S * D * 2
+def sweep(S: int = 65536, hq: int = HQ, hkv: int = HKV, copy_bw: float | None = None) -> None:
+    """Time decode_attention_triton configurations at S rows for a (hq, hkv) head layout; prints
+    the default configuration and the three best per Q (and, for Q = 1, the decode tile of 64 rows)."""
+    kv_bytes = 2 * hkv * S * D * 2
     for QR in (1, 8):
-        q, k, v = make_inputs(S, QR)
+        q, k, v = make_inputs(S, QR, hq=hq, hkv=hkv)
         sl = torch.full((1,), S, device=DEV)
 
-        def run(block_n, warps, stages, splits):
+        def run(block_n, warps, stages, splits, block_m=None):
             fn = lambda: decode_attention_triton(q, k, v, sl, D ** -0.5, num_splits=splits,  # noqa: E731
-                                                 block_n=block_n, num_warps=warps, num_stages=stages)
+                                                 block_n=block_n, num_warps=warps, num_stages=stages,
+                                                 block_m=block_m)
             try:
                 return bench_graph(fn)
             except Exception as e:  # out of shared memory or registers for this configuration
                 print(f"SWEEP Q={QR} block_n={block_n} warps={warps} stages={stages}: {type(e).__name__}")
                 return float("inf")
 
+        def show(label, ms, bn, w, st, sp, bm=None):
+            share = f" {kv_bytes / ms / copy_bw * 1e3:5.1%} of copy" if copy_bw else ""
+            print(f"SWEEP {hq}/{hkv} heads S={S} Q={QR:2d} {label:8s} {ms * 1e3:7.1f} us {kv_bytes / ms / 1e6:6.0f} GB/s"
+                  f"{share}  block_n={bn} warps={w} stages={st} splits={sp or 'default'} block_m={bm or 'invariant'}")
+
+        default = run(64, None, 2, None)
+        show("default", default, 64, "auto", 2, None)
         results = [(run(bn, w, st, None), bn, w, st, None)
                    for bn in (32, 64, 128) for w in (4, 8) for st in (2, 3, 4)]
         _, bn, w, st, _ = min(results)
-        results += [(run(bn, w, st, sp), bn, w, st, sp) for sp in (16, 33, 66, 132)]
+        results += [(run(bn, w, st, sp), bn, w, st, sp) for sp in (16, 33, 66, 132, 264)]
         results.sort(key=lambda r: r[0])
         for ms, bn, w, st, sp in results[:3]:
-            print(f"SWEEP Q={QR:2d} {ms * 1e3:7.1f} us {kv_bytes / ms / 1e6:6.0f} GB/s  block_n={bn} "
-                  f"warps={w} stages={st} splits={sp or 'default'}")
+            show("best", ms, bn, w, st, sp)
+        if QR == 1 and hq // hkv <= 8:
+            _, bn, w, st, sp = results[0]
+            show("tile 64", run(bn, 4, st, sp, block_m=64), bn, 4, st, sp, 64)
 
 
 def sparse_breakdown(q, k, v, sl, summary, selected) -> str:
@@ -386,6 +396,8 @@ def main() -> None:
     parser.add_argument("--sections", default="dense,sparse,scoring",
                         help="comma-separated tables: dense, sparse, scoring; checks: check-dense, "
                              "check-sparse, check-sparse-bitwise, check-scoring, check-graph")
+    parser.add_argument("--sweep-layout", help="q,kv heads: sweep that head layout (12,2 is Qwen2.5-1.5B's)")
+    parser.add_argument("--sweep-contexts", default="32768", help="contexts for --sweep-layout, comma-separated")
     parser.add_argument("--tiny", action="store_true",
                         help="toy sizes on the CPU under TRITON_INTERPRET=1 (automatic without CUDA)")
     args = parser.parse_args()
@@ -411,6 +423,14 @@ def main() -> None:
         for section in (sweep, sparse_sweep):
             try:
                 section()
+            except Exception:
+                traceback.print_exc()
+    if args.sweep_layout:
+        hq, hkv = (int(v) for v in args.sweep_layout.split(","))
+        bw = copy_bandwidth()
+        for S in (int(v) for v in args.sweep_contexts.split(",")):
+            try:
+                sweep(S, hq, hkv, bw)
             except Exception:
                 traceback.print_exc()
 

@@ -20,7 +20,6 @@ from engine.config import ModelConfig
 from engine.errors import CheckpointError
 from engine.kv_cache import KVCache
 from engine import linear
-from engine.prefetch import prefetch_plan, schedule_spec
 from engine.linear import project
 from engine.rope import rope_tables
 from kernels.step_inputs import step_inputs
@@ -54,14 +53,12 @@ class Attention(nn.Module):
 
     def forward(self, hidden, norm: RMSNorm, cos, sin, cache: KVCache, layer_idx: int, start: int, positions,
                 use_kernel: bool, seq_len_on_device=None, observer: Optional[AttentionObserver] = None,
-                normed_inputs=None, prefetch=None):
+                normed_inputs=None):
         """hidden: the residual stream [B, T, H] -> attention output before o_proj [B, T, Hq * D].
         `norm` (the layer's input norm) is applied first; with `normed_inputs` (kernels.small_matmul
         NormInputs of hidden for that norm) it is folded into the qkv projection, which then also
-        applies rope and writes the cache rows (llama, qwen2). `prefetch` (engine.prefetch, fused
-        steps only): byte ranges the qkv and attention kernels request into L2 for later kernels."""
+        applies rope and writes the cache rows (llama, qwen2)."""
         B, T, _ = hidden.shape
-        prefetch = prefetch or {}
         k_cache, v_cache = cache.keys[layer_idx], cache.values[layer_idx]
         if normed_inputs is not None and self.q_norm is None:
             # projection, rope and the cache write in one launch (kernels.small_matmul.qkv_rope_and_store)
@@ -69,20 +66,17 @@ class Attention(nn.Module):
 
             q = qkv_rope_and_store(normed_inputs.weighted, self.qkv_proj.weight, self.qkv_proj.bias, cos=cos, sin=sin,
                                    positions=positions, k_cache=k_cache, v_cache=v_cache, num_heads=self.num_heads,
-                                   num_kv_heads=self.num_kv_heads, row_sumsq=normed_inputs.sumsq, eps=norm.eps,
-                                   prefetch=prefetch.get("qkv"))
+                                   num_kv_heads=self.num_kv_heads, row_sumsq=normed_inputs.sumsq, eps=norm.eps)
         else:  # qwen3's per-head q/k norm needs whole heads, which the projection's tiles do not hold
             if normed_inputs is not None:
                 qkv = fused_project(normed_inputs.weighted.view(hidden.shape), self.qkv_proj,
-                                    norm_inputs=normed_inputs, eps=norm.eps,
-                                    prefetch=prefetch.get("qkv"))  # [B, T, (Hq + 2 Hkv) D]
+                                    norm_inputs=normed_inputs, eps=norm.eps)  # [B, T, (Hq + 2 Hkv) D]
             else:
                 qkv = project(norm(hidden), self.qkv_proj)
             q = self.rope_norm_and_store(qkv, cos, sin, positions, k_cache, v_cache)
         if observer is not None:
             observer(layer_idx, q, k_cache[:, :, : start + T], v_cache[:, :, : start + T], start)
-        out = attend_cached(q.to(k_cache.dtype), cache, layer_idx, start, self.scale, use_kernel, seq_len_on_device,
-                            prefetch=prefetch.get("attn"))
+        out = attend_cached(q.to(k_cache.dtype), cache, layer_idx, start, self.scale, use_kernel, seq_len_on_device)
         return out.to(hidden.dtype).transpose(1, 2).reshape(B, T, -1)
 
     def rope_norm_and_store(self, qkv, cos, sin, positions, k_cache, v_cache):
@@ -131,7 +125,7 @@ class Block(nn.Module):
         self.mlp = MLP(config)
 
     def forward(self, hidden, normed_inputs, next_norm: Optional[RMSNorm], cos, sin, cache, layer_idx, start, positions,
-                use_kernel, seq_len_on_device, observer, prefetch=None):
+                use_kernel, seq_len_on_device, observer):
         """hidden: the residual stream [B, T, H] -> (the stream after this layer, its NormInputs for
         `next_norm` or None; the last layer passes None: the final norm runs on its own, as the
         head-less verify path returns its output).
@@ -142,22 +136,19 @@ class Block(nn.Module):
         (split + merge), o + residual (emitting the post-attention norm's inputs), gate/up with that
         norm folded in and silu*mul, down + residual (emitting `next_norm`'s inputs); rows stay
         independent of the step's width (kernels.small_matmul). Prefill chunks and CPU steps run
-        the same maths op by op and pass None. `prefetch` (engine.prefetch): per launch, the bytes
-        of a later weight it requests into L2; the values are the same without it."""
-        prefetch = prefetch or {}
+        the same maths op by op and pass None."""
         attn = self.self_attn(hidden, self.input_layernorm, cos, sin, cache, layer_idx, start, positions, use_kernel,
-                              seq_len_on_device, observer, normed_inputs=normed_inputs, prefetch=prefetch)
+                              seq_len_on_device, observer, normed_inputs=normed_inputs)
         post, mlp = self.post_attention_layernorm, self.mlp
         if normed_inputs is None:
             hidden, normed = fused.add_rms_norm(project(attn, self.self_attn.o_proj), hidden, post.weight, post.eps)
             return hidden + mlp(normed), None
-        hidden, post_inputs = fused_project(attn, self.self_attn.o_proj, residual=hidden, emit_norm=post,
-                                            prefetch=prefetch.get("o"))
+        hidden, post_inputs = fused_project(attn, self.self_attn.o_proj, residual=hidden, emit_norm=post)
         act = fused_project(post_inputs.weighted.view(hidden.shape), mlp.gate_up_proj, norm_inputs=post_inputs,
-                            eps=post.eps, gated=True, prefetch=prefetch.get("gate_up"))
+                            eps=post.eps, gated=True)
         if next_norm is None:
-            return fused_project(act, mlp.down_proj, residual=hidden, prefetch=prefetch.get("down")), None
-        return fused_project(act, mlp.down_proj, residual=hidden, emit_norm=next_norm, prefetch=prefetch.get("down"))
+            return fused_project(act, mlp.down_proj, residual=hidden), None
+        return fused_project(act, mlp.down_proj, residual=hidden, emit_norm=next_norm)
 
 
 def decode_fusion_applies(tokens: torch.Tensor) -> bool:
@@ -169,7 +160,7 @@ def decode_fusion_applies(tokens: torch.Tensor) -> bool:
 
 def fused_project(x: torch.Tensor, layer: nn.Linear, *, norm_inputs=None, eps: float = 1e-6,
                   residual: Optional[torch.Tensor] = None, gated: bool = False,
-                  emit_norm: Optional[RMSNorm] = None, prefetch: Optional[torch.Tensor] = None):
+                  emit_norm: Optional[RMSNorm] = None):
     """x: [B, T, K] -> [B, T, N] through kernels.small_matmul with its fusions: x = norm_weight * h
     with `norm_inputs` (h's RMSNorm folded in), silu(gate) * up of a stacked gate/up weight
     (N = rows / 2), plus `residual` [B, T, N]; with `emit_norm`: (out, out's NormInputs for it)."""
@@ -180,7 +171,7 @@ def fused_project(x: torch.Tensor, layer: nn.Linear, *, norm_inputs=None, eps: f
         x.reshape(rows, x.shape[-1]), layer.weight, layer.bias,
         row_sumsq=None if norm_inputs is None else norm_inputs.sumsq, eps=eps,
         residual=None if residual is None else residual.reshape(rows, -1), gated=gated,
-        emit_norm_weight=None if emit_norm is None else emit_norm.weight, prefetch=prefetch,
+        emit_norm_weight=None if emit_norm is None else emit_norm.weight,
     )
     if emit_norm is None:
         return result.view(*x.shape[:-1], -1)
@@ -241,12 +232,10 @@ class Transformer(nn.Module):
                              self.rope_cos, self.rope_sin, self.layers[0].input_layernorm.weight if fusion else None,
                              backend="auto" if fusion else "reference")
         positions, seq_len_on_device, cos, sin, hidden, normed_inputs = inputs
-        plan = prefetch_plan(self.layers, schedule_spec()) if fusion else None
         for i, layer in enumerate(self.layers):
             next_norm = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else None
             hidden, normed_inputs = layer(hidden, normed_inputs, next_norm, cos, sin, cache, i, start, positions,
-                                          self.use_attention_kernel, seq_len_on_device, observer,
-                                          prefetch=plan[i] if plan else None)
+                                          self.use_attention_kernel, seq_len_on_device, observer)
         if last_only:
             hidden = hidden[:, -1:]
         normed = self.norm(hidden)

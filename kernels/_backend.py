@@ -130,6 +130,25 @@ def pdl_enabled(device: torch.device) -> bool:
     return _cuda_capability(device.index if device.index is not None else torch.cuda.current_device())[0] >= 9
 
 
+PDL_TRIGGER_DEFAULT = 1
+
+
+def pdl_trigger_point(kernel: str) -> int:
+    """Where decode kernel `kernel` (linear, reduce, split, merge) signals its dependents
+    (kernels._pdl: 0 before its wait, 1 after it, 2 before its epilogue). BATCHD_PDL_TRIGGER
+    overrides it: "2" for every kernel, or "linear:2,split:0" for some."""
+    point = PDL_TRIGGER_DEFAULT
+    for item in os.environ.get("BATCHD_PDL_TRIGGER", "").split(","):
+        name, sep, value = item.partition(":")
+        if not sep and name.strip().isdigit():
+            point = int(name)
+        elif name == kernel:
+            point = int(value)
+    if point not in (0, 1, 2):
+        raise ValueError(f"BATCHD_PDL_TRIGGER: trigger points are 0, 1 or 2, got {point}")
+    return point
+
+
 def launch_options(pdl: bool) -> dict:
     """Extra launch keywords for a Triton kernel: `launch_pdl` only where it is on (the CPU
     interpreter knows no such option)."""

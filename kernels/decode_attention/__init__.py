@@ -60,7 +60,6 @@ def decode_attention(
     seq_len: int | torch.Tensor,           # int or int64 [B]: valid rows INCLUDING the Q new rows
     *,
     scale: float | None = None,            # default 1/sqrt(D)
-    prefetch: torch.Tensor | None = None,  # kernels.l2_prefetch.weight_range of a later kernel's weight
     backend: str = "auto",                 # "auto" | "triton" | "reference"
 ) -> torch.Tensor:
     """Attention of Q new rows per sequence over the cache. -> [B, Hq, Q, D] in q's dtype.
@@ -69,8 +68,7 @@ def decode_attention(
     (a tensor is not checked, to keep the call free of host syncs; a lane that sees no row gets 0).
     backend "auto" runs Triton on CUDA and the reference elsewhere; "triton" also runs on CPU under
     TRITON_INTERPRET=1. With seq_len as a device tensor the Triton path never syncs the host and can
-    be captured in a CUDA graph. `prefetch` bytes are requested into L2 as the Triton programs
-    start (sm_90+); no value changes, and the reference ignores it.
+    be captured in a CUDA graph.
     """
     check_attention_inputs(q, k_cache, v_cache)
     B, _, QR, D = q.shape
@@ -83,7 +81,7 @@ def decode_attention(
         return decode_attention_reference(q, k_cache, v_cache, lengths, scale)
     from kernels.decode_attention.triton_kernel import decode_attention_triton
 
-    return decode_attention_triton(q, k_cache, v_cache, lengths, scale, prefetch=prefetch)
+    return decode_attention_triton(q, k_cache, v_cache, lengths, scale)
 
 
 __all__ = [

@@ -11,14 +11,15 @@ Splits past seq_len exit at once; the merge kernel ignores them.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from kernels._backend import interpreting, launch_options, multiprocessor_count, patch_interpreter_index, pdl_enabled
-from kernels.l2_prefetch import prefetch_args
-from kernels.l2_prefetch.triton_kernel import PREFETCH_THREADS, prefetch_l2
+from kernels._backend import (interpreting, launch_options, multiprocessor_count, patch_interpreter_index, pdl_enabled,
+                              pdl_trigger_point)
+from kernels._pdl import pdl_trigger, pdl_wait
 
 LOG2E = 1.4426950408889634
 INVARIANT_Q_ROWS = 16  # tiles are sized for the widest verify, whatever Q a call has
@@ -40,7 +41,6 @@ def _split_len(s_max, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
 def _decode_split_kernel(
     Q, K, V, SeqLen,           # Q [B, Hq, QR, D]; K, V [B, Hkv, S_max, D]; SeqLen [B] int64
     O_part, L_part,            # O_part [B, Hq, QR, NUM_SPLITS, D] f32; L_part [B, Hq, QR, NUM_SPLITS] f32 (log2)
-    Prefetch, prefetch_bytes,  # bytes of a later kernel's weight for L2 (kernels.l2_prefetch)
     qk_scale,                  # softmax scale * log2(e)
     stride_qb, stride_qh, stride_qq,
     stride_kb, stride_kh, stride_kn,
@@ -48,15 +48,11 @@ def _decode_split_kernel(
     H_KV, S_MAX,
     Q_ROWS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH: tl.constexpr,
+    UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr, TRIGGER: tl.constexpr,
 ):
     tl.static_assert(BLOCK_M >= GROUP * Q_ROWS)
-    if PREFETCH:   # first, before splits past seq_len return: every program requests its share
-        prefetch_l2(Prefetch, prefetch_bytes, tl.program_id(0) + tl.num_programs(0) * tl.program_id(1),
-                    tl.num_programs(0) * tl.num_programs(1), PREFETCH_THREADS)
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()                 # q and the new cache rows come from the kernel before
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_trigger(USE_PDL, TRIGGER, 0)
+    pdl_wait(USE_PDL, TRIGGER)                   # q and the new cache rows come from the kernel before
     tl.static_assert(BLOCK_D >= HEAD_DIM)
     pid_s = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -67,6 +63,7 @@ def _decode_split_kernel(
     split_len = _split_len(S_MAX, NUM_SPLITS, BLOCK_N)
     start = pid_s * split_len
     if start >= seq_len:
+        pdl_trigger(USE_PDL, TRIGGER, 2)
         return
     end = tl.minimum(start + split_len, seq_len)
 
@@ -108,6 +105,7 @@ def _decode_split_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
+    pdl_trigger(USE_PDL, TRIGGER, 2)
     seen = l_i > 0.0
     o = acc / tl.where(seen, l_i, 1.0)[:, None]
     lse = tl.where(seen, m_i + tl.math.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
@@ -124,10 +122,10 @@ def _merge_splits_kernel(
     H_Q, S_MAX,
     Q_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS_FROM_SEQ_LEN: tl.constexpr, USE_PDL: tl.constexpr,
+    TRIGGER: tl.constexpr,
 ):
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_trigger(USE_PDL, TRIGGER, 0)
+    pdl_wait(USE_PDL, TRIGGER)
     pid = tl.program_id(0)                   # flat (b, head, lane)
     b = pid // (H_Q * Q_ROWS)
     head = (pid // Q_ROWS) % H_Q
@@ -148,6 +146,7 @@ def _merge_splits_kernel(
     w = tl.math.exp2(lse - m)                                          # [SPLITS_P2], 0 for empty splits
     o = tl.load(O_part + (pid * NUM_SPLITS + offs_s[:, None]) * HEAD_DIM + offs_d[None, :],
                 mask=s_ok[:, None] & d_ok[None, :], other=0.0)         # [SPLITS_P2, BLOCK_D]
+    pdl_trigger(USE_PDL, TRIGGER, 2)
     den = tl.sum(w, 0)
     out = tl.sum(w[:, None] * o, 0) / tl.where(den > 0.0, den, 1.0)
     out_ptrs = Out + b * stride_ob + head * stride_oh + lane * stride_oq + offs_d
@@ -180,9 +179,38 @@ def merge_splits(o_part: torch.Tensor, l_part: torch.Tensor, out: torch.Tensor, 
         Hq, s_max,
         Q_ROWS=QR, HEAD_DIM=D, NUM_SPLITS=num_splits, SPLITS_P2=triton.next_power_of_2(num_splits),
         BLOCK_N=block_n, BLOCK_D=triton.next_power_of_2(D), SPLITS_FROM_SEQ_LEN=splits_from_seq_len,
-        USE_PDL=pdl, num_warps=4, **launch_options(pdl),
+        USE_PDL=pdl, TRIGGER=pdl_trigger_point("merge"), num_warps=4, **launch_options(pdl),
     )
     return out
+
+
+@dataclass(frozen=True)
+class DecodeTile:
+    """How decode_attention_triton tiles a call for one query-head group size G. Every field is
+    fixed per G, never by Q or seq_len: a lane's bits must not depend on the step's width.
+
+    fit_rows=False: the tile always holds G * 16 rows (the widest verify), whatever Q is.
+    fit_rows=True: it holds G * Q rows, at least 64 (a decode step's 6 rows of a G = 6 model in a
+    64-row tile rather than 128). With num_warps fixed, a row goes through the same wgmma sequence
+    in a 64- or 128-row tile (one warpgroup, 64 rows per instruction), so a lane's bits still match
+    its verify lane; tests/engine/test_gpu_engine.py checks that bitwise on the H200."""
+    block_n: int = 64
+    num_warps: int | None = None    # None: 4 up to 64 rows, else 8
+    num_stages: int = 2
+    fit_rows: bool = False
+
+
+# By group size G = Hq / Hkv, measured on the H200 (`python bench/attention.py --sweep-layout 12,2`,
+# Qwen2.5-1.5B's layout, NOTES in kernels/small_matmul/NOTES.md "Stop 11"): at 32K rows the G = 6
+# decode step went from 19.7 us (40% of copy) to 11.2 us (70%). Other G keep the defaults (tuned at
+# Llama-3-8B's G = 4 by the --sweep at 64K).
+TUNED_TILES: dict[int, DecodeTile] = {
+    6: DecodeTile(block_n=32, num_warps=4, num_stages=3, fit_rows=True),
+}
+
+
+def decode_tile(group: int) -> DecodeTile:
+    return TUNED_TILES.get(group, DecodeTile())
 
 
 def decode_attention_triton(
@@ -193,30 +221,35 @@ def decode_attention_triton(
     scale: float,
     *,
     num_splits: int | None = None,
-    block_n: int = 64,
+    block_n: int | None = None,
     num_warps: int | None = None,
-    num_stages: int = 2,
-    prefetch: torch.Tensor | None = None,
+    num_stages: int | None = None,
+    block_m: int | None = None,
 ) -> torch.Tensor:
-    """Shapes are validated by the public wrapper; the keyword knobs are for tuning (bench/attention.py).
-    `prefetch`: kernels.l2_prefetch.weight_range of a later kernel's weight, requested into L2."""
+    """Shapes are validated by the public wrapper; the keyword knobs override `decode_tile(G)` for
+    tuning (bench/attention.py)."""
     B, Hq, QR, D = q.shape
     Hkv, S_max = k_cache.shape[1], k_cache.shape[2]
     G = Hq // Hkv
-    # One tile shape for every Q (rows past G*QR are masked): the same MMA sequence serves a lane
-    # in decode and in verify, so its result is bitwise the same in both.
-    block_m = max(16, triton.next_power_of_2(G * INVARIANT_Q_ROWS))
+    tile = decode_tile(G)
+    block_n = block_n or tile.block_n
+    num_stages = num_stages or tile.num_stages
+    # The tile's rows (rows past G*QR are masked): G * 16 for every Q, or G * Q of at least 64 rows
+    # with fit_rows; either way a lane goes through the same MMA sequence in decode and in verify,
+    # so its result is bitwise the same in both (DecodeTile).
+    if block_m is None:
+        block_m = max(64, triton.next_power_of_2(G * QR)) if tile.fit_rows else \
+            max(16, triton.next_power_of_2(G * INVARIANT_Q_ROWS))
     if num_splits is None:
         num_splits = default_num_splits(B * Hkv, S_max, block_n, q.device)
     if num_warps is None:
-        num_warps = 4 if block_m <= 64 else 8
+        num_warps = tile.num_warps or (4 if block_m <= 64 else 8)
     o_part = torch.empty(B, Hq, QR, num_splits, D, dtype=torch.float32, device=q.device)
     l_part = torch.empty(B, Hq, QR, num_splits, dtype=torch.float32, device=q.device)
     upcast, precision = dot_flags(q.dtype)
     pdl = pdl_enabled(q.device)
-    prefetch_ptr, prefetch_bytes, prefetching = prefetch_args(prefetch, l_part)
     _decode_split_kernel[(num_splits, B * Hkv)](
-        q, k_cache, v_cache, seq_len, o_part, l_part, prefetch_ptr, prefetch_bytes,
+        q, k_cache, v_cache, seq_len, o_part, l_part,
         scale * LOG2E,
         q.stride(0), q.stride(1), q.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -224,12 +257,12 @@ def decode_attention_triton(
         Hkv, S_max,
         Q_ROWS=QR, GROUP=G, HEAD_DIM=D, NUM_SPLITS=num_splits,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=triton.next_power_of_2(D),
-        UPCAST_DOT=upcast, DOT_PRECISION=precision, USE_PDL=pdl, PREFETCH=prefetching,
-        num_warps=num_warps, num_stages=num_stages, **launch_options(pdl),
+        UPCAST_DOT=upcast, DOT_PRECISION=precision, USE_PDL=pdl,
+        TRIGGER=pdl_trigger_point("split"), num_warps=num_warps, num_stages=num_stages, **launch_options(pdl),
     )
     # [B, Q, Hq, D] memory seen as [B, Hq, Q, D]: the o projection reads rows [B*Q, Hq*D] as they are
     out = torch.empty(B, QR, Hq, D, dtype=q.dtype, device=q.device).transpose(1, 2)
     return merge_splits(o_part, l_part, out, seq_len, block_n=block_n, splits_from_seq_len=True, s_max=S_max)
 
 
-__all__ = ["decode_attention_triton", "merge_splits", "dot_flags", "default_num_splits", "LOG2E"]
+__all__ = ["decode_attention_triton", "DecodeTile", "TUNED_TILES", "decode_tile", "merge_splits", "dot_flags", "default_num_splits", "LOG2E"]

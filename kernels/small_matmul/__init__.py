@@ -89,7 +89,6 @@ def small_linear(
     residual: torch.Tensor | None = None,          # [M, N]: returned plus the product
     gated: bool = False,                           # silu(x Wg^T) * (x Wu^T) -> [M, N]
     emit_norm_weight: torch.Tensor | None = None,  # [N]: also return the NormInputs of the output
-    prefetch: torch.Tensor | None = None,          # kernels.l2_prefetch.weight_range of a later weight
     backend: str = "auto",               # "auto" | "triton" | "reference"
 ):
     """x @ weight.T (+ bias) -> [M, N] in x's dtype, float32 accumulation, batch-invariant per row;
@@ -98,8 +97,6 @@ def small_linear(
     backend "auto" runs Triton on CUDA and the reference elsewhere; "triton" also runs on CPU under
     TRITON_INTERPRET=1. The Triton path never syncs the host and can be captured in a CUDA graph.
     Tile sizes and k splits are fixed per (N, K, dtype) (kernels/small_matmul/triton_kernel.py).
-    `prefetch` (bytes of a weight a later kernel reads) is requested into L2 as the programs start,
-    on sm_90+ only; it changes no value, and the reference ignores it.
     """
     check_linear_inputs(x, weight[: weight.shape[0] // 2] if gated else weight, bias)
     check_fusion_inputs(x, weight, bias, row_sumsq, residual, gated, emit_norm_weight)
@@ -108,7 +105,7 @@ def small_linear(
         return small_linear_reference(x, weight, bias, **kwargs)
     from kernels.small_matmul.triton_kernel import small_linear_triton
 
-    return small_linear_triton(x, weight, bias, prefetch=prefetch, **kwargs)
+    return small_linear_triton(x, weight, bias, **kwargs)
 
 
 def qkv_rope_and_store(
@@ -121,7 +118,6 @@ def qkv_rope_and_store(
     k_cache: torch.Tensor, v_cache: torch.Tensor,  # [B, Hkv, S_max, D]
     num_heads: int, num_kv_heads: int,
     row_sumsq: torch.Tensor | None = None, eps: float = 1e-6,
-    prefetch: torch.Tensor | None = None,          # kernels.l2_prefetch.weight_range of a later weight
     backend: str = "auto",
 ) -> torch.Tensor:
     """The q/k/v projection of a decode or verify step and what follows it (kernels.rope_cache:
@@ -143,9 +139,8 @@ def qkv_rope_and_store(
         config = choose_config(N, K, x.dtype, x.device)
         if rope_fits(config, N, K, k_cache.shape[-1]):
             target = RopeTarget(cos.contiguous(), sin.contiguous(), positions, k_cache, v_cache, num_heads, num_kv_heads)
-            return small_linear_triton(x, weight, bias, row_sumsq=row_sumsq, eps=eps, rope=target, config=config,
-                                       prefetch=prefetch)
-    qkv = small_linear(x, weight, bias, row_sumsq=row_sumsq, eps=eps, prefetch=prefetch, backend=backend)
+            return small_linear_triton(x, weight, bias, row_sumsq=row_sumsq, eps=eps, rope=target, config=config)
+    qkv = small_linear(x, weight, bias, row_sumsq=row_sumsq, eps=eps, backend=backend)
     return rope_and_store(qkv.view(B, T, -1), cos, sin, positions, k_cache, v_cache, num_heads, num_kv_heads,
                           backend=backend)
 

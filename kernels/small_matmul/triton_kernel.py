@@ -31,9 +31,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._backend import interpreting, launch_options, multiprocessor_count, patch_interpreter_index, pdl_enabled
-from kernels.l2_prefetch import prefetch_args
-from kernels.l2_prefetch.triton_kernel import PREFETCH_THREADS, prefetch_l2
+from kernels._backend import (interpreting, launch_options, multiprocessor_count, patch_interpreter_index, pdl_enabled,
+                              pdl_trigger_point)
+from kernels._pdl import pdl_trigger, pdl_wait
 from kernels.rope_cache.triton_kernel import rotate_half
 
 BLOCK_M = 16
@@ -179,12 +179,10 @@ def _accumulate(acc, w, x_ptrs, k0, K, m_ok, offs_k, EVEN_K: tl.constexpr, SWAP:
 @triton.jit(do_not_specialize=["M"])
 def _small_linear_kernel(
     X, W, Bias, Res, Out, Part, SumSqIn, NextNormW, WeightedOut, SumSqOut, Cos, Sin, Pos, QOut, KCache, VCache,
-    Prefetch, prefetch_bytes,
     # X [M, K]; W [N, K] ([2N, K]: gate rows, then up rows, when GATED); Bias [N]; Res, Out [M, N];
     # Part [SPLITS, M, N] f32; SumSqIn [parts_in, M] f32; NextNormW [N]; WeightedOut [M, N];
     # SumSqOut [N / OUT_N, M] f32; with ROPE: Cos, Sin [T, D] f32, Pos [T] int64, QOut [B, Hq, T, D],
-    # KCache, VCache [B, Hkv, S_max, D] (rows m = b * T + t); Prefetch: bytes of a later kernel's
-    # weight for L2 (kernels.l2_prefetch)
+    # KCache, VCache [B, Hkv, S_max, D] (rows m = b * T + t)
     M, N, K, eps, parts_in, T,
     stride_xm, stride_wn, stride_rm, stride_om,
     stride_qb, stride_qh, stride_qt, stride_cb, stride_ch, stride_cn,
@@ -193,7 +191,7 @@ def _small_linear_kernel(
     EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
     UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     SCALE_ROWS: tl.constexpr, PARTS_P2: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr,
-    EMIT_NORM: tl.constexpr, USE_PDL: tl.constexpr, PRELOAD: tl.constexpr, PREFETCH: tl.constexpr,
+    EMIT_NORM: tl.constexpr, USE_PDL: tl.constexpr, TRIGGER: tl.constexpr, PRELOAD: tl.constexpr,
     ROPE: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
@@ -227,10 +225,7 @@ def _small_linear_kernel(
     k_start = pid_s * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
 
-    if PREFETCH:   # a later kernel's weight bytes into L2 while this one runs (no value changes)
-        prefetch_l2(Prefetch, prefetch_bytes,
-                    pid_m + tl.num_programs(0) * (pid_n + tl.num_programs(1) * pid_s),
-                    tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2), PREFETCH_THREADS)
+    pdl_trigger(USE_PDL, TRIGGER, 0)
     w_ptrs = W + w_row[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
     # The first PRELOAD weight tiles never depend on the previous kernel: they are requested before
     # griddepcontrol.wait, so under programmatic dependent launch their memory round trip overlaps
@@ -243,9 +238,7 @@ def _small_linear_kernel(
         w2 = _load_weight_tile(w_ptrs, k_start + 2 * BLOCK_K, K, n_ok, offs_k, EVEN_N, EVEN_K)
     if PRELOAD >= 4:
         w3 = _load_weight_tile(w_ptrs, k_start + 3 * BLOCK_K, K, n_ok, offs_k, EVEN_N, EVEN_K)
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()                 # X, Res, SumSqIn: written by the previous kernel
-        tl.extra.cuda.gdc_launch_dependents()    # the next kernel may start loading its weights
+    pdl_wait(USE_PDL, TRIGGER)                   # X, Res, SumSqIn: written by the previous kernel
 
     x_ptrs = X + offs_m[:, None] * stride_xm + offs_k[None, :]
     if SWAP:
@@ -267,6 +260,7 @@ def _small_linear_kernel(
     for k0 in range(k_start + PRELOAD * BLOCK_K, k_end, BLOCK_K):
         w = _load_weight_tile(w_ptrs, k0, K, n_ok, offs_k, EVEN_N, EVEN_K)
         acc = _accumulate(acc, w, x_ptrs, k0, K, m_ok, offs_k, EVEN_K, SWAP, UPCAST_DOT, DOT_PRECISION)
+    pdl_trigger(USE_PDL, TRIGGER, 2)
     if not SWAP:
         acc = tl.trans(acc)                           # [BLOCK_N, BLOCK_M] from here on
 
@@ -379,17 +373,17 @@ def _reduce_splits_kernel(
     # Part [SPLITS, M, N] f32; Bias [N]; Res, Out, WeightedOut [M, N]; SumSqOut [cdiv(N, BLOCK), M] f32
     M, N, stride_rm, stride_om, splits,
     HAS_BIAS: tl.constexpr, RESIDUAL: tl.constexpr, EMIT_NORM: tl.constexpr, USE_PDL: tl.constexpr,
-    BLOCK: tl.constexpr,
+    TRIGGER: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_trigger(USE_PDL, TRIGGER, 0)
+    pdl_wait(USE_PDL, TRIGGER)
     row = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < N
     acc = tl.load(Part + row * N + offs, mask=ok, other=0.0)
     for s in range(1, splits):                       # fixed order: split 0, 1, 2, ...
         acc += tl.load(Part + (s * M + row) * N + offs, mask=ok, other=0.0)
+    pdl_trigger(USE_PDL, TRIGGER, 2)
     if HAS_BIAS:
         acc += tl.load(Bias + offs, mask=ok, other=0.0).to(tl.float32)
     y = acc.to(Out.dtype.element_ty)
@@ -465,7 +459,6 @@ def small_linear_triton(
     emit_norm_weight: torch.Tensor | None = None,  # [N]: also return NormInputs of out for that norm
     rope: RopeTarget | None = None,              # the q/k/v projection: rope + cache write, -> q
     config: SmallLinearConfig | None = None,
-    prefetch: torch.Tensor | None = None,        # kernels.l2_prefetch.weight_range: bytes for L2
 ):
     """Shapes are validated by the public wrapper; `config` overrides the table (tests, bench --tune).
     -> out [M, N], or (out, NormInputs) with emit_norm_weight, or rotated q [B, Hq, T, D] with rope
@@ -506,10 +499,9 @@ def small_linear_triton(
     else:
         rope_args, rope_strides = (out,) * 6, (0,) * 6
         T, heads, kv_heads, head_dim = 1, 1, 1, 2
-    prefetch_ptr, prefetch_bytes, prefetching = prefetch_args(prefetch, out)
     _small_linear_kernel[grid](
         x, weight, bias_arg, res_arg, out, part, row_sumsq if row_sumsq is not None else part,
-        emit_norm_weight if emit else out, weighted, sumsq_out, *rope_args, prefetch_ptr, prefetch_bytes,
+        emit_norm_weight if emit else out, weighted, sumsq_out, *rope_args,
         M, N, K, eps, parts_in, T,
         x.stride(0), weight.stride(0), res_arg.stride(0), out.stride(0), *rope_strides,
         k_per_split,
@@ -517,8 +509,8 @@ def small_linear_triton(
         EVEN_N=N % out_n == 0, EVEN_K=K % config.block_k == 0,
         UPCAST_DOT=upcast, DOT_PRECISION=precision,
         SCALE_ROWS=row_sumsq is not None, PARTS_P2=triton.next_power_of_2(parts_in), GATED=gated,
-        RESIDUAL=residual is not None, EMIT_NORM=emit and splits == 1, USE_PDL=pdl,
-        PRELOAD=config.preload_steps(K), PREFETCH=prefetching, ROPE=rope is not None, HQ=heads, HKV=kv_heads, HEAD_DIM=head_dim,
+        RESIDUAL=residual is not None, EMIT_NORM=emit and splits == 1, USE_PDL=pdl, TRIGGER=pdl_trigger_point("linear"),
+        PRELOAD=config.preload_steps(K), ROPE=rope is not None, HQ=heads, HKV=kv_heads, HEAD_DIM=head_dim,
         BLOCK_M=BLOCK_M, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         num_warps=config.num_warps, num_stages=config.num_stages, **launch_options(pdl),
     )
@@ -529,7 +521,7 @@ def small_linear_triton(
             part, bias_arg, res_arg, out, emit_norm_weight if emit else out, weighted, sumsq_out,
             M, N, res_arg.stride(0), out.stride(0), splits,
             HAS_BIAS=bias is not None, RESIDUAL=residual is not None, EMIT_NORM=emit, USE_PDL=pdl,
-            BLOCK=REDUCE_BLOCK, num_warps=4, **launch_options(pdl),
+            TRIGGER=pdl_trigger_point("reduce"), BLOCK=REDUCE_BLOCK, num_warps=4, **launch_options(pdl),
         )
     return (out, NormInputs(weighted, sumsq_out)) if emit else out
 

@@ -119,12 +119,14 @@ def test_unknown_backend_is_refused():
 @needs_triton
 @pytest.mark.triton
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])
-def test_verify_lane_equals_decode_step_bitwise(dtype):
+@pytest.mark.parametrize("QR, Hq", [(5, 6), (5, 12), (16, 12)], ids=["G3-Q5", "G6-Q5", "G6-Q16"])
+def test_verify_lane_equals_decode_step_bitwise(dtype, QR, Hq):
     """Lane i of a Q-row verify step must equal the one-row decode step at the same position, bit
     for bit: greedy output may not change when speculation is switched on (split boundaries sit
-    at fixed cache rows and the tile shape does not depend on Q)."""
-    QR, S_max, seq_len = 5, 640, 514  # lanes around a length where seq_len-derived splits would change
-    q, k, v = make(1, 6, 2, QR, 32, S_max, dtype, seed=3)
+    at fixed cache rows; the tile is G * 16 rows for every Q, or for G = 6 fitted to G * Q rows of
+    at least 64: a 64-row decode tile against a 64- or 128-row verify tile)."""
+    S_max, seq_len = 640, 514  # lanes around a length where seq_len-derived splits would change
+    q, k, v = make(1, Hq, 2, QR, 32, S_max, dtype, seed=3)
     verify = decode_attention(q, k, v, torch.tensor([seq_len], device=DEVICE), backend="triton")
     for i in range(QR):
         lane_len = seq_len - QR + 1 + i

@@ -1,0 +1,103 @@
+"""Try decode-step variants on whole steps: each variant gets a fresh engine (its graphs captured
+under it), and its decode tok/s and greedy ids are compared with the first variant's (ids must be
+equal: none of these knobs changes a value).
+
+A variant is space-separated settings, "table" for none:
+  BATCHD_NAME=VALUE               an environment switch read at capture (BATCHD_PDL_TRIGGER:
+                                  where the decode kernels signal their dependents, kernels._pdl)
+  N,K=bn,bk,splits,stages[,preload]   replaces small_linear's table entry for that weight shape
+  attnG=bn,warps,stages,fit       replaces decode attention's tile for query-head group size G
+                                  (kernels.decode_attention.triton_kernel.DecodeTile; warps 0: auto)
+
+    python bench/step_sweep.py --shapes qwen2.5-1.5b --variants "table;BATCHD_PDL_TRIGGER=2;2048,1536=16,512,1,4,3"
+    python bench/step_sweep.py --shapes qwen2.5-1.5b --prompt 32768 --variants "table;BATCHD_PDL_TRIGGER=linear:2"
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import copy_bandwidth, print_table  # noqa: E402
+from bench.decode import kv_bytes_per_token, time_ours, weight_bytes_per_token  # noqa: E402
+from engine.presets import preset  # noqa: E402
+from engine.runtime import Engine, build_model  # noqa: E402
+from kernels.decode_attention import triton_kernel as attention_kernel  # noqa: E402
+from kernels.small_matmul import triton_kernel  # noqa: E402
+
+TILES = dict(attention_kernel.TUNED_TILES)
+
+
+SWITCHES = ("BATCHD_PDL_TRIGGER",)
+
+
+def apply_variant(spec: str, tuned: dict) -> None:
+    """Set the switches and table entries of `spec`, everything else back to its default."""
+    for name in SWITCHES:
+        os.environ.pop(name, None)
+    triton_kernel.TUNED.clear()
+    triton_kernel.TUNED.update(tuned)
+    attention_kernel.TUNED_TILES.clear()
+    attention_kernel.TUNED_TILES.update(TILES)
+    for item in spec.split():
+        if item == "table":
+            continue
+        if item.startswith("BATCHD_"):
+            name, _, value = item.partition("=")
+            if name not in SWITCHES:
+                raise SystemExit(f"unknown switch {name}: one of {SWITCHES}")
+            os.environ[name] = value
+            continue
+        shape, _, values = item.partition("=")
+        if shape.startswith("attn"):
+            bn, warps, stages, fit = (int(v) for v in values.split(","))
+            attention_kernel.TUNED_TILES[int(shape[4:])] = attention_kernel.DecodeTile(bn, warps or None, stages, bool(fit))
+            continue
+        n, k = (int(v) for v in shape.split(","))
+        bn, bk, splits, stages, *preload = (int(v) for v in values.split(","))
+        triton_kernel.TUNED[(n, k, 2)] = triton_kernel.SmallLinearConfig(
+            bn, bk, splits, num_warps=4, num_stages=stages, swap=True, preload=preload[0] if preload else 0)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", default="qwen2.5-1.5b")
+    parser.add_argument("--variants", default="table", help="variants separated by ';'")
+    parser.add_argument("--prompt", type=int, default=512)
+    parser.add_argument("--new-tokens", type=int, default=256)
+    args = parser.parse_args()
+    bandwidth = copy_bandwidth()
+    tuned = dict(triton_kernel.TUNED)
+    rows = []
+    for name in args.shapes.split(","):
+        config = preset(name)
+        model = build_model(config, "cuda", torch.bfloat16)
+        prompt = torch.randint(0, config.vocab_size, (args.prompt,), generator=torch.Generator().manual_seed(0)).tolist()
+        roofline = bandwidth / (weight_bytes_per_token(model) + kv_bytes_per_token(config, args.prompt + args.new_tokens / 2))
+        base_ids = None
+        for spec in args.variants.split(";"):
+            apply_variant(spec, tuned)
+            engine = Engine(model, None, max_context=args.prompt + args.new_tokens + 16, eos_ids=set())
+            out, tok_s = time_ours(engine, prompt, args.new_tokens)
+            base_ids = base_ids or out.token_ids
+            rows.append({"shape": name, "context": args.prompt, "variant": spec, "decode tok/s": tok_s,
+                         "of roofline": tok_s / roofline, "same ids": out.token_ids == base_ids})
+            print(rows[-1], flush=True)
+            del engine
+            gc.collect()
+        del model
+        gc.collect()
+        torch.cuda.empty_cache()
+    apply_variant("table", tuned)
+    print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s")
+    print_table(rows)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,43 @@
+"""The programmatic-dependent-launch prologue of the decode kernels (Hopper's griddepcontrol).
+
+griddepcontrol.wait blocks until the previous kernel of the stream has finished and its writes are
+visible; griddepcontrol.launch_dependents lets the next kernel's programs start (and load what
+depends on no kernel: weights) before this one ends. Where a kernel signals its dependents is its
+TRIGGER:
+
+    0  before its own wait (launches run two deep: the next kernel starts while this one waits)
+    1  right after its wait (the next kernel's programs sit resident while this one runs)
+    2  after its main loop, before the epilogue (the next kernel arrives for the tail)
+
+Every kernel waits before it reads or writes anything another kernel touches, and finishes only
+after its wait, so "the kernel before me finished" still implies every kernel before it did,
+whatever the trigger.
+
+    pdl_trigger(USE_PDL, TRIGGER, 0)   # first thing in the kernel
+    ...                                # loads that depend on no kernel (weight tiles)
+    pdl_wait(USE_PDL, TRIGGER)         # before the first read of another kernel's output
+    ...                                # the main loop
+    pdl_trigger(USE_PDL, TRIGGER, 2)   # before the epilogue
+
+Imported only by Triton kernel modules (it imports triton).
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def pdl_trigger(USE_PDL: tl.constexpr, TRIGGER: tl.constexpr, HERE: tl.constexpr):
+    """Signal the dependents here if this is the kernel's trigger point (HERE: 0 or 2)."""
+    if USE_PDL and TRIGGER == HERE:
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def pdl_wait(USE_PDL: tl.constexpr, TRIGGER: tl.constexpr):
+    """Wait for the previous kernel (and signal the dependents right after with TRIGGER 1)."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        if TRIGGER == 1:
+            tl.extra.cuda.gdc_launch_dependents()

@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from kernels._backend import interpreting, launch_options, patch_interpreter_index, pdl_enabled
+from kernels._pdl import pdl_wait
 
 if interpreting():
     patch_interpreter_index()
@@ -40,9 +41,7 @@ def _rope_and_store_kernel(
     HQ: tl.constexpr, HKV: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
     USE_NORM: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_wait(USE_PDL, 1)
     row = tl.program_id(0)                # b * T + t
     head = tl.program_id(1)
     b = row // T

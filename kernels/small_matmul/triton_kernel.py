@@ -399,9 +399,7 @@ def _reduce_splits_kernel(
 
 @triton.jit
 def _norm_inputs_kernel(H, NormW, Weighted, SumSq, M, K, stride_h, USE_PDL: tl.constexpr, BLOCK: tl.constexpr):
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_wait(USE_PDL, 1)
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     ok = offs < K

@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from kernels._backend import interpreting, launch_options, patch_interpreter_index, pdl_enabled
+from kernels._pdl import pdl_wait
 from kernels.decode_attention.triton_kernel import (
     INVARIANT_Q_ROWS,
     LOG2E,
@@ -55,9 +56,7 @@ def _block_scores_kernel(
     D_CHUNK: tl.constexpr, UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     tl.static_assert(LANES >= Q_ROWS)
-    if USE_PDL:                                   # inputs come from the kernel before (programmatic launch)
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_wait(USE_PDL, 1)                          # inputs come from the kernel before (programmatic launch)
     pid_c = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // H_KV
@@ -110,9 +109,7 @@ def _select_blocks_kernel(
     Q_ROWS: tl.constexpr, TOP_K: tl.constexpr, KEEP_ALL_ROWS: tl.constexpr, NB_P2: tl.constexpr,
     LANE_TILE: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    if USE_PDL:                                   # inputs come from the kernel before (programmatic launch)
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_wait(USE_PDL, 1)                          # inputs come from the kernel before (programmatic launch)
     # Integer logic only, so a lane's row is the same whichever program (and LANE_TILE) handles it.
     pid_bh = tl.program_id(1)                     # flat (b, kvh)
     seq_len = tl.load(SeqLen + pid_bh // H_KV).to(tl.int32)
@@ -161,9 +158,7 @@ def _sparse_split_kernel(
 ):
     tl.static_assert(BLOCK_M >= GROUP * Q_ROWS)
     tl.static_assert(LANES >= Q_ROWS)
-    if USE_PDL:                                   # inputs come from the kernel before (programmatic launch)
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_wait(USE_PDL, 1)                          # inputs come from the kernel before (programmatic launch)
     pid_s = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // H_KV
@@ -354,9 +349,7 @@ def _summary_update_kernel(
     H_KV,
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()                  # the cache rows come from the kernel before
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_wait(USE_PDL, 1)  # the cache rows come from the kernel before
     block = first_block + tl.program_id(0)
     _summarise_block(K, KMin, KMax, block, new_len, stride_kb, stride_kh, stride_kn, stride_sb, stride_sh, stride_sn,
                      H_KV, HEAD_DIM, BLOCK_SIZE, BLOCK_D)
@@ -389,9 +382,7 @@ def _summary_update_at_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     # Same as _summary_update_kernel, with the first row read on the device (CUDA-graph replays).
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()                  # the cache rows come from the kernel before
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_wait(USE_PDL, 1)  # the cache rows come from the kernel before
     start = tl.load(Start).to(tl.int32)
     new_len = start + rows
     block = start // BLOCK_SIZE + tl.program_id(0)

@@ -10,6 +10,7 @@ import triton.language as tl
 
 from kernels._backend import launch_options, pdl_enabled
 from kernels.small_matmul.triton_kernel import norm_row, norm_row_launch
+from kernels._pdl import pdl_wait
 
 
 @triton.jit
@@ -23,9 +24,7 @@ def _step_inputs_kernel(
     START_ON_DEVICE: tl.constexpr, NORM: tl.constexpr, USE_PDL: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()                 # the tokens and the length come from the step before
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_wait(USE_PDL, 1)  # the tokens and the length come from the step before
     m = tl.program_id(0)
     t = m % T
     if START_ON_DEVICE:

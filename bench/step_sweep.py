@@ -1,20 +1,25 @@
 """Try decode-step variants on whole steps: each variant gets a fresh engine (its graphs captured
-under it), and its decode tok/s and greedy ids are compared with the first variant's (ids must be
-equal: none of these knobs changes a value).
+under it), and its decode tok/s and greedy ids are compared with the first variant's. Trigger points
+and preloads change no value, so their ids must be equal; another tile, block or split changes the
+order of a sum and may move the ids of random weights (a "False" there is not a bug).
 
 A variant is space-separated settings, "table" for none:
   BATCHD_NAME=VALUE               an environment switch read at capture (BATCHD_PDL_TRIGGER:
                                   where the decode kernels signal their dependents, kernels._pdl)
   N,K=bn,bk,splits,stages[,preload]   replaces small_linear's table entry for that weight shape
+  preload=D[@MB]                  every table entry preloads D weight tiles (only weights of at
+                                  least MB megabytes; the others 0)
   attnG=bn,warps,stages,fit       replaces decode attention's tile for query-head group size G
                                   (kernels.decode_attention.triton_kernel.DecodeTile; warps 0: auto)
 
     python bench/step_sweep.py --shapes qwen2.5-1.5b --variants "table;BATCHD_PDL_TRIGGER=2;2048,1536=16,512,1,4,3"
     python bench/step_sweep.py --shapes qwen2.5-1.5b --prompt 32768 --variants "table;BATCHD_PDL_TRIGGER=linear:2"
+    python bench/step_sweep.py --shapes qwen2.5-1.5b,llama-3-8b --variants "table;preload=0;preload=4@100"
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import os
 import sys
@@ -55,6 +60,12 @@ def apply_variant(spec: str, tuned: dict) -> None:
             os.environ[name] = value
             continue
         shape, _, values = item.partition("=")
+        if shape == "preload":
+            depth, _, min_mb = values.partition("@")
+            triton_kernel.TUNED.update({
+                (n, k, size): dataclasses.replace(cfg, preload=int(depth) if n * k * size >= float(min_mb or 0) * 1e6 else 0)
+                for (n, k, size), cfg in tuned.items()})
+            continue
         if shape.startswith("attn"):
             bn, warps, stages, fit = (int(v) for v in values.split(","))
             attention_kernel.TUNED_TILES[int(shape[4:])] = attention_kernel.DecodeTile(bn, warps or None, stages, bool(fit))

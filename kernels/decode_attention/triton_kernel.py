@@ -201,7 +201,7 @@ class DecodeTile:
 
 
 # By group size G = Hq / Hkv, measured on the H200 (`python bench/attention.py --sweep-layout 12,2`,
-# Qwen2.5-1.5B's layout, NOTES in kernels/small_matmul/NOTES.md "Stop 11"): at 32K rows the G = 6
+# Qwen2.5-1.5B's layout, kernels/decode_attention/NOTES.md): at 32K rows the G = 6
 # decode step went from 19.7 us (40% of copy) to 11.2 us (70%). Other G keep the defaults (tuned at
 # Llama-3-8B's G = 4 by the --sweep at 64K).
 TUNED_TILES: dict[int, DecodeTile] = {

@@ -71,12 +71,12 @@ class SmallLinearConfig:
 
 # Measured on one H200 (132 SMs, copy bandwidth 4.27 TB/s) by `python bench/small_matmul.py --tune`,
 # bf16 at M = 1, weights streamed from HBM; f16 uses the bf16 entry (same bytes). `preload` from
-# `python bench/preload_sweep.py` on whole decode steps: it pays on weights of 100 MB and more
+# `python bench/step_sweep.py` (preload=) on whole decode steps: it pays on weights of 100 MB and more
 # (Llama-3-8B 226 -> 234 tok/s) and on Qwen2.5-1.5B's down (730 -> 736), and is neutral or costs
 # 1-2% on the other small ones, which are latency-bound. Narrow 16-row weight tiles win for the
 # small projections (more programs without a k split and its reduce launch). The Qwen2.5-1.5B
 # entries and Llama-3-8B's down were then re-chosen on whole decode steps, where launches overlap
-# (`bench/preload_sweep.py` specs): a kernel's best config alone is not its best in a step (1.5B
+# (`bench/step_sweep.py` N,K= specs): a kernel's best config alone is not its best in a step (1.5B
 # down: 11 splits alone, 8 with preload in steps, 703 -> 747 tok/s). Every variant tried and its
 # tok/s: NOTES.md, "Stop 10". Key: (N, K, element size in bytes).
 TUNED: dict[tuple[int, int, int], SmallLinearConfig] = {

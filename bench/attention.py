@@ -37,7 +37,7 @@ from triton.testing import do_bench, do_bench_cudagraph  # noqa: E402
 from kernels import BlockKeySummary, decode_attention, score_tail_queries  # noqa: E402
 from kernels.chunk_scoring.reference import score_tail_queries_reference  # noqa: E402
 from kernels.decode_attention.reference import decode_attention_reference  # noqa: E402
-from kernels.decode_attention.triton_kernel import decode_attention_triton  # noqa: E402
+from kernels.decode_attention.triton_kernel import decode_attention_triton, decode_tile  # noqa: E402
 from kernels.sparse_attention import (  # noqa: E402
     keep_all_rows,
     select_blocks,
@@ -328,8 +328,12 @@ def sweep(S: int = 65536, hq: int = HQ, hkv: int = HKV, copy_bw: float | None = 
             print(f"SWEEP {hq}/{hkv} heads S={S} Q={QR:2d} {label:8s} {ms * 1e3:7.1f} us {kv_bytes / ms / 1e6:6.0f} GB/s"
                   f"{share}  block_n={bn} warps={w} stages={st} splits={sp or 'default'} block_m={bm or 'invariant'}")
 
-        default = run(64, None, 2, None)
-        show("default", default, 64, "auto", 2, None)
+        G = hq // hkv
+        invariant = max(16, triton.next_power_of_2(G * 16))
+        show("G*16", run(64, None, 2, None, block_m=invariant), 64, "auto", 2, None, invariant)   # before stop 11
+        tile = decode_tile(G)
+        show("table", run(None, None, None, None), tile.block_n, tile.num_warps or "auto", tile.num_stages, None,
+             "fit" if tile.fit_rows else None)
         results = [(run(bn, w, st, None), bn, w, st, None)
                    for bn in (32, 64, 128) for w in (4, 8) for st in (2, 3, 4)]
         _, bn, w, st, _ = min(results)

@@ -119,7 +119,7 @@ def test_unknown_backend_is_refused():
 @needs_triton
 @pytest.mark.triton
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])
-@pytest.mark.parametrize("QR, Hq", [(5, 6), (5, 12), (16, 12)], ids=["G3-Q5", "G6-Q5", "G6-Q16"])
+@pytest.mark.parametrize("QR, Hq", [(5, 6), (5, 12), (16, 12), (11, 14)], ids=["G3-Q5", "G6-Q5", "G6-Q16", "G7-Q11"])
 def test_verify_lane_equals_decode_step_bitwise(dtype, QR, Hq):
     """Lane i of a Q-row verify step must equal the one-row decode step at the same position, bit
     for bit: greedy output may not change when speculation is switched on (split boundaries sit

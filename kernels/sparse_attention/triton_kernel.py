@@ -284,8 +284,10 @@ def sparse_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             num_stages: int = 2, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """-> [B, Hq, Q, D] in q's dtype (or out_dtype): attention over the chosen blocks' visible rows, lane by lane.
 
-    Tile, splits and warps are the dense kernel's (decode_attention_triton with block_n = block_size),
-    whatever Q is; the keyword knobs are for tuning (bench/attention.py) and must not depend on Q.
+    Tile, splits and warps are the dense kernel's defaults (G * 16 rows, default_num_splits with
+    block_n = block_size), whatever Q is, so a sparse verify lane equals its sparse decode step (the
+    dense kernel fits its tile for some G, DecodeTile; the two kernels never serve one step); the
+    keyword knobs are for tuning (bench/attention.py) and must not depend on Q.
     out_dtype=torch.float32 keeps the merged result unrounded (bitwise tests see every difference).
     """
     B, Hq, QR, D = q.shape

@@ -240,6 +240,14 @@ def _small_linear_kernel(
         w3 = _load_weight_tile(w_ptrs, k_start + 3 * BLOCK_K, K, n_ok, offs_k, EVEN_N, EVEN_K)
     pdl_wait(USE_PDL, TRIGGER)                   # X, Res, SumSqIn: written by the previous kernel
 
+    if SCALE_ROWS:
+        # X held norm_weight * h: RMSNorm's per-row scale, from the sums of squares of h that the
+        # kernel producing h left in SumSqIn (parts summed in a fixed order). Read before the k loop
+        # so its round trip overlaps the loop's instead of following it; applied after the loop.
+        parts = tl.arange(0, PARTS_P2)
+        sumsq = tl.load(SumSqIn + parts[:, None] * M + offs_m[None, :],
+                        mask=(parts < parts_in)[:, None] & m_ok[None, :], other=0.0)
+        row_scale = tl.rsqrt(tl.sum(sumsq, 0) / K + eps)             # [BLOCK_M]
     x_ptrs = X + offs_m[:, None] * stride_xm + offs_k[None, :]
     if SWAP:
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
@@ -265,12 +273,7 @@ def _small_linear_kernel(
         acc = tl.trans(acc)                           # [BLOCK_N, BLOCK_M] from here on
 
     if SCALE_ROWS:
-        # X held norm_weight * h: RMSNorm's per-row scale, from the sums of squares of h that the
-        # kernel producing h left in SumSqIn (parts summed in a fixed order)
-        parts = tl.arange(0, PARTS_P2)
-        sumsq = tl.load(SumSqIn + parts[:, None] * M + offs_m[None, :],
-                        mask=(parts < parts_in)[:, None] & m_ok[None, :], other=0.0)
-        acc = acc * tl.rsqrt(tl.sum(sumsq, 0) / K + eps)[None, :]
+        acc = acc * row_scale[None, :]
 
     if GATED:
         gate, up = tl.split(tl.permute(tl.reshape(acc, [2, OUT_N, BLOCK_M]), [1, 2, 0]))   # [OUT_N, BLOCK_M]
@@ -371,9 +374,9 @@ def _emit_norm_inputs(y, cols, offs_m, mask, part, M, N, NextNormW, WeightedOut,
 def _reduce_splits_kernel(
     Part, Bias, Res, Out, NextNormW, WeightedOut, SumSqOut,
     # Part [SPLITS, M, N] f32; Bias [N]; Res, Out, WeightedOut [M, N]; SumSqOut [cdiv(N, BLOCK), M] f32
-    M, N, stride_rm, stride_om, splits,
-    HAS_BIAS: tl.constexpr, RESIDUAL: tl.constexpr, EMIT_NORM: tl.constexpr, USE_PDL: tl.constexpr,
-    TRIGGER: tl.constexpr, BLOCK: tl.constexpr,
+    M, N, stride_rm, stride_om,
+    SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr, RESIDUAL: tl.constexpr, EMIT_NORM: tl.constexpr,
+    USE_PDL: tl.constexpr, TRIGGER: tl.constexpr, BLOCK: tl.constexpr,
 ):
     pdl_trigger(USE_PDL, TRIGGER, 0)
     pdl_wait(USE_PDL, TRIGGER)
@@ -381,7 +384,8 @@ def _reduce_splits_kernel(
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < N
     acc = tl.load(Part + row * N + offs, mask=ok, other=0.0)
-    for s in range(1, splits):                       # fixed order: split 0, 1, 2, ...
+    # fixed order: split 0, 1, 2, ...; unrolled, so every partial's load is in flight at once
+    for s in tl.static_range(1, SPLITS):
         acc += tl.load(Part + (s * M + row) * N + offs, mask=ok, other=0.0)
     pdl_trigger(USE_PDL, TRIGGER, 2)
     if HAS_BIAS:
@@ -517,8 +521,8 @@ def small_linear_triton(
     if splits > 1:
         _reduce_splits_kernel[(M, triton.cdiv(N, REDUCE_BLOCK))](
             part, bias_arg, res_arg, out, emit_norm_weight if emit else out, weighted, sumsq_out,
-            M, N, res_arg.stride(0), out.stride(0), splits,
-            HAS_BIAS=bias is not None, RESIDUAL=residual is not None, EMIT_NORM=emit, USE_PDL=pdl,
+            M, N, res_arg.stride(0), out.stride(0),
+            SPLITS=splits, HAS_BIAS=bias is not None, RESIDUAL=residual is not None, EMIT_NORM=emit, USE_PDL=pdl,
             TRIGGER=pdl_trigger_point("reduce"), BLOCK=REDUCE_BLOCK, num_warps=4, **launch_options(pdl),
         )
     return (out, NormInputs(weighted, sumsq_out)) if emit else out

@@ -1,5 +1,6 @@
-"""Where a decode step's time goes: the top CUDA kernels over 32 graph-replayed steps, and what
-each kernel adds to a step (end-to-end increments, which stay meaningful under PDL overlap).
+"""Where a decode step's time goes: the top CUDA kernels over 32 graph-replayed steps, what each
+kernel adds to a step (end-to-end increments, which stay meaningful under PDL overlap), and one
+layer's launches in order with their increments.
 
     python bench/profile_decode.py --shape qwen2.5-1.5b [--trace kernels.csv]
 """
@@ -41,6 +42,7 @@ def main() -> None:
     span = kernels[-1].time_range.end - kernels[0].time_range.start if kernels else 0
     print(f"{len(kernels)} kernels, busy {busy / 1e3:.2f} ms of a {span / 1e3:.2f} ms span ({busy / max(span, 1):.0%})")
     print_increments(kernels[len(kernels) // 2:], steps=len(out.token_ids) // 2)
+    print_layer_increments([(e.name, e.time_range.end) for e in kernels], config.num_layers)
     if args.trace:
         with open(args.trace, "w") as f:
             f.write("name,start_us,duration_us\n")
@@ -61,6 +63,33 @@ def print_increments(kernels, steps: int) -> None:
         values.sort()
         print(f"{name:48s} {len(values) / max(steps, 1):8.1f} {values[len(values) // 2]:9.2f} "
               f"{sum(values) / max(steps, 1):8.1f}")
+
+
+def print_layer_increments(kernels: list[tuple[str, float]], num_layers: int, first: str = "_step_inputs") -> None:
+    """One layer's launches in order with what each adds to a step (median over the layers of
+    the steady steps): kernels are (name, end us) in launch order; a step starts at `first`, and
+    its layers are the run of launches that repeats num_layers times right after it."""
+    starts = [i for i, (name, _) in enumerate(kernels) if name.startswith(first)]
+    steps = [kernels[a:b] for a, b in zip(starts, starts[1:])][len(starts) // 2:]   # the steady half
+    if not steps or num_layers < 2:
+        print("no whole steps to split into layers")
+        return
+    names = [name for name, _ in steps[0]]
+    period = next((k for k in range(1, (len(names) - 1) // num_layers + 1)
+                   if all(names[1 + i] == names[1 + i + k] for i in range((num_layers - 1) * k))), None)
+    if period is None:
+        print("no launch pattern repeats once per layer")
+        return
+    increments = [[] for _ in range(period)]
+    for step in steps:
+        ends = [end for _, end in step]
+        for i in range(1, 1 + num_layers * period):
+            increments[(i - 1) % period].append(ends[i] - ends[i - 1])
+    print(f"\none layer ({period} launches), median increment per launch (us):")
+    for position, values in enumerate(increments):
+        values.sort()
+        print(f"  {position}: {names[1 + position][:44]:44s} {values[len(values) // 2]:6.2f}")
+    print(f"  layer total {sum(sorted(v)[len(v) // 2] for v in increments):.1f} us")
 
 
 if __name__ == "__main__":

@@ -37,7 +37,7 @@ from triton.testing import do_bench, do_bench_cudagraph  # noqa: E402
 from kernels import BlockKeySummary, decode_attention, score_tail_queries  # noqa: E402
 from kernels.chunk_scoring.reference import score_tail_queries_reference  # noqa: E402
 from kernels.decode_attention.reference import decode_attention_reference  # noqa: E402
-from kernels.decode_attention.triton_kernel import decode_attention_triton, decode_tile  # noqa: E402
+from kernels.decode_attention.triton_kernel import decode_attention_triton, decode_tile, invariant_tile_rows  # noqa: E402
 from kernels.sparse_attention import (  # noqa: E402
     keep_all_rows,
     select_blocks,
@@ -329,7 +329,7 @@ def sweep(S: int = 65536, hq: int = HQ, hkv: int = HKV, copy_bw: float | None = 
                   f"{share}  block_n={bn} warps={w} stages={st} splits={sp or 'default'} block_m={bm or 'invariant'}")
 
         G = hq // hkv
-        invariant = max(16, triton.next_power_of_2(G * 16))
+        invariant = invariant_tile_rows(G)
         show("G*16", run(64, None, 2, None, block_m=invariant), 64, "auto", 2, None, invariant)   # before stop 11
         tile = decode_tile(G)
         show("table", run(None, None, None, None), tile.block_n, tile.num_warps or "auto", tile.num_stages, None,
@@ -341,7 +341,7 @@ def sweep(S: int = 65536, hq: int = HQ, hkv: int = HKV, copy_bw: float | None = 
         results.sort(key=lambda r: r[0])
         for ms, bn, w, st, sp in results[:3]:
             show("best", ms, bn, w, st, sp)
-        if QR == 1 and hq // hkv <= 8:
+        if QR == 1 and G <= 8:
             _, bn, w, st, sp = results[0]
             show("tile 64", run(bn, 4, st, sp, block_m=64), bn, 4, st, sp, 64)
 

@@ -26,6 +26,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+AFTER_WAIT = tl.constexpr(1)   # TRIGGER 1: the point kernels without a BATCHD_PDL_TRIGGER knob use
+
 
 @triton.jit
 def pdl_trigger(USE_PDL: tl.constexpr, TRIGGER: tl.constexpr, HERE: tl.constexpr):

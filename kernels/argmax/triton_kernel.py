@@ -8,7 +8,7 @@ import triton
 import triton.language as tl
 
 from kernels._backend import launch_options, pdl_enabled
-from kernels._pdl import pdl_wait
+from kernels._pdl import AFTER_WAIT, pdl_wait
 
 BLOCK = 2048
 
@@ -16,7 +16,7 @@ BLOCK = 2048
 @triton.jit
 def _block_argmax_kernel(X, BestVal, BestIdx, V, stride_x, NUM_BLOCKS, USE_PDL: tl.constexpr, BLOCK: tl.constexpr):
     # X [M, V]; BestVal [M, NUM_BLOCKS] f32; BestIdx [M, NUM_BLOCKS] int32
-    pdl_wait(USE_PDL, 1)  # the logits come from the kernel before
+    pdl_wait(USE_PDL, AFTER_WAIT)  # the logits come from the kernel before
     row = tl.program_id(0)
     block = tl.program_id(1)
     idx = block * BLOCK + tl.arange(0, BLOCK)
@@ -33,7 +33,7 @@ def _row_argmax_kernel(BestVal, BestIdx, Out, Picked, NextToken, Length, NUM_BLO
                        RECORD: tl.constexpr, BLOCKS_P2: tl.constexpr):
     # Out [M] int64; with RECORD (M = 1, the greedy chain): Picked [max_len] int64, NextToken [1],
     # Length [1] int64: picked[length] = id, next_token = id, length += 1
-    pdl_wait(USE_PDL, 1)
+    pdl_wait(USE_PDL, AFTER_WAIT)
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCKS_P2)
     ok = offs < NUM_BLOCKS

@@ -215,6 +215,12 @@ def decode_tile(group: int) -> DecodeTile:
     return TUNED_TILES.get(group, DecodeTile())
 
 
+def invariant_tile_rows(group: int) -> int:
+    """Rows of the tile sized for the widest verify (G * 16, a power of two), whatever Q a call has:
+    the dense kernel's default and the sparse kernel's only tile."""
+    return max(16, triton.next_power_of_2(group * INVARIANT_Q_ROWS))
+
+
 def decode_attention_triton(
     q: torch.Tensor,          # [B, Hq, Q, D], last dim contiguous
     k_cache: torch.Tensor,    # [B, Hkv, S_max, D], last dim contiguous
@@ -240,8 +246,7 @@ def decode_attention_triton(
     # with fit_rows; either way a lane goes through the same MMA sequence in decode and in verify,
     # so its result is bitwise the same in both (DecodeTile).
     if block_m is None:
-        block_m = max(64, triton.next_power_of_2(G * QR)) if tile.fit_rows else \
-            max(16, triton.next_power_of_2(G * INVARIANT_Q_ROWS))
+        block_m = max(64, triton.next_power_of_2(G * QR)) if tile.fit_rows else invariant_tile_rows(G)
     if num_splits is None:
         num_splits = default_num_splits(B * Hkv, S_max, block_n, q.device)
     if num_warps is None:
@@ -267,4 +272,4 @@ def decode_attention_triton(
     return merge_splits(o_part, l_part, out, seq_len, block_n=block_n, splits_from_seq_len=True, s_max=S_max)
 
 
-__all__ = ["decode_attention_triton", "DecodeTile", "TUNED_TILES", "decode_tile", "merge_splits", "dot_flags", "default_num_splits", "LOG2E"]
+__all__ = ["decode_attention_triton", "DecodeTile", "TUNED_TILES", "decode_tile", "invariant_tile_rows", "merge_splits", "dot_flags", "default_num_splits", "LOG2E"]

@@ -9,7 +9,7 @@ import triton
 import triton.language as tl
 
 from kernels._backend import interpreting, launch_options, patch_interpreter_index, pdl_enabled
-from kernels._pdl import pdl_wait
+from kernels._pdl import AFTER_WAIT, pdl_wait
 
 if interpreting():
     patch_interpreter_index()
@@ -18,7 +18,7 @@ if interpreting():
 @triton.jit
 def _rms_norm_kernel(X, Res, W, Out, HOut, eps, H, stride_x, stride_r, stride_o, stride_h,
                      HAS_RES: tl.constexpr, USE_PDL: tl.constexpr, BLOCK: tl.constexpr):
-    pdl_wait(USE_PDL, 1)
+    pdl_wait(USE_PDL, AFTER_WAIT)
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     ok = offs < H

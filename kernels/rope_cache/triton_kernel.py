@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from kernels._backend import interpreting, launch_options, patch_interpreter_index, pdl_enabled
-from kernels._pdl import pdl_wait
+from kernels._pdl import AFTER_WAIT, pdl_wait
 
 if interpreting():
     patch_interpreter_index()
@@ -41,7 +41,7 @@ def _rope_and_store_kernel(
     HQ: tl.constexpr, HKV: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
     USE_NORM: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    pdl_wait(USE_PDL, 1)
+    pdl_wait(USE_PDL, AFTER_WAIT)
     row = tl.program_id(0)                # b * T + t
     head = tl.program_id(1)
     b = row // T

@@ -33,7 +33,7 @@ import triton.language as tl
 
 from kernels._backend import (interpreting, launch_options, multiprocessor_count, patch_interpreter_index, pdl_enabled,
                               pdl_trigger_point)
-from kernels._pdl import pdl_trigger, pdl_wait
+from kernels._pdl import AFTER_WAIT, pdl_trigger, pdl_wait
 from kernels.rope_cache.triton_kernel import rotate_half
 
 BLOCK_M = 16
@@ -403,7 +403,7 @@ def _reduce_splits_kernel(
 
 @triton.jit
 def _norm_inputs_kernel(H, NormW, Weighted, SumSq, M, K, stride_h, USE_PDL: tl.constexpr, BLOCK: tl.constexpr):
-    pdl_wait(USE_PDL, 1)
+    pdl_wait(USE_PDL, AFTER_WAIT)
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     ok = offs < K

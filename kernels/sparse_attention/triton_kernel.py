@@ -30,13 +30,14 @@ import triton
 import triton.language as tl
 
 from kernels._backend import interpreting, launch_options, patch_interpreter_index, pdl_enabled
-from kernels._pdl import pdl_wait
+from kernels._pdl import AFTER_WAIT, pdl_wait
 from kernels.decode_attention.triton_kernel import (
     INVARIANT_Q_ROWS,
     LOG2E,
     _split_len,
     default_num_splits,
     dot_flags,
+    invariant_tile_rows,
     merge_splits,
 )
 
@@ -56,7 +57,7 @@ def _block_scores_kernel(
     D_CHUNK: tl.constexpr, UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     tl.static_assert(LANES >= Q_ROWS)
-    pdl_wait(USE_PDL, 1)                          # inputs come from the kernel before (programmatic launch)
+    pdl_wait(USE_PDL, AFTER_WAIT)                 # inputs come from the kernel before (programmatic launch)
     pid_c = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // H_KV
@@ -109,7 +110,7 @@ def _select_blocks_kernel(
     Q_ROWS: tl.constexpr, TOP_K: tl.constexpr, KEEP_ALL_ROWS: tl.constexpr, NB_P2: tl.constexpr,
     LANE_TILE: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    pdl_wait(USE_PDL, 1)                          # inputs come from the kernel before (programmatic launch)
+    pdl_wait(USE_PDL, AFTER_WAIT)                 # inputs come from the kernel before (programmatic launch)
     # Integer logic only, so a lane's row is the same whichever program (and LANE_TILE) handles it.
     pid_bh = tl.program_id(1)                     # flat (b, kvh)
     seq_len = tl.load(SeqLen + pid_bh // H_KV).to(tl.int32)
@@ -158,7 +159,7 @@ def _sparse_split_kernel(
 ):
     tl.static_assert(BLOCK_M >= GROUP * Q_ROWS)
     tl.static_assert(LANES >= Q_ROWS)
-    pdl_wait(USE_PDL, 1)                          # inputs come from the kernel before (programmatic launch)
+    pdl_wait(USE_PDL, AFTER_WAIT)                 # inputs come from the kernel before (programmatic launch)
     pid_s = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // H_KV
@@ -294,7 +295,7 @@ def sparse_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     Hkv, S_max = k_cache.shape[1], k_cache.shape[2]
     G = Hq // Hkv
     NB = selected.shape[-1]
-    block_m = max(16, triton.next_power_of_2(G * INVARIANT_Q_ROWS))
+    block_m = invariant_tile_rows(G)
     if num_splits is None:
         num_splits = default_num_splits(B * Hkv, S_max, block_size, q.device)
     if num_warps is None:
@@ -351,7 +352,7 @@ def _summary_update_kernel(
     H_KV,
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    pdl_wait(USE_PDL, 1)  # the cache rows come from the kernel before
+    pdl_wait(USE_PDL, AFTER_WAIT)  # the cache rows come from the kernel before
     block = first_block + tl.program_id(0)
     _summarise_block(K, KMin, KMax, block, new_len, stride_kb, stride_kh, stride_kn, stride_sb, stride_sh, stride_sn,
                      H_KV, HEAD_DIM, BLOCK_SIZE, BLOCK_D)
@@ -384,7 +385,7 @@ def _summary_update_at_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     # Same as _summary_update_kernel, with the first row read on the device (CUDA-graph replays).
-    pdl_wait(USE_PDL, 1)  # the cache rows come from the kernel before
+    pdl_wait(USE_PDL, AFTER_WAIT)  # the cache rows come from the kernel before
     start = tl.load(Start).to(tl.int32)
     new_len = start + rows
     block = start // BLOCK_SIZE + tl.program_id(0)

@@ -10,7 +10,7 @@ import triton.language as tl
 
 from kernels._backend import launch_options, pdl_enabled
 from kernels.small_matmul.triton_kernel import norm_row, norm_row_launch
-from kernels._pdl import pdl_wait
+from kernels._pdl import AFTER_WAIT, pdl_wait
 
 
 @triton.jit
@@ -24,7 +24,7 @@ def _step_inputs_kernel(
     START_ON_DEVICE: tl.constexpr, NORM: tl.constexpr, USE_PDL: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    pdl_wait(USE_PDL, 1)  # the tokens and the length come from the step before
+    pdl_wait(USE_PDL, AFTER_WAIT)  # the tokens and the length come from the step before
     m = tl.program_id(0)
     t = m % T
     if START_ON_DEVICE:

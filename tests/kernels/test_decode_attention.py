@@ -123,8 +123,8 @@ def test_unknown_backend_is_refused():
 def test_verify_lane_equals_decode_step_bitwise(dtype, QR, Hq):
     """Lane i of a Q-row verify step must equal the one-row decode step at the same position, bit
     for bit: greedy output may not change when speculation is switched on (split boundaries sit
-    at fixed cache rows; the tile is G * 16 rows for every Q, or for G = 6 fitted to G * Q rows of
-    at least 64: a 64-row decode tile against a 64- or 128-row verify tile)."""
+    at fixed cache rows; the tile is G * 16 rows for every Q, or for G = 6 and 7 fitted to G * Q rows
+    of at least 64: a 64-row decode tile against a 64- or 128-row verify tile)."""
     S_max, seq_len = 640, 514  # lanes around a length where seq_len-derived splits would change
     q, k, v = make(1, Hq, 2, QR, 32, S_max, dtype, seed=3)
     verify = decode_attention(q, k, v, torch.tensor([seq_len], device=DEVICE), backend="triton")

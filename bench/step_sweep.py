@@ -1,6 +1,6 @@
 """Try decode-step variants on whole steps: each variant gets a fresh engine (its graphs captured
-under it), and its decode tok/s and greedy ids are compared with the first variant's. Trigger points
-and preloads change no value, so their ids must be equal; another tile, block or split changes the
+under it), and its decode tok/s and greedy ids are compared with the first variant's. Trigger points,
+preloads and early reads (BATCHD_EARLY_READS) change no value, so their ids must be equal; another tile, block or split changes the
 order of a sum and may move the ids of random weights (a "False" there is not a bug).
 
 A variant is space-separated settings, "table" for none:
@@ -13,6 +13,7 @@ A variant is space-separated settings, "table" for none:
                                   (kernels.decode_attention.triton_kernel.DecodeTile; warps 0: auto)
 
     python bench/step_sweep.py --shapes qwen2.5-1.5b --variants "table;BATCHD_PDL_TRIGGER=2;2048,1536=16,512,1,4,3"
+    python bench/step_sweep.py --shapes qwen2.5-1.5b --variants "table;BATCHD_EARLY_READS=0;table"
     python bench/step_sweep.py --shapes qwen2.5-1.5b --prompt 32768 --variants "table;BATCHD_PDL_TRIGGER=linear:2"
     python bench/step_sweep.py --shapes qwen2.5-1.5b,llama-3-8b --variants "table;preload=0;preload=4@100"
 """
@@ -39,7 +40,7 @@ from kernels.small_matmul import triton_kernel  # noqa: E402
 TILES = dict(attention_kernel.TUNED_TILES)
 
 
-SWITCHES = ("BATCHD_PDL_TRIGGER",)
+SWITCHES = ("BATCHD_PDL_TRIGGER", "BATCHD_EARLY_READS")
 
 
 def apply_variant(spec: str, tuned: dict) -> None:

@@ -94,14 +94,18 @@ def attend(q, k_cache, v_cache, start: int, scale: float, use_kernel: bool, seq_
 def attend_kernel_lanes(q, k_cache, v_cache, seq_len, scale: float) -> torch.Tensor:
     """kernels.decode_attention over T <= 17 lanes. The kernel's tile holds 16 lanes per head; the
     widest verify (16 drafts + 1) runs as lanes 0..15 against a cache one row shorter, then lane 16.
-    Each lane's rows are computed alone in the tile, so a lane is bitwise its decode step either way."""
+    Each lane's rows are computed alone in the tile, so a lane is bitwise its decode step either way.
+
+    settled=True: in a layer the kernel just before wrote only the T new rows (the q/k/v projection
+    or its rope launch); the lengths and the older rows are from earlier launches (kernels._pdl)."""
     from kernels.decode_attention import MAX_Q_ROWS, decode_attention
 
     T = q.shape[2]
     if T <= MAX_Q_ROWS:
-        return decode_attention(q, k_cache, v_cache, seq_len, scale=scale)
-    head = decode_attention(q[:, :, :MAX_Q_ROWS], k_cache, v_cache, seq_len - (T - MAX_Q_ROWS), scale=scale)
-    tail = decode_attention(q[:, :, MAX_Q_ROWS:], k_cache, v_cache, seq_len, scale=scale)
+        return decode_attention(q, k_cache, v_cache, seq_len, scale=scale, settled=True)
+    head = decode_attention(q[:, :, :MAX_Q_ROWS], k_cache, v_cache, seq_len - (T - MAX_Q_ROWS), scale=scale,
+                            settled=True)
+    tail = decode_attention(q[:, :, MAX_Q_ROWS:], k_cache, v_cache, seq_len, scale=scale, settled=True)
     return torch.cat([head, tail], dim=2)
 
 

@@ -64,9 +64,12 @@ class Attention(nn.Module):
             # projection, rope and the cache write in one launch (kernels.small_matmul.qkv_rope_and_store)
             from kernels.small_matmul import qkv_rope_and_store
 
+            # the step's rope rows and positions come from kernels.step_inputs: the launch just
+            # before the first layer's projection, two or more launches back for every other layer
             q = qkv_rope_and_store(normed_inputs.weighted, self.qkv_proj.weight, self.qkv_proj.bias, cos=cos, sin=sin,
                                    positions=positions, k_cache=k_cache, v_cache=v_cache, num_heads=self.num_heads,
-                                   num_kv_heads=self.num_kv_heads, row_sumsq=normed_inputs.sumsq, eps=norm.eps)
+                                   num_kv_heads=self.num_kv_heads, row_sumsq=normed_inputs.sumsq, eps=norm.eps,
+                                   settled=layer_idx > 0)
         else:  # qwen3's per-head q/k norm needs whole heads, which the projection's tiles do not hold
             if normed_inputs is not None:
                 qkv = fused_project(normed_inputs.weighted.view(hidden.shape), self.qkv_proj,
@@ -143,12 +146,16 @@ class Block(nn.Module):
         if normed_inputs is None:
             hidden, normed = fused.add_rms_norm(project(attn, self.self_attn.o_proj), hidden, post.weight, post.eps)
             return hidden + mlp(normed), None
-        hidden, post_inputs = fused_project(attn, self.self_attn.o_proj, residual=hidden, emit_norm=post)
+        # Both residuals were written two or more launches before the projection that adds them
+        # (the stream by the last layer's down or kernels.step_inputs, then by o), so the kernels
+        # may read them before waiting on the launch just before (kernels._pdl, "Settled inputs").
+        hidden, post_inputs = fused_project(attn, self.self_attn.o_proj, residual=hidden, emit_norm=post,
+                                            settled=True)
         act = fused_project(post_inputs.weighted.view(hidden.shape), mlp.gate_up_proj, norm_inputs=post_inputs,
                             eps=post.eps, gated=True)
         if next_norm is None:
-            return fused_project(act, mlp.down_proj, residual=hidden), None
-        return fused_project(act, mlp.down_proj, residual=hidden, emit_norm=next_norm)
+            return fused_project(act, mlp.down_proj, residual=hidden, settled=True), None
+        return fused_project(act, mlp.down_proj, residual=hidden, emit_norm=next_norm, settled=True)
 
 
 def decode_fusion_applies(tokens: torch.Tensor) -> bool:
@@ -160,10 +167,11 @@ def decode_fusion_applies(tokens: torch.Tensor) -> bool:
 
 def fused_project(x: torch.Tensor, layer: nn.Linear, *, norm_inputs=None, eps: float = 1e-6,
                   residual: Optional[torch.Tensor] = None, gated: bool = False,
-                  emit_norm: Optional[RMSNorm] = None):
+                  emit_norm: Optional[RMSNorm] = None, settled: bool = False):
     """x: [B, T, K] -> [B, T, N] through kernels.small_matmul with its fusions: x = norm_weight * h
     with `norm_inputs` (h's RMSNorm folded in), silu(gate) * up of a stacked gate/up weight
-    (N = rows / 2), plus `residual` [B, T, N]; with `emit_norm`: (out, out's NormInputs for it)."""
+    (N = rows / 2), plus `residual` [B, T, N]; with `emit_norm`: (out, out's NormInputs for it).
+    settled: the residual was written two or more launches back (small_linear)."""
     from kernels.small_matmul import small_linear
 
     rows = x.shape[0] * x.shape[1]
@@ -171,7 +179,7 @@ def fused_project(x: torch.Tensor, layer: nn.Linear, *, norm_inputs=None, eps: f
         x.reshape(rows, x.shape[-1]), layer.weight, layer.bias,
         row_sumsq=None if norm_inputs is None else norm_inputs.sumsq, eps=eps,
         residual=None if residual is None else residual.reshape(rows, -1), gated=gated,
-        emit_norm_weight=None if emit_norm is None else emit_norm.weight,
+        emit_norm_weight=None if emit_norm is None else emit_norm.weight, settled=settled,
     )
     if emit_norm is None:
         return result.view(*x.shape[:-1], -1)

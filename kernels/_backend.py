@@ -149,6 +149,20 @@ def pdl_trigger_point(kernel: str) -> int:
     return point
 
 
+TRIGGER_KNOBS = ("linear", "reduce", "split", "merge")
+
+
+def early_reads_enabled() -> bool:
+    """Whether a decode kernel whose caller passed `settled=True` reads those inputs before its
+    griddepcontrol.wait (kernels._pdl, "Settled inputs"). That is safe only while every kernel
+    triggers its dependents at or after its own wait: with a trigger before the wait (0), launches
+    run two deep and "two launches back" is no longer finished. BATCHD_EARLY_READS=0 turns it off
+    (to measure it, or to rule it out when a result looks racy)."""
+    if os.environ.get("BATCHD_EARLY_READS", "1") == "0":
+        return False
+    return all(pdl_trigger_point(kernel) >= 1 for kernel in TRIGGER_KNOBS)
+
+
 def launch_options(pdl: bool) -> dict:
     """Extra launch keywords for a Triton kernel: `launch_pdl` only where it is on (the CPU
     interpreter knows no such option)."""

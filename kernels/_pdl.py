@@ -9,15 +9,24 @@ TRIGGER:
     1  right after its wait (the next kernel's programs sit resident while this one runs)
     2  after its main loop, before the epilogue (the next kernel arrives for the tail)
 
-Every kernel waits before it reads or writes anything another kernel touches, and finishes only
-after its wait, so "the kernel before me finished" still implies every kernel before it did,
-whatever the trigger.
+Every kernel waits before it writes anything another kernel touches, and before it reads what the
+kernel just before it may have written; it finishes only after its wait, so "the kernel before me
+finished" still implies every kernel before it did, whatever the trigger.
 
     pdl_trigger(USE_PDL, TRIGGER, 0)   # first thing in the kernel
-    ...                                # loads that depend on no kernel (weight tiles)
+    ...                                # loads that depend on no kernel (weight tiles), and with
+                                       # EARLY those of settled inputs
     pdl_wait(USE_PDL, TRIGGER)         # before the first read of another kernel's output
     ...                                # the main loop
     pdl_trigger(USE_PDL, TRIGGER, 2)   # before the epilogue
+
+Settled inputs: with every trigger at 1 or 2, a kernel's programs start only after the kernel
+before it has passed its wait, so the kernel two launches back has finished and everything it and
+the kernels before it wrote is in memory. A kernel may therefore read, before its own wait, inputs
+its caller knows were written two or more launches back (`settled=True` at the call: the residual
+stream and the step's rope rows and lengths in a decode layer, the cache rows of earlier steps);
+`kernels._backend.early_reads_enabled` turns that off whenever a trigger 0 is set. Those reads use
+the ".cg" cache modifier (L2, never a stale L1 line).
 
 Imported only by Triton kernel modules (it imports triton).
 """

@@ -61,6 +61,7 @@ def decode_attention(
     *,
     scale: float | None = None,            # default 1/sqrt(D)
     backend: str = "auto",                 # "auto" | "triton" | "reference"
+    settled: bool = False,                 # seq_len and the rows before the new ones written 2+ launches back
 ) -> torch.Tensor:
     """Attention of Q new rows per sequence over the cache. -> [B, Hq, Q, D] in q's dtype.
 
@@ -69,6 +70,11 @@ def decode_attention(
     backend "auto" runs Triton on CUDA and the reference elsewhere; "triton" also runs on CPU under
     TRITON_INTERPRET=1. With seq_len as a device tensor the Triton path never syncs the host and can
     be captured in a CUDA graph.
+
+    settled=True promises that seq_len and the cache rows before the Q new ones were written two or
+    more kernel launches before this call (in a decode step the new rows come from the launch just
+    before, everything else from earlier ones): the kernels then read them before waiting on that
+    launch (kernels._pdl, "Settled inputs"). The same bits either way.
     """
     check_attention_inputs(q, k_cache, v_cache)
     B, _, QR, D = q.shape
@@ -81,7 +87,7 @@ def decode_attention(
         return decode_attention_reference(q, k_cache, v_cache, lengths, scale)
     from kernels.decode_attention.triton_kernel import decode_attention_triton
 
-    return decode_attention_triton(q, k_cache, v_cache, lengths, scale)
+    return decode_attention_triton(q, k_cache, v_cache, lengths, scale, settled=settled)
 
 
 __all__ = [

@@ -17,8 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._backend import (interpreting, launch_options, multiprocessor_count, patch_interpreter_index, pdl_enabled,
-                              pdl_trigger_point)
+from kernels._backend import (early_reads_enabled, interpreting, launch_options, multiprocessor_count,
+                              patch_interpreter_index, pdl_enabled, pdl_trigger_point)
 from kernels._pdl import pdl_trigger, pdl_wait
 
 LOG2E = 1.4426950408889634
@@ -38,6 +38,35 @@ def _split_len(s_max, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
+def _attend_block(q, k, v, offs_n, limit, m_i, l_i, acc, qk_scale, DOT_PRECISION: tl.constexpr):
+    """One key block of the online softmax: q [BLOCK_M, D], k/v [BLOCK_N, D] at rows offs_n, limit
+    [BLOCK_M] the last row each tile row sees -> the updated (m_i, l_i, acc)."""
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale        # [BLOCK_M, BLOCK_N]
+    s = tl.where(offs_n[None, :] <= limit[:, None], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.math.exp2(m_i - m_new)
+    p = tl.math.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _load_kv_block(k_base, v_base, offs_n, rows_ok, offs_d, d_ok, stride_kn, stride_vn, HEAD_DIM: tl.constexpr,
+                   BLOCK_D: tl.constexpr):
+    """The K and V rows offs_n of one KV head ([BLOCK_N, BLOCK_D] each; rows not in rows_ok read
+    as 0). L2 only (".cg"): an EARLY kernel reads them before griddepcontrol.wait. A mask by rows
+    alone where the head fills the block, so the loads stay 16-byte vectors."""
+    if HEAD_DIM == BLOCK_D:
+        kv_mask = rows_ok[:, None]
+    else:
+        kv_mask = rows_ok[:, None] & d_ok[None, :]
+    k = tl.load(k_base + offs_n[:, None] * stride_kn + offs_d[None, :], mask=kv_mask, other=0.0, cache_modifier=".cg")
+    v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :], mask=kv_mask, other=0.0, cache_modifier=".cg")
+    return k, v
+
+
+@triton.jit
 def _decode_split_kernel(
     Q, K, V, SeqLen,           # Q [B, Hq, QR, D]; K, V [B, Hkv, S_max, D]; SeqLen [B] int64
     O_part, L_part,            # O_part [B, Hq, QR, NUM_SPLITS, D] f32; L_part [B, Hq, QR, NUM_SPLITS] f32 (log2)
@@ -49,31 +78,46 @@ def _decode_split_kernel(
     Q_ROWS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr, TRIGGER: tl.constexpr,
+    EARLY: tl.constexpr,
 ):
+    """EARLY: seq_len and the split's first key block, as far as it holds rows before the call's
+    Q_ROWS new ones (below seq_len - Q_ROWS: the caller promises they were written two or more
+    launches back, kernels._pdl "Settled inputs"), are read before griddepcontrol.wait; only q and
+    the new rows, which the kernel just before wrote, wait for it. The first block is peeled off
+    the loop either way, so both give the same sums."""
     tl.static_assert(BLOCK_M >= GROUP * Q_ROWS)
-    pdl_trigger(USE_PDL, TRIGGER, 0)
-    pdl_wait(USE_PDL, TRIGGER)                   # q and the new cache rows come from the kernel before
     tl.static_assert(BLOCK_D >= HEAD_DIM)
+    pdl_trigger(USE_PDL, TRIGGER, 0)
     pid_s = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // H_KV
     kvh = pid_bh % H_KV
-
-    seq_len = tl.load(SeqLen + b).to(tl.int32)
     split_len = _split_len(S_MAX, NUM_SPLITS, BLOCK_N)
     start = pid_s * split_len
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    k_base = K + b * stride_kb + kvh * stride_kh
+    v_base = V + b * stride_vb + kvh * stride_vh
+    offs_n = start + tl.arange(0, BLOCK_N)            # the first key block
+    if EARLY:
+        seq_len = tl.load(SeqLen + b, cache_modifier=".cg").to(tl.int32)
+        end = tl.minimum(start + split_len, seq_len)
+        cached = offs_n < tl.minimum(end, seq_len - Q_ROWS)     # rows before the call's new ones
+        k_old, v_old = _load_kv_block(k_base, v_base, offs_n, cached, offs_d, d_ok, stride_kn, stride_vn,
+                              HEAD_DIM, BLOCK_D)
+    pdl_wait(USE_PDL, TRIGGER)                   # q and the new cache rows come from the kernel before
+    if not EARLY:
+        seq_len = tl.load(SeqLen + b).to(tl.int32)
+        end = tl.minimum(start + split_len, seq_len)
     if start >= seq_len:
         pdl_trigger(USE_PDL, TRIGGER, 2)
         return
-    end = tl.minimum(start + split_len, seq_len)
 
     # row r of the tile is (head kvh*G + r // QR, lane r % QR)
     offs_m = tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
     g = offs_m // Q_ROWS
     lane = offs_m % Q_ROWS
     row_ok = offs_m < GROUP * Q_ROWS
-    d_ok = offs_d < HEAD_DIM
     limit = tl.where(row_ok, seq_len - Q_ROWS + lane, -1)       # last visible cache row per row
     head = kvh * GROUP + g
 
@@ -81,29 +125,32 @@ def _decode_split_kernel(
     q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)   # [BLOCK_M, BLOCK_D]
     if UPCAST_DOT:
         q = q.to(tl.float32)
-    k_base = K + b * stride_kb + kvh * stride_kh
-    v_base = V + b * stride_vb + kvh * stride_vh
 
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)   # finite: fully masked rows stay NaN-free
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    for start_n in range(start, end, BLOCK_N):
+    # rows past seq_len may hold garbage (NaN): every load is masked to rows < end
+    if EARLY:
+        fresh = (offs_n < end) & (offs_n >= seq_len - Q_ROWS)   # this step's rows, from the kernel before
+        k_new, v_new = _load_kv_block(k_base, v_base, offs_n, fresh, offs_d, d_ok, stride_kn, stride_vn,
+                              HEAD_DIM, BLOCK_D)
+        k = tl.where(fresh[:, None], k_new, k_old)
+        v = tl.where(fresh[:, None], v_new, v_old)
+    else:
+        k, v = _load_kv_block(k_base, v_base, offs_n, offs_n < end, offs_d, d_ok, stride_kn, stride_vn,
+                              HEAD_DIM, BLOCK_D)
+    if UPCAST_DOT:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    m_i, l_i, acc = _attend_block(q, k, v, offs_n, limit, m_i, l_i, acc, qk_scale, DOT_PRECISION)
+    for start_n in range(start + BLOCK_N, end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < end                                   # rows past seq_len may hold garbage (NaN)
-        kv_mask = n_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_base + offs_n[:, None] * stride_kn + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :], mask=kv_mask, other=0.0)
+        k, v = _load_kv_block(k_base, v_base, offs_n, offs_n < end, offs_d, d_ok, stride_kn, stride_vn,
+                              HEAD_DIM, BLOCK_D)
         if UPCAST_DOT:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale        # [BLOCK_M, BLOCK_N]
-        s = tl.where(offs_n[None, :] <= limit[:, None], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.math.exp2(m_i - m_new)
-        p = tl.math.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = _attend_block(q, k, v, offs_n, limit, m_i, l_i, acc, qk_scale, DOT_PRECISION)
 
     pdl_trigger(USE_PDL, TRIGGER, 2)
     seen = l_i > 0.0
@@ -122,21 +169,23 @@ def _merge_splits_kernel(
     H_Q, S_MAX,
     Q_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS_FROM_SEQ_LEN: tl.constexpr, USE_PDL: tl.constexpr,
-    TRIGGER: tl.constexpr,
+    TRIGGER: tl.constexpr, EARLY: tl.constexpr,
 ):
+    """EARLY: seq_len (settled, kernels._pdl) is read before griddepcontrol.wait."""
     pdl_trigger(USE_PDL, TRIGGER, 0)
-    pdl_wait(USE_PDL, TRIGGER)
     pid = tl.program_id(0)                   # flat (b, head, lane)
     b = pid // (H_Q * Q_ROWS)
     head = (pid // Q_ROWS) % H_Q
     lane = pid % Q_ROWS
     offs_s = tl.arange(0, SPLITS_P2)
     offs_d = tl.arange(0, BLOCK_D)
-    if SPLITS_FROM_SEQ_LEN:                  # dense: splits past seq_len exited without writing
-        seq_len = tl.load(SeqLen + b).to(tl.int32)
-        n_active = tl.cdiv(seq_len, _split_len(S_MAX, NUM_SPLITS, BLOCK_N))
-    else:
+    if EARLY and SPLITS_FROM_SEQ_LEN:
+        n_active = _active_splits(SeqLen, b, S_MAX, NUM_SPLITS, BLOCK_N)
+    pdl_wait(USE_PDL, TRIGGER)
+    if not SPLITS_FROM_SEQ_LEN:
         n_active = NUM_SPLITS
+    elif not EARLY:                          # dense: splits past seq_len exited without writing
+        n_active = _active_splits(SeqLen, b, S_MAX, NUM_SPLITS, BLOCK_N)
     s_ok = offs_s < n_active
     d_ok = offs_d < HEAD_DIM
 
@@ -151,6 +200,13 @@ def _merge_splits_kernel(
     out = tl.sum(w[:, None] * o, 0) / tl.where(den > 0.0, den, 1.0)
     out_ptrs = Out + b * stride_ob + head * stride_oh + lane * stride_oq + offs_d
     tl.store(out_ptrs, out.to(Out.dtype.element_ty), mask=d_ok)
+
+
+@triton.jit
+def _active_splits(SeqLen, b, S_MAX, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Splits that hold rows below seq_len (the others exited without writing)."""
+    seq_len = tl.load(SeqLen + b, cache_modifier=".cg").to(tl.int32)
+    return tl.cdiv(seq_len, _split_len(S_MAX, NUM_SPLITS, BLOCK_N))
 
 
 def dot_flags(dtype: torch.dtype) -> tuple[bool, str]:
@@ -170,7 +226,8 @@ def default_num_splits(batch_heads: int, max_len: int, block_n: int, device: tor
 
 
 def merge_splits(o_part: torch.Tensor, l_part: torch.Tensor, out: torch.Tensor, seq_len: torch.Tensor,
-                 *, block_n: int, splits_from_seq_len: bool, s_max: int = 0) -> torch.Tensor:
+                 *, block_n: int, splits_from_seq_len: bool, s_max: int = 0, early: bool = False) -> torch.Tensor:
+    """Merge the splits' partial outputs into `out`; early: seq_len is settled (read before the wait)."""
     B, Hq, QR, num_splits, D = o_part.shape
     pdl = pdl_enabled(out.device)
     _merge_splits_kernel[(B * Hq * QR,)](
@@ -179,7 +236,7 @@ def merge_splits(o_part: torch.Tensor, l_part: torch.Tensor, out: torch.Tensor, 
         Hq, s_max,
         Q_ROWS=QR, HEAD_DIM=D, NUM_SPLITS=num_splits, SPLITS_P2=triton.next_power_of_2(num_splits),
         BLOCK_N=block_n, BLOCK_D=triton.next_power_of_2(D), SPLITS_FROM_SEQ_LEN=splits_from_seq_len,
-        USE_PDL=pdl, TRIGGER=pdl_trigger_point("merge"), num_warps=4, **launch_options(pdl),
+        USE_PDL=pdl, TRIGGER=pdl_trigger_point("merge"), EARLY=early, num_warps=4, **launch_options(pdl),
     )
     return out
 
@@ -233,9 +290,10 @@ def decode_attention_triton(
     num_warps: int | None = None,
     num_stages: int | None = None,
     block_m: int | None = None,
+    settled: bool = False,
 ) -> torch.Tensor:
     """Shapes are validated by the public wrapper; the keyword knobs override `decode_tile(G)` for
-    tuning (bench/attention.py)."""
+    tuning (bench/attention.py). settled: see decode_attention."""
     B, Hq, QR, D = q.shape
     Hkv, S_max = k_cache.shape[1], k_cache.shape[2]
     G = Hq // Hkv
@@ -251,6 +309,7 @@ def decode_attention_triton(
         num_splits = default_num_splits(B * Hkv, S_max, block_n, q.device)
     if num_warps is None:
         num_warps = tile.num_warps or (4 if block_m <= 64 else 8)
+    early = settled and early_reads_enabled()
     o_part = torch.empty(B, Hq, QR, num_splits, D, dtype=torch.float32, device=q.device)
     l_part = torch.empty(B, Hq, QR, num_splits, dtype=torch.float32, device=q.device)
     upcast, precision = dot_flags(q.dtype)
@@ -265,11 +324,12 @@ def decode_attention_triton(
         Q_ROWS=QR, GROUP=G, HEAD_DIM=D, NUM_SPLITS=num_splits,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=triton.next_power_of_2(D),
         UPCAST_DOT=upcast, DOT_PRECISION=precision, USE_PDL=pdl,
-        TRIGGER=pdl_trigger_point("split"), num_warps=num_warps, num_stages=num_stages, **launch_options(pdl),
+        TRIGGER=pdl_trigger_point("split"), EARLY=early, num_warps=num_warps, num_stages=num_stages, **launch_options(pdl),
     )
     # [B, Q, Hq, D] memory seen as [B, Hq, Q, D]: the o projection reads rows [B*Q, Hq*D] as they are
     out = torch.empty(B, QR, Hq, D, dtype=q.dtype, device=q.device).transpose(1, 2)
-    return merge_splits(o_part, l_part, out, seq_len, block_n=block_n, splits_from_seq_len=True, s_max=S_max)
+    return merge_splits(o_part, l_part, out, seq_len, block_n=block_n, splits_from_seq_len=True, s_max=S_max,
+                        early=early)
 
 
 __all__ = ["decode_attention_triton", "DecodeTile", "TUNED_TILES", "decode_tile", "invariant_tile_rows", "merge_splits", "dot_flags", "default_num_splits", "LOG2E"]

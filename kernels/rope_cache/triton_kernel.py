@@ -19,16 +19,30 @@ if interpreting():
 
 
 @triton.jit
-def rotate_half(x1, x2, cos_ptrs, sin_ptrs, HALF: tl.constexpr, mask, dtype: tl.constexpr):
-    """Rope of a head's halves x1 (dims d) and x2 (dims d + D/2), float32: [x1, x2] ->
-    [x1 cos - x2 sin, x2 cos + x1 sin], with cos/sin read at cos_ptrs, sin_ptrs (dims d) and
-    + HALF, rounded to the model dtype first as the eager path's tables are. Shared by this kernel
-    and the q/k/v projection's epilogue (kernels.small_matmul), so both give the same bits."""
-    cos1 = tl.load(cos_ptrs, mask=mask, other=0.0).to(dtype).to(tl.float32)
-    cos2 = tl.load(cos_ptrs + HALF, mask=mask, other=0.0).to(dtype).to(tl.float32)
-    sin1 = tl.load(sin_ptrs, mask=mask, other=0.0).to(dtype).to(tl.float32)
-    sin2 = tl.load(sin_ptrs + HALF, mask=mask, other=0.0).to(dtype).to(tl.float32)
+def rope_rows_at(cos_ptrs, sin_ptrs, HALF: tl.constexpr, mask, dtype: tl.constexpr):
+    """The rope table values a head's halves need: cos and sin at cos_ptrs, sin_ptrs (dims d) and
+    + HALF, rounded to the model dtype as the eager path's tables are, in float32. The loads skip
+    L1 (".cg"): the q/k/v projection may issue them before its griddepcontrol.wait (kernels._pdl)."""
+    cos1 = tl.load(cos_ptrs, mask=mask, other=0.0, cache_modifier=".cg").to(dtype).to(tl.float32)
+    cos2 = tl.load(cos_ptrs + HALF, mask=mask, other=0.0, cache_modifier=".cg").to(dtype).to(tl.float32)
+    sin1 = tl.load(sin_ptrs, mask=mask, other=0.0, cache_modifier=".cg").to(dtype).to(tl.float32)
+    sin2 = tl.load(sin_ptrs + HALF, mask=mask, other=0.0, cache_modifier=".cg").to(dtype).to(tl.float32)
+    return cos1, cos2, sin1, sin2
+
+
+@triton.jit
+def rotate_with(x1, x2, cos1, cos2, sin1, sin2):
+    """Rope of a head's halves x1 (dims d) and x2 (dims d + D/2), float32, with `rope_rows_at`'s
+    values: [x1, x2] -> [x1 cos - x2 sin, x2 cos + x1 sin]."""
     return x1 * cos1 - x2 * sin1, x2 * cos2 + x1 * sin2
+
+
+@triton.jit
+def rotate_half(x1, x2, cos_ptrs, sin_ptrs, HALF: tl.constexpr, mask, dtype: tl.constexpr):
+    """`rotate_with` the table values at cos_ptrs, sin_ptrs. Shared by this kernel and the q/k/v
+    projection's epilogue (kernels.small_matmul), so both give the same bits."""
+    cos1, cos2, sin1, sin2 = rope_rows_at(cos_ptrs, sin_ptrs, HALF, mask, dtype)
+    return rotate_with(x1, x2, cos1, cos2, sin1, sin2)
 
 
 @triton.jit

@@ -89,6 +89,7 @@ def small_linear(
     residual: torch.Tensor | None = None,          # [M, N]: returned plus the product
     gated: bool = False,                           # silu(x Wg^T) * (x Wu^T) -> [M, N]
     emit_norm_weight: torch.Tensor | None = None,  # [N]: also return the NormInputs of the output
+    settled: bool = False,               # residual written two or more launches before this call
     backend: str = "auto",               # "auto" | "triton" | "reference"
 ):
     """x @ weight.T (+ bias) -> [M, N] in x's dtype, float32 accumulation, batch-invariant per row;
@@ -97,6 +98,9 @@ def small_linear(
     backend "auto" runs Triton on CUDA and the reference elsewhere; "triton" also runs on CPU under
     TRITON_INTERPRET=1. The Triton path never syncs the host and can be captured in a CUDA graph.
     Tile sizes and k splits are fixed per (N, K, dtype) (kernels/small_matmul/triton_kernel.py).
+    settled=True promises that `residual` was written two or more kernel launches before this call
+    (a decode layer's residual stream is): the kernel may then read it before waiting on the
+    launch just before (kernels._pdl, "Settled inputs"). Same bits either way.
     """
     check_linear_inputs(x, weight[: weight.shape[0] // 2] if gated else weight, bias)
     check_fusion_inputs(x, weight, bias, row_sumsq, residual, gated, emit_norm_weight)
@@ -105,7 +109,7 @@ def small_linear(
         return small_linear_reference(x, weight, bias, **kwargs)
     from kernels.small_matmul.triton_kernel import small_linear_triton
 
-    return small_linear_triton(x, weight, bias, **kwargs)
+    return small_linear_triton(x, weight, bias, settled=settled, **kwargs)
 
 
 def qkv_rope_and_store(
@@ -118,12 +122,15 @@ def qkv_rope_and_store(
     k_cache: torch.Tensor, v_cache: torch.Tensor,  # [B, Hkv, S_max, D]
     num_heads: int, num_kv_heads: int,
     row_sumsq: torch.Tensor | None = None, eps: float = 1e-6,
+    settled: bool = False,                         # cos, sin, positions written two or more launches back
     backend: str = "auto",
 ) -> torch.Tensor:
     """The q/k/v projection of a decode or verify step and what follows it (kernels.rope_cache:
     rope of q and k, k/v rows into the caches) -> rotated q [B, Hq, T, D]. On CUDA in one launch
     where the projection's tile holds whole rope pairs (triton_kernel.rope_fits), else as the two
-    launches; the bits are the same either way."""
+    launches; the bits are the same either way. settled=True (every decode layer but the first,
+    whose tables the launch just before writes) lets the epilogue's table reads run before the
+    kernel waits on that launch (kernels._pdl, "Settled inputs")."""
     from kernels.rope_cache import check_rope_inputs, rope_and_store
 
     check_linear_inputs(x, weight, bias)
@@ -139,7 +146,8 @@ def qkv_rope_and_store(
         config = choose_config(N, K, x.dtype, x.device)
         if rope_fits(config, N, K, k_cache.shape[-1]):
             target = RopeTarget(cos.contiguous(), sin.contiguous(), positions, k_cache, v_cache, num_heads, num_kv_heads)
-            return small_linear_triton(x, weight, bias, row_sumsq=row_sumsq, eps=eps, rope=target, config=config)
+            return small_linear_triton(x, weight, bias, row_sumsq=row_sumsq, eps=eps, rope=target, settled=settled,
+                                       config=config)
     qkv = small_linear(x, weight, bias, row_sumsq=row_sumsq, eps=eps, backend=backend)
     return rope_and_store(qkv.view(B, T, -1), cos, sin, positions, k_cache, v_cache, num_heads, num_kv_heads,
                           backend=backend)

@@ -31,10 +31,10 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._backend import (interpreting, launch_options, multiprocessor_count, patch_interpreter_index, pdl_enabled,
-                              pdl_trigger_point)
+from kernels._backend import (early_reads_enabled, interpreting, launch_options, multiprocessor_count,
+                              patch_interpreter_index, pdl_enabled, pdl_trigger_point)
 from kernels._pdl import AFTER_WAIT, pdl_trigger, pdl_wait
-from kernels.rope_cache.triton_kernel import rotate_half
+from kernels.rope_cache.triton_kernel import rope_rows_at, rotate_with
 
 BLOCK_M = 16
 REDUCE_BLOCK = 1024
@@ -192,11 +192,16 @@ def _small_linear_kernel(
     UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     SCALE_ROWS: tl.constexpr, PARTS_P2: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr,
     EMIT_NORM: tl.constexpr, USE_PDL: tl.constexpr, TRIGGER: tl.constexpr, PRELOAD: tl.constexpr,
-    ROPE: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, HEAD_DIM: tl.constexpr,
+    EARLY: tl.constexpr, ROPE: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """Nothing but loads feeds tl.dot, so Triton pipelines both operands (an elementwise op on x
-    in the loop costs a full memory round trip per k step: bench/fused_linear.py measured 2x)."""
+    in the loop costs a full memory round trip per k step: bench/fused_linear.py measured 2x).
+
+    EARLY: the epilogue's inputs (bias, residual, next norm weight, rope rows and positions) are
+    read before griddepcontrol.wait, the caller having promised they were written two or more
+    launches back (kernels._pdl, "Settled inputs"); without it they are read after the k loop.
+    The same values either way, so the same bits."""
     tl.static_assert(BLOCK_M >= 16)
     tl.static_assert(BLOCK_K % 16 == 0)
     tl.static_assert(not (GATED and SPLIT))
@@ -238,7 +243,18 @@ def _small_linear_kernel(
         w2 = _load_weight_tile(w_ptrs, k_start + 2 * BLOCK_K, K, n_ok, offs_k, EVEN_N, EVEN_K)
     if PRELOAD >= 4:
         w3 = _load_weight_tile(w_ptrs, k_start + 3 * BLOCK_K, K, n_ok, offs_k, EVEN_N, EVEN_K)
-    pdl_wait(USE_PDL, TRIGGER)                   # X, Res, SumSqIn: written by the previous kernel
+    if GATED:
+        cols = pid_n * OUT_N + tl.arange(0, OUT_N)
+    elif ROPE:
+        cols = col
+    else:
+        cols = pid_n * BLOCK_N + j
+    mask = (cols < N)[:, None] & m_ok[None, :]
+    if EARLY:
+        bias, res, next_nw, rope_rows = _epilogue_inputs(cols, offs_m, mask, pid_n * HALF_N, m_ok, N, T, Bias, Res,
+                                                         NextNormW, Cos, Sin, Pos, KCache, stride_rm, HAS_BIAS,
+                                                         RESIDUAL, EMIT_NORM, ROPE, SPLIT, HEAD_DIM, HALF_N)
+    pdl_wait(USE_PDL, TRIGGER)                   # X, SumSqIn (and without EARLY Res): from the previous kernel
 
     if SCALE_ROWS:
         # X held norm_weight * h: RMSNorm's per-row scale, from the sums of squares of h that the
@@ -275,41 +291,72 @@ def _small_linear_kernel(
     if SCALE_ROWS:
         acc = acc * row_scale[None, :]
 
-    if GATED:
-        gate, up = tl.split(tl.permute(tl.reshape(acc, [2, OUT_N, BLOCK_M]), [1, 2, 0]))   # [OUT_N, BLOCK_M]
-        cols = pid_n * OUT_N + tl.arange(0, OUT_N)
-    elif ROPE:
-        cols = col
-    else:
-        cols = pid_n * BLOCK_N + j
-    mask = (cols < N)[:, None] & m_ok[None, :]
+    if not EARLY:
+        bias, res, next_nw, rope_rows = _epilogue_inputs(cols, offs_m, mask, pid_n * HALF_N, m_ok, N, T, Bias, Res,
+                                                         NextNormW, Cos, Sin, Pos, KCache, stride_rm, HAS_BIAS,
+                                                         RESIDUAL, EMIT_NORM, ROPE, SPLIT, HEAD_DIM, HALF_N)
     if ROPE:
         if HAS_BIAS:
-            acc += tl.load(Bias + cols).to(tl.float32)[:, None]
-        _rope_epilogue(acc, pid_n * HALF_N, offs_m, m_ok, T, Cos, Sin, Pos, QOut, KCache, VCache,
+            acc += bias[:, None]
+        _rope_epilogue(acc, pid_n * HALF_N, offs_m, m_ok, T, rope_rows, QOut, KCache, VCache,
                        stride_qb, stride_qh, stride_qt, stride_cb, stride_ch, stride_cn,
                        HQ, HKV, HEAD_DIM, HALF_N, BLOCK_M)
     elif SPLIT:
         tl.store(Part + (pid_s * M + offs_m[None, :]) * N + cols[:, None], acc, mask=mask)
     elif GATED:
-        _epilogue(acc, gate, up, cols, offs_m, mask, pid_n, M, N, Bias, Res, Out, NextNormW, WeightedOut,
-                  SumSqOut, stride_rm, stride_om, True, HAS_BIAS, RESIDUAL, EMIT_NORM)
+        gate, up = tl.split(tl.permute(tl.reshape(acc, [2, OUT_N, BLOCK_M]), [1, 2, 0]))   # [OUT_N, BLOCK_M]
+        _epilogue(acc, gate, up, cols, offs_m, mask, pid_n, M, N, bias, res, next_nw, Out, WeightedOut,
+                  SumSqOut, stride_om, True, HAS_BIAS, RESIDUAL, EMIT_NORM)
     else:
-        _epilogue(acc, acc, acc, cols, offs_m, mask, pid_n, M, N, Bias, Res, Out, NextNormW, WeightedOut,
-                  SumSqOut, stride_rm, stride_om, False, HAS_BIAS, RESIDUAL, EMIT_NORM)
+        _epilogue(acc, acc, acc, cols, offs_m, mask, pid_n, M, N, bias, res, next_nw, Out, WeightedOut,
+                  SumSqOut, stride_om, False, HAS_BIAS, RESIDUAL, EMIT_NORM)
 
 
 @triton.jit
-def _rope_epilogue(acc, first_pair, offs_m, m_ok, T, Cos, Sin, Pos, QOut, KCache, VCache,
+def _epilogue_inputs(cols, offs_m, mask, first_pair, m_ok, N, T, Bias, Res, NextNormW, Cos, Sin, Pos, KCache, stride_rm,
+                     HAS_BIAS: tl.constexpr, RESIDUAL: tl.constexpr, EMIT_NORM: tl.constexpr, ROPE: tl.constexpr,
+                     SPLIT: tl.constexpr, HEAD_DIM: tl.constexpr, HALF_N: tl.constexpr):
+    """What the epilogue reads besides the sums, for the output columns `cols` and rows `offs_m`:
+    (bias [cols] f32, residual [cols, rows], next norm weight [cols] f32, rope rows). An input a
+    config does not use comes back as 0.0. The residual and rope loads skip L1 (".cg"): they may
+    run before griddepcontrol.wait (EARLY). With ROPE, rope rows = (cos1, cos2, sin1, sin2 [HALF_N,
+    rows] for dims d and d + D/2 of the tile's head, positions [rows])."""
+    bias = 0.0
+    res = 0.0
+    next_nw = 0.0
+    rope_rows = 0.0
+    if not SPLIT:                  # a k split adds them in the reduce kernel
+        if HAS_BIAS:
+            bias = tl.load(Bias + cols, mask=cols < N, other=0.0).to(tl.float32)
+        if RESIDUAL:
+            res = tl.load(Res + offs_m[None, :] * stride_rm + cols[:, None], mask=mask, other=0.0,
+                          cache_modifier=".cg")
+        if EMIT_NORM:
+            next_nw = tl.load(NextNormW + cols, mask=cols < N, other=0.0).to(tl.float32)
+    if ROPE:
+        HALF_D: tl.constexpr = HEAD_DIM // 2
+        d = (first_pair % HALF_D + tl.arange(0, HALF_N))[:, None]           # [HALF_N, 1]
+        t = offs_m % T
+        cos1, cos2, sin1, sin2 = rope_rows_at(Cos + t[None, :] * HEAD_DIM + d, Sin + t[None, :] * HEAD_DIM + d,
+                                              HALF_D, m_ok[None, :], KCache.dtype.element_ty)
+        pos = tl.load(Pos + t, mask=m_ok, other=0, cache_modifier=".cg")
+        rope_rows = (cos1, cos2, sin1, sin2, pos)
+    return bias, res, next_nw, rope_rows
+
+
+@triton.jit
+def _rope_epilogue(acc, first_pair, offs_m, m_ok, T, rope_rows, QOut, KCache, VCache,
                    stride_qb, stride_qh, stride_qt, stride_cb, stride_ch, stride_cn,
                    HQ: tl.constexpr, HKV: tl.constexpr, HEAD_DIM: tl.constexpr, HALF_N: tl.constexpr,
                    BLOCK_M: tl.constexpr):
     """What kernels.rope_cache does after the q/k/v projection, on this tile's sums acc [BLOCK_N,
     rows] (dims d, then d + D/2, of one head): round to the model dtype, rotate q and k ("rotate
-    half", cos/sin rounded to the model dtype as there), store q rows to QOut and k/v rows into the
-    caches at their positions. The rotation is kernels.rope_cache's own (`rotate_half`): the same bits."""
+    half", with `_epilogue_inputs`' rope rows: cos/sin rounded to the model dtype as there), store
+    q rows to QOut and k/v rows into the caches at their positions. The rotation is
+    kernels.rope_cache's own (`rotate_with`): the same bits."""
     HALF_D: tl.constexpr = HEAD_DIM // 2
     dtype = KCache.dtype.element_ty
+    cos1, cos2, sin1, sin2, pos = rope_rows
     x1, x2 = tl.split(tl.permute(tl.reshape(acc.to(dtype).to(tl.float32), [2, HALF_N, BLOCK_M]), [1, 2, 0]))
     head = first_pair // HALF_D
     d = (first_pair % HALF_D + tl.arange(0, HALF_N))[:, None]           # [HALF_N, 1]
@@ -317,8 +364,7 @@ def _rope_epilogue(acc, first_pair, offs_m, m_ok, T, Cos, Sin, Pos, QOut, KCache
     t = offs_m % T
     ok = m_ok[None, :]
     if head < HQ + HKV:
-        y1, y2 = rotate_half(x1, x2, Cos + t[None, :] * HEAD_DIM + d, Sin + t[None, :] * HEAD_DIM + d, HALF_D, ok,
-                             dtype)
+        y1, y2 = rotate_with(x1, x2, cos1, cos2, sin1, sin2)
     else:                                             # a value head: stored as it is
         y1 = x1
         y2 = x2
@@ -327,7 +373,6 @@ def _rope_epilogue(acc, first_pair, offs_m, m_ok, T, Cos, Sin, Pos, QOut, KCache
         tl.store(dst, y1.to(QOut.dtype.element_ty), mask=ok)
         tl.store(dst + HALF_D, y2.to(QOut.dtype.element_ty), mask=ok)
     else:
-        pos = tl.load(Pos + t, mask=m_ok, other=0)
         if head < HQ + HKV:
             dst = KCache + (b * stride_cb + (head - HQ) * stride_ch + pos * stride_cn)[None, :] + d
         else:
@@ -337,11 +382,12 @@ def _rope_epilogue(acc, first_pair, offs_m, m_ok, T, Cos, Sin, Pos, QOut, KCache
 
 
 @triton.jit
-def _epilogue(acc, gate, up, cols, offs_m, mask, part, M, N, Bias, Res, Out, NextNormW, WeightedOut, SumSqOut,
-              stride_rm, stride_om, GATED: tl.constexpr, HAS_BIAS: tl.constexpr, RESIDUAL: tl.constexpr,
+def _epilogue(acc, gate, up, cols, offs_m, mask, part, M, N, bias, res, next_nw, Out, WeightedOut, SumSqOut,
+              stride_om, GATED: tl.constexpr, HAS_BIAS: tl.constexpr, RESIDUAL: tl.constexpr,
               EMIT_NORM: tl.constexpr):
     """The finished float32 sums [cols, rows] (gate and up halves when GATED) -> the output rows:
-    bias or silu(gate) * up, the cast, the residual, the store, and the next norm's inputs."""
+    bias or silu(gate) * up, the cast, the residual, the store, and the next norm's inputs
+    (bias, res, next_nw: `_epilogue_inputs`)."""
     dtype = Out.dtype.element_ty
     if GATED:
         # silu(gate) * up with the eager rounding: gate, up and silu(gate) each in the model dtype
@@ -350,23 +396,23 @@ def _epilogue(acc, gate, up, cols, offs_m, mask, part, M, N, Bias, Res, Out, Nex
         y = (silu * up.to(dtype).to(tl.float32)).to(dtype)
     else:
         if HAS_BIAS:
-            acc += tl.load(Bias + cols, mask=cols < N, other=0.0).to(tl.float32)[:, None]
+            acc += bias[:, None]
         y = acc.to(dtype)
     if RESIDUAL:
-        res = tl.load(Res + offs_m[None, :] * stride_rm + cols[:, None], mask=mask, other=0.0)
         y = (y.to(tl.float32) + res.to(tl.float32)).to(dtype)
     tl.store(Out + offs_m[None, :] * stride_om + cols[:, None], y, mask=mask)
     if EMIT_NORM:
-        _emit_norm_inputs(y, cols, offs_m, mask, part, M, N, NextNormW, WeightedOut, SumSqOut, stride_om)
+        _emit_norm_inputs(y, cols, offs_m, mask, part, M, next_nw, WeightedOut, SumSqOut, stride_om)
 
 
 @triton.jit
-def _emit_norm_inputs(y, cols, offs_m, mask, part, M, N, NextNormW, WeightedOut, SumSqOut, stride_om):
+def _emit_norm_inputs(y, cols, offs_m, mask, part, M, next_nw, WeightedOut, SumSqOut, stride_om):
     """What the next projection's folded RMSNorm needs from the rows y [cols, rows] just written:
-    norm_weight * y in the model dtype (its x), and this program's part of each row's sum of squares."""
+    norm_weight * y in the model dtype (its x; next_nw [cols] f32 is norm_weight), and this
+    program's part of each row's sum of squares."""
     y32 = tl.where(mask, y.to(tl.float32), 0.0)
-    nw = tl.load(NextNormW + cols, mask=cols < N, other=0.0).to(tl.float32)
-    tl.store(WeightedOut + offs_m[None, :] * stride_om + cols[:, None], (y32 * nw[:, None]).to(y.dtype), mask=mask)
+    tl.store(WeightedOut + offs_m[None, :] * stride_om + cols[:, None], (y32 * next_nw[:, None]).to(y.dtype),
+             mask=mask)
     tl.store(SumSqOut + part * M + offs_m, tl.sum(y32 * y32, 0), mask=offs_m < M)
 
 
@@ -376,29 +422,54 @@ def _reduce_splits_kernel(
     # Part [SPLITS, M, N] f32; Bias [N]; Res, Out, WeightedOut [M, N]; SumSqOut [cdiv(N, BLOCK), M] f32
     M, N, stride_rm, stride_om,
     SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr, RESIDUAL: tl.constexpr, EMIT_NORM: tl.constexpr,
-    USE_PDL: tl.constexpr, TRIGGER: tl.constexpr, BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr, TRIGGER: tl.constexpr, EARLY: tl.constexpr, BLOCK: tl.constexpr,
 ):
+    """EARLY: bias, residual and next norm weight are read before griddepcontrol.wait (the residual
+    settled: written two or more launches back, kernels._pdl); only the partials wait."""
     pdl_trigger(USE_PDL, TRIGGER, 0)
-    pdl_wait(USE_PDL, TRIGGER)
     row = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < N
+    if EARLY:
+        bias, res, next_nw = _reduce_epilogue_inputs(Bias, Res, NextNormW, row, offs, ok, stride_rm, HAS_BIAS,
+                                                     RESIDUAL, EMIT_NORM)
+    pdl_wait(USE_PDL, TRIGGER)
     acc = tl.load(Part + row * N + offs, mask=ok, other=0.0)
     # fixed order: split 0, 1, 2, ...; unrolled, so every partial's load is in flight at once
     for s in tl.static_range(1, SPLITS):
         acc += tl.load(Part + (s * M + row) * N + offs, mask=ok, other=0.0)
     pdl_trigger(USE_PDL, TRIGGER, 2)
+    if not EARLY:
+        bias, res, next_nw = _reduce_epilogue_inputs(Bias, Res, NextNormW, row, offs, ok, stride_rm, HAS_BIAS,
+                                                     RESIDUAL, EMIT_NORM)
     if HAS_BIAS:
-        acc += tl.load(Bias + offs, mask=ok, other=0.0).to(tl.float32)
+        acc += bias
     y = acc.to(Out.dtype.element_ty)
     if RESIDUAL:
-        y = (y.to(tl.float32) + tl.load(Res + row * stride_rm + offs, mask=ok, other=0.0).to(tl.float32))
+        y = (y.to(tl.float32) + res.to(tl.float32))
         y = y.to(Out.dtype.element_ty)
     tl.store(Out + row * stride_om + offs, y, mask=ok)
     if EMIT_NORM:
         rows = row + tl.arange(0, 1)
-        _emit_norm_inputs(y[:, None], offs, rows, ok[:, None], tl.program_id(1), M, N, NextNormW, WeightedOut,
-                          SumSqOut, stride_om)
+        _emit_norm_inputs(y[:, None], offs, rows, ok[:, None], tl.program_id(1), M, next_nw, WeightedOut, SumSqOut,
+                          stride_om)
+
+
+@triton.jit
+def _reduce_epilogue_inputs(Bias, Res, NextNormW, row, offs, ok, stride_rm, HAS_BIAS: tl.constexpr,
+                            RESIDUAL: tl.constexpr, EMIT_NORM: tl.constexpr):
+    """(bias f32, residual, next norm weight f32) [BLOCK] of the reduce's row and columns; 0.0 for an
+    input it does not use."""
+    bias = 0.0
+    res = 0.0
+    next_nw = 0.0
+    if HAS_BIAS:
+        bias = tl.load(Bias + offs, mask=ok, other=0.0).to(tl.float32)
+    if RESIDUAL:
+        res = tl.load(Res + row * stride_rm + offs, mask=ok, other=0.0, cache_modifier=".cg")
+    if EMIT_NORM:
+        next_nw = tl.load(NextNormW + offs, mask=ok, other=0.0).to(tl.float32)
+    return bias, res, next_nw
 
 
 @triton.jit
@@ -460,9 +531,12 @@ def small_linear_triton(
     gated: bool = False,                         # out = silu(x Wg^T) * (x Wu^T)
     emit_norm_weight: torch.Tensor | None = None,  # [N]: also return NormInputs of out for that norm
     rope: RopeTarget | None = None,              # the q/k/v projection: rope + cache write, -> q
+    settled: bool = False,                       # residual / rope rows written two or more launches back
     config: SmallLinearConfig | None = None,
 ):
     """Shapes are validated by the public wrapper; `config` overrides the table (tests, bench --tune).
+    With `settled` (and `early_reads_enabled()`) the kernels read the residual, the rope rows and the
+    constant epilogue inputs before griddepcontrol.wait (kernels._pdl, "Settled inputs").
     -> out [M, N], or (out, NormInputs) with emit_norm_weight, or rotated q [B, Hq, T, D] with rope
     (the caller checks `rope_fits` first)."""
     from kernels.small_matmul.reference import NormInputs
@@ -491,6 +565,7 @@ def small_linear_triton(
     bias_arg = bias if bias is not None else out
     res_arg = residual if residual is not None else out
     parts_in = row_sumsq.shape[0] if row_sumsq is not None else 1
+    early = settled and early_reads_enabled()
     if rope is not None:
         k_cache = rope.k_cache
         B, head_dim = k_cache.shape[0], k_cache.shape[3]
@@ -512,7 +587,7 @@ def small_linear_triton(
         UPCAST_DOT=upcast, DOT_PRECISION=precision,
         SCALE_ROWS=row_sumsq is not None, PARTS_P2=triton.next_power_of_2(parts_in), GATED=gated,
         RESIDUAL=residual is not None, EMIT_NORM=emit and splits == 1, USE_PDL=pdl, TRIGGER=pdl_trigger_point("linear"),
-        PRELOAD=config.preload_steps(K), ROPE=rope is not None, HQ=heads, HKV=kv_heads, HEAD_DIM=head_dim,
+        PRELOAD=config.preload_steps(K), EARLY=early, ROPE=rope is not None, HQ=heads, HKV=kv_heads, HEAD_DIM=head_dim,
         BLOCK_M=BLOCK_M, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         num_warps=config.num_warps, num_stages=config.num_stages, **launch_options(pdl),
     )
@@ -523,7 +598,7 @@ def small_linear_triton(
             part, bias_arg, res_arg, out, emit_norm_weight if emit else out, weighted, sumsq_out,
             M, N, res_arg.stride(0), out.stride(0),
             SPLITS=splits, HAS_BIAS=bias is not None, RESIDUAL=residual is not None, EMIT_NORM=emit, USE_PDL=pdl,
-            TRIGGER=pdl_trigger_point("reduce"), BLOCK=REDUCE_BLOCK, num_warps=4, **launch_options(pdl),
+            TRIGGER=pdl_trigger_point("reduce"), EARLY=early, BLOCK=REDUCE_BLOCK, num_warps=4, **launch_options(pdl),
         )
     return (out, NormInputs(weighted, sumsq_out)) if emit else out
 

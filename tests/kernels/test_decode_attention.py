@@ -133,3 +133,23 @@ def test_verify_lane_equals_decode_step_bitwise(dtype, QR, Hq):
         decode = decode_attention(q[:, :, i : i + 1].contiguous(), k, v, torch.tensor([lane_len], device=DEVICE),
                                   backend="triton")
         assert torch.equal(verify[:, :, i : i + 1], decode), f"lane {i} differs from its decode step"
+
+
+@needs_triton
+@pytest.mark.triton
+@pytest.mark.parametrize("QR, lengths", [(1, [70, 33]), (5, [70, 33]), (3, [64, 9])])
+def test_settled_rows_read_early_change_no_bits(QR, lengths, monkeypatch):
+    """settled=True reads seq_len and each split's first block of older rows before the wait and
+    only the QR new rows after it (new rows inside and across a block edge, splits of one and of
+    several blocks): the same bits as settled=False and as BATCHD_EARLY_READS=0."""
+    from kernels.decode_attention.triton_kernel import decode_attention_triton
+
+    q, k, v = make(2, 4, 2, QR, 32, 96, torch.bfloat16, seed=4)
+    seq_len = torch.tensor(lengths, device=DEVICE)
+    for splits in (3, 12):   # 32 rows per split (two 16-row blocks) and 8 (one 16-row block, some empty)
+        early = decode_attention_triton(q, k, v, seq_len, 0.2, num_splits=splits, block_n=16, settled=True)
+        assert torch.equal(early, decode_attention_triton(q, k, v, seq_len, 0.2, num_splits=splits, block_n=16))
+        monkeypatch.setenv("BATCHD_EARLY_READS", "0")
+        assert torch.equal(early, decode_attention_triton(q, k, v, seq_len, 0.2, num_splits=splits, block_n=16,
+                                                          settled=True))
+        monkeypatch.delenv("BATCHD_EARLY_READS")

@@ -38,3 +38,20 @@ def test_fitted_tiles_only_where_measured():
     for group in (6, 7):                             # Qwen2.5-1.5B; Qwen2.5-0.5B and 7B
         tile = decode_tile(group)
         assert tile.fit_rows and tile.num_warps == 4  # fixed warps: what keeps decode == verify bits
+
+
+def test_early_reads_stop_with_a_trigger_before_the_wait(monkeypatch):
+    """Settled inputs are only settled while no kernel launches its dependents before its own wait
+    (kernels._pdl): a trigger 0 anywhere, or BATCHD_EARLY_READS=0, turns the early reads off."""
+    from kernels._backend import early_reads_enabled
+
+    monkeypatch.delenv("BATCHD_PDL_TRIGGER", raising=False)
+    monkeypatch.delenv("BATCHD_EARLY_READS", raising=False)
+    assert early_reads_enabled()
+    monkeypatch.setenv("BATCHD_PDL_TRIGGER", "2")
+    assert early_reads_enabled()
+    monkeypatch.setenv("BATCHD_PDL_TRIGGER", "merge:0")
+    assert not early_reads_enabled()
+    monkeypatch.delenv("BATCHD_PDL_TRIGGER")
+    monkeypatch.setenv("BATCHD_EARLY_READS", "0")
+    assert not early_reads_enabled()

@@ -373,3 +373,60 @@ def test_rope_fits_needs_whole_pairs_of_one_head_and_no_split():
     assert not rope_fits(config(256, 128, 1), 6144, 4096, 128)       # a tile would span two heads
     assert not rope_fits(config(64, 128, 3), 6144, 4096, 128)        # a k split
     assert not rope_fits(config(32, 16, 1), 128, 48, 16)             # 16 pairs per tile, 8 per head half
+
+
+# ---- settled inputs read before the wait (EARLY, kernels._pdl) ----
+
+@needs_triton
+@pytest.mark.triton
+@pytest.mark.parametrize("kind, cfg", [FUSED[0], FUSED[2], FUSED[4], FUSED[5]])
+def test_settled_inputs_read_early_change_no_bits(kind, cfg, monkeypatch):
+    """settled=True moves the epilogue's reads (bias, residual, next norm weight; the reduce
+    kernel's with a k split) before the wait: the same outputs, bit for bit, as reading them after
+    the k loop (BATCHD_EARLY_READS=0) and as settled=False."""
+    t = fusion_inputs(5, 40, 72, torch.bfloat16, gated=kind == "norm-gated", parts=3)
+    x, sumsq = t["weighted"], t["sumsq"]
+    if kind == "norm":
+        args, kw = (x, t["w"], t["b"]), dict(row_sumsq=sumsq, eps=1e-5)
+    elif kind == "norm-gated":
+        args, kw = (x, t["w"], None), dict(row_sumsq=sumsq, eps=1e-5, gated=True)
+    else:
+        args, kw = (t["x"], t["w"], t["b"]), dict(residual=t["res"], emit_norm_weight=t["next_nw"])
+    early = flat(triton_fused(cfg, *args, settled=True, **kw))
+    monkeypatch.setenv("BATCHD_EARLY_READS", "0")
+    late = flat(triton_fused(cfg, *args, settled=True, **kw))
+    monkeypatch.delenv("BATCHD_EARLY_READS")
+    unsettled = flat(triton_fused(cfg, *args, **kw))
+    for a, b, c in zip(early, late, unsettled):
+        assert torch.equal(a, b) and torch.equal(a, c)
+
+
+@needs_triton
+@pytest.mark.triton
+@pytest.mark.parametrize("T", [1, 3])
+def test_settled_rope_rows_read_early_change_no_bits(T, monkeypatch):
+    """The q/k/v projection's epilogue with its rope rows and positions read before the wait."""
+    from kernels.small_matmul.triton_kernel import RopeTarget, small_linear_triton
+
+    Hq, Hkv, D, K, S, start = 4, 2, 16, 48, 40, 5
+    N = (Hq + 2 * Hkv) * D
+    t = fusion_inputs(T, N, K, torch.bfloat16, seed=7)
+    g = torch.Generator().manual_seed(8)
+    angles = torch.randn(T, D // 2, generator=g)
+    cos, sin = torch.cat([angles.cos()] * 2, -1).to(DEVICE), torch.cat([angles.sin()] * 2, -1).to(DEVICE)
+    positions = torch.arange(start, start + T, device=DEVICE)
+    caches = [torch.randn(1, Hkv, S, D, generator=g).to(torch.bfloat16).to(DEVICE) for _ in range(2)]
+
+    def run(settled):
+        k, v = caches[0].clone(), caches[1].clone()
+        q = small_linear_triton(t["weighted"], t["w"], t["b"], row_sumsq=t["sumsq"], eps=1e-5, config=config(16, 16, 1),
+                                rope=RopeTarget(cos, sin, positions, k, v, Hq, Hkv), settled=settled)
+        return q, k, v
+
+    early = run(True)
+    monkeypatch.setenv("BATCHD_EARLY_READS", "0")
+    for a, b in zip(early, run(True)):
+        assert torch.equal(a, b)
+    monkeypatch.delenv("BATCHD_EARLY_READS")
+    for a, b in zip(early, run(False)):
+        assert torch.equal(a, b)

@@ -40,7 +40,7 @@ from kernels.small_matmul import triton_kernel  # noqa: E402
 TILES = dict(attention_kernel.TUNED_TILES)
 
 
-SWITCHES = ("BATCHD_PDL_TRIGGER", "BATCHD_EARLY_READS")
+SWITCHES = ("BATCHD_PDL_TRIGGER", "BATCHD_EARLY_READS", "BATCHD_PDL")
 
 
 def apply_variant(spec: str, tuned: dict) -> None:

@@ -99,8 +99,8 @@ def small_linear(
     TRITON_INTERPRET=1. The Triton path never syncs the host and can be captured in a CUDA graph.
     Tile sizes and k splits are fixed per (N, K, dtype) (kernels/small_matmul/triton_kernel.py).
     settled=True promises that `residual` was written two or more kernel launches before this call
-    (a decode layer's residual stream is): the kernel may then read it before waiting on the
-    launch just before (kernels._pdl, "Settled inputs"). Same bits either way.
+    (a decode layer's residual stream is): the reduce kernel of a k split may then read it before
+    waiting on the launch just before (kernels._pdl, "Settled inputs"). Same bits either way.
     """
     check_linear_inputs(x, weight[: weight.shape[0] // 2] if gated else weight, bias)
     check_fusion_inputs(x, weight, bias, row_sumsq, residual, gated, emit_norm_weight)

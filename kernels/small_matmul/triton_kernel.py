@@ -198,10 +198,10 @@ def _small_linear_kernel(
     """Nothing but loads feeds tl.dot, so Triton pipelines both operands (an elementwise op on x
     in the loop costs a full memory round trip per k step: bench/fused_linear.py measured 2x).
 
-    EARLY: the epilogue's inputs (bias, residual, next norm weight, rope rows and positions) are
-    read before griddepcontrol.wait, the caller having promised they were written two or more
-    launches back (kernels._pdl, "Settled inputs"); without it they are read after the k loop.
-    The same values either way, so the same bits."""
+    EARLY: the epilogue's inputs (bias, next norm weight, rope rows and positions) are read before
+    griddepcontrol.wait, the caller having promised they were written two or more launches back
+    (kernels._pdl, "Settled inputs"); without it they are read after the k loop. The residual is
+    read after the loop either way (the reduce kernel reads it early). The same bits either way."""
     tl.static_assert(BLOCK_M >= 16)
     tl.static_assert(BLOCK_K % 16 == 0)
     tl.static_assert(not (GATED and SPLIT))
@@ -253,7 +253,7 @@ def _small_linear_kernel(
     if EARLY:
         bias, res, next_nw, rope_rows = _epilogue_inputs(cols, offs_m, mask, pid_n * HALF_N, m_ok, N, T, Bias, Res,
                                                          NextNormW, Cos, Sin, Pos, KCache, stride_rm, HAS_BIAS,
-                                                         RESIDUAL, EMIT_NORM, ROPE, SPLIT, HEAD_DIM, HALF_N)
+                                                         False, EMIT_NORM, ROPE, SPLIT, HEAD_DIM, HALF_N)
     pdl_wait(USE_PDL, TRIGGER)                   # X, SumSqIn (and without EARLY Res): from the previous kernel
 
     if SCALE_ROWS:
@@ -295,6 +295,12 @@ def _small_linear_kernel(
         bias, res, next_nw, rope_rows = _epilogue_inputs(cols, offs_m, mask, pid_n * HALF_N, m_ok, N, T, Bias, Res,
                                                          NextNormW, Cos, Sin, Pos, KCache, stride_rm, HAS_BIAS,
                                                          RESIDUAL, EMIT_NORM, ROPE, SPLIT, HEAD_DIM, HALF_N)
+    elif RESIDUAL:
+        # The residual is read here even when settled: read before the wait it moved the compiled
+        # epilogue's layout, and with it the order of the emitted sums of squares (the o projection's
+        # bits changed; measured on the H200, kernels/small_matmul/NOTES.md "Stop 12"), for no gain.
+        _, res, _, _ = _epilogue_inputs(cols, offs_m, mask, pid_n * HALF_N, m_ok, N, T, Bias, Res, NextNormW, Cos, Sin,
+                                        Pos, KCache, stride_rm, False, True, False, False, SPLIT, HEAD_DIM, HALF_N)
     if ROPE:
         if HAS_BIAS:
             acc += bias[:, None]
@@ -318,8 +324,8 @@ def _epilogue_inputs(cols, offs_m, mask, first_pair, m_ok, N, T, Bias, Res, Next
                      SPLIT: tl.constexpr, HEAD_DIM: tl.constexpr, HALF_N: tl.constexpr):
     """What the epilogue reads besides the sums, for the output columns `cols` and rows `offs_m`:
     (bias [cols] f32, residual [cols, rows], next norm weight [cols] f32, rope rows). An input a
-    config does not use comes back as 0.0. The residual and rope loads skip L1 (".cg"): they may
-    run before griddepcontrol.wait (EARLY). With ROPE, rope rows = (cos1, cos2, sin1, sin2 [HALF_N,
+    config does not use comes back as 0.0. The rope loads may run before griddepcontrol.wait (EARLY)
+    and skip L1 (".cg"), as the residual's do. With ROPE, rope rows = (cos1, cos2, sin1, sin2 [HALF_N,
     rows] for dims d and d + D/2 of the tile's head, positions [rows])."""
     bias = 0.0
     res = 0.0
@@ -535,8 +541,9 @@ def small_linear_triton(
     config: SmallLinearConfig | None = None,
 ):
     """Shapes are validated by the public wrapper; `config` overrides the table (tests, bench --tune).
-    With `settled` (and `early_reads_enabled()`) the kernels read the residual, the rope rows and the
-    constant epilogue inputs before griddepcontrol.wait (kernels._pdl, "Settled inputs").
+    With `settled` (and `early_reads_enabled()`) the kernels read the rope rows, the constant epilogue
+    inputs and (in a k split's reduce) the residual before griddepcontrol.wait (kernels._pdl,
+    "Settled inputs").
     -> out [M, N], or (out, NormInputs) with emit_norm_weight, or rotated q [B, Hq, T, D] with rope
     (the caller checks `rope_fits` first)."""
     from kernels.small_matmul.reference import NormInputs

@@ -153,3 +153,21 @@ def test_settled_rows_read_early_change_no_bits(QR, lengths, monkeypatch):
         assert torch.equal(early, decode_attention_triton(q, k, v, seq_len, 0.2, num_splits=splits, block_n=16,
                                                           settled=True))
         monkeypatch.delenv("BATCHD_EARLY_READS")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@needs_triton
+@pytest.mark.parametrize("QR", [1, 8])
+def test_cuda_settled_rows_change_no_bits_at_qwen_shape(QR, monkeypatch):
+    """Qwen2.5-1.5B's layout (12 query heads on 2 KV heads, D = 128) and its tuned tile, a cache of
+    784 rows (25 splits of one block), calls finished one by one: the same bits with the settled
+    rows read before the wait as after it. (bench/step_sweep.py "table;BATCHD_EARLY_READS=0" checks
+    the same on whole graph-replayed decode runs, where the kernels do overlap.)"""
+    q, k, v = make(1, 12, 2, QR, 128, 784, torch.bfloat16, seed=5)
+    for length in (512, 544, 545, 600, 783):         # new rows at, after and inside split edges
+        seq_len = torch.tensor([length], device=DEVICE)
+        monkeypatch.delenv("BATCHD_EARLY_READS", raising=False)
+        early = decode_attention(q, k, v, seq_len, settled=True)
+        torch.cuda.synchronize()
+        monkeypatch.setenv("BATCHD_EARLY_READS", "0")
+        assert torch.equal(early, decode_attention(q, k, v, seq_len, settled=True)), f"seq_len {length}"

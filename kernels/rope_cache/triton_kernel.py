@@ -33,8 +33,11 @@ def rope_rows_at(cos_ptrs, sin_ptrs, HALF: tl.constexpr, mask, dtype: tl.constex
 @triton.jit
 def rotate_with(x1, x2, cos1, cos2, sin1, sin2):
     """Rope of a head's halves x1 (dims d) and x2 (dims d + D/2), float32, with `rope_rows_at`'s
-    values: [x1, x2] -> [x1 cos - x2 sin, x2 cos + x1 sin]."""
-    return x1 * cos1 - x2 * sin1, x2 * cos2 + x1 * sin2
+    values: [x1, x2] -> [x1 cos - x2 sin, x2 cos + x1 sin]. The fused multiply-adds are spelled out:
+    left to the compiler, which product it fused followed the order the operands were computed in,
+    so the q/k/v projection's epilogue (tables read first) and this kernel (tables read last)
+    differed in float32 (measured on the H200)."""
+    return tl.fma(x1, cos1, -(x2 * sin1)), tl.fma(x2, cos2, x1 * sin2)
 
 
 @triton.jit

@@ -38,9 +38,13 @@ def _split_len(s_max, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _attend_block(q, k, v, offs_n, limit, m_i, l_i, acc, qk_scale, DOT_PRECISION: tl.constexpr):
+def _attend_block(q, k, v, offs_n, limit, m_i, l_i, acc, qk_scale, UPCAST_DOT: tl.constexpr,
+                  DOT_PRECISION: tl.constexpr):
     """One key block of the online softmax: q [BLOCK_M, D], k/v [BLOCK_N, D] at rows offs_n, limit
     [BLOCK_M] the last row each tile row sees -> the updated (m_i, l_i, acc)."""
+    if UPCAST_DOT:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale        # [BLOCK_M, BLOCK_N]
     s = tl.where(offs_n[None, :] <= limit[:, None], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -139,18 +143,12 @@ def _decode_split_kernel(
     else:
         k, v = _load_kv_block(k_base, v_base, offs_n, offs_n < end, offs_d, d_ok, stride_kn, stride_vn,
                               HEAD_DIM, BLOCK_D)
-    if UPCAST_DOT:
-        k = k.to(tl.float32)
-        v = v.to(tl.float32)
-    m_i, l_i, acc = _attend_block(q, k, v, offs_n, limit, m_i, l_i, acc, qk_scale, DOT_PRECISION)
+    m_i, l_i, acc = _attend_block(q, k, v, offs_n, limit, m_i, l_i, acc, qk_scale, UPCAST_DOT, DOT_PRECISION)
     for start_n in range(start + BLOCK_N, end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         k, v = _load_kv_block(k_base, v_base, offs_n, offs_n < end, offs_d, d_ok, stride_kn, stride_vn,
                               HEAD_DIM, BLOCK_D)
-        if UPCAST_DOT:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        m_i, l_i, acc = _attend_block(q, k, v, offs_n, limit, m_i, l_i, acc, qk_scale, DOT_PRECISION)
+        m_i, l_i, acc = _attend_block(q, k, v, offs_n, limit, m_i, l_i, acc, qk_scale, UPCAST_DOT, DOT_PRECISION)
 
     pdl_trigger(USE_PDL, TRIGGER, 2)
     seen = l_i > 0.0

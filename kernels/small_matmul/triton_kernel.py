@@ -14,7 +14,10 @@ measured on an H200 (bench/small_matmul.py --tune), a heuristic elsewhere; never
 
 Under programmatic dependent launch a program requests its first `preload` weight tiles before
 griddepcontrol.wait: weights do not depend on the previous kernel, so their first memory round
-trip overlaps that kernel's tail (at batch 1 the small projections are all ramp and tail).
+trip overlaps that kernel's tail (at batch 1 the small projections are all ramp and tail). With
+`settled=True` the epilogue's inputs written two or more launches back (rope rows, positions, and in
+the reduce the residual; the constants bias and norm weight with them) are read there too
+(kernels._pdl, "Settled inputs"; +4% decode at Qwen2.5-1.5B with the attention's, NOTES.md "Stop 12").
 
 SWAP computes out^T = W x^T (the weight as the MMA's A operand, BLOCK_N its M side), which lets
 Hopper use wgmma with the 16 rows of x as its narrow N side; SWAP=False computes x W^T.

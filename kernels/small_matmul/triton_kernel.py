@@ -254,10 +254,10 @@ def _small_linear_kernel(
         cols = pid_n * BLOCK_N + j
     mask = (cols < N)[:, None] & m_ok[None, :]
     if EARLY:
-        bias, res, next_nw, rope_rows = _epilogue_inputs(cols, offs_m, mask, pid_n * HALF_N, m_ok, N, T, Bias, Res,
-                                                         NextNormW, Cos, Sin, Pos, KCache, stride_rm, HAS_BIAS,
-                                                         False, EMIT_NORM, ROPE, SPLIT, HEAD_DIM, HALF_N)
-    pdl_wait(USE_PDL, TRIGGER)                   # X, SumSqIn (and without EARLY Res): from the previous kernel
+        bias, next_nw, rope_rows = _epilogue_inputs(cols, pid_n * HALF_N, offs_m, m_ok, N, T, Bias, NextNormW, Cos,
+                                                    Sin, Pos, KCache, HAS_BIAS, EMIT_NORM, ROPE, SPLIT, HEAD_DIM,
+                                                    HALF_N)
+    pdl_wait(USE_PDL, TRIGGER)                   # X, SumSqIn, Res: from the previous kernel
 
     if SCALE_ROWS:
         # X held norm_weight * h: RMSNorm's per-row scale, from the sums of squares of h that the
@@ -295,15 +295,9 @@ def _small_linear_kernel(
         acc = acc * row_scale[None, :]
 
     if not EARLY:
-        bias, res, next_nw, rope_rows = _epilogue_inputs(cols, offs_m, mask, pid_n * HALF_N, m_ok, N, T, Bias, Res,
-                                                         NextNormW, Cos, Sin, Pos, KCache, stride_rm, HAS_BIAS,
-                                                         RESIDUAL, EMIT_NORM, ROPE, SPLIT, HEAD_DIM, HALF_N)
-    elif RESIDUAL:
-        # The residual is read here even when settled: read before the wait it moved the compiled
-        # epilogue's layout, and with it the order of the emitted sums of squares (the o projection's
-        # bits changed; measured on the H200, kernels/small_matmul/NOTES.md "Stop 12"), for no gain.
-        _, res, _, _ = _epilogue_inputs(cols, offs_m, mask, pid_n * HALF_N, m_ok, N, T, Bias, Res, NextNormW, Cos, Sin,
-                                        Pos, KCache, stride_rm, False, True, False, False, SPLIT, HEAD_DIM, HALF_N)
+        bias, next_nw, rope_rows = _epilogue_inputs(cols, pid_n * HALF_N, offs_m, m_ok, N, T, Bias, NextNormW, Cos,
+                                                    Sin, Pos, KCache, HAS_BIAS, EMIT_NORM, ROPE, SPLIT, HEAD_DIM,
+                                                    HALF_N)
     if ROPE:
         if HAS_BIAS:
             acc += bias[:, None]
@@ -314,32 +308,33 @@ def _small_linear_kernel(
         tl.store(Part + (pid_s * M + offs_m[None, :]) * N + cols[:, None], acc, mask=mask)
     elif GATED:
         gate, up = tl.split(tl.permute(tl.reshape(acc, [2, OUT_N, BLOCK_M]), [1, 2, 0]))   # [OUT_N, BLOCK_M]
-        _epilogue(acc, gate, up, cols, offs_m, mask, pid_n, M, N, bias, res, next_nw, Out, WeightedOut,
-                  SumSqOut, stride_om, True, HAS_BIAS, RESIDUAL, EMIT_NORM)
+        _epilogue(acc, gate, up, cols, offs_m, mask, pid_n, M, bias, Res, next_nw, Out, WeightedOut, SumSqOut,
+                  stride_rm, stride_om, True, HAS_BIAS, RESIDUAL, EMIT_NORM)
     else:
-        _epilogue(acc, acc, acc, cols, offs_m, mask, pid_n, M, N, bias, res, next_nw, Out, WeightedOut,
-                  SumSqOut, stride_om, False, HAS_BIAS, RESIDUAL, EMIT_NORM)
+        _epilogue(acc, acc, acc, cols, offs_m, mask, pid_n, M, bias, Res, next_nw, Out, WeightedOut, SumSqOut,
+                  stride_rm, stride_om, False, HAS_BIAS, RESIDUAL, EMIT_NORM)
 
 
 @triton.jit
-def _epilogue_inputs(cols, offs_m, mask, first_pair, m_ok, N, T, Bias, Res, NextNormW, Cos, Sin, Pos, KCache, stride_rm,
-                     HAS_BIAS: tl.constexpr, RESIDUAL: tl.constexpr, EMIT_NORM: tl.constexpr, ROPE: tl.constexpr,
-                     SPLIT: tl.constexpr, HEAD_DIM: tl.constexpr, HALF_N: tl.constexpr):
-    """What the epilogue reads besides the sums, for the output columns `cols` and rows `offs_m`:
-    (bias [cols] f32, residual [cols, rows], next norm weight [cols] f32, rope rows). An input a
-    config does not use comes back as 0.0. The rope loads may run before griddepcontrol.wait (EARLY)
-    and skip L1 (".cg"), as the residual's do. With ROPE, rope rows = (cos1, cos2, sin1, sin2 [HALF_N,
-    rows] for dims d and d + D/2 of the tile's head, positions [rows])."""
+def _epilogue_inputs(cols, first_pair, offs_m, m_ok, N, T, Bias, NextNormW, Cos, Sin, Pos, KCache,
+                     HAS_BIAS: tl.constexpr, EMIT_NORM: tl.constexpr, ROPE: tl.constexpr, SPLIT: tl.constexpr,
+                     HEAD_DIM: tl.constexpr, HALF_N: tl.constexpr):
+    """What the epilogue reads besides the sums and the residual, for the output columns `cols` and
+    rows `offs_m`: (bias [cols] f32, next norm weight [cols] f32, rope rows). An input a config does
+    not use comes back as 0.0. With ROPE, rope rows = (cos1, cos2, sin1, sin2 [HALF_N, rows] for
+    dims d and d + D/2 of the tile's head, positions [rows]); those loads may run before
+    griddepcontrol.wait (EARLY) and skip L1 (".cg").
+
+    The residual is not among them: `_epilogue` reads it after the k loop even when it is settled.
+    Read before the wait it moved the compiled epilogue's layout, and with it the order of the
+    emitted sums of squares (the o projection's bits changed on the H200, for no gain:
+    kernels/small_matmul/NOTES.md "Stop 12")."""
     bias = 0.0
-    res = 0.0
     next_nw = 0.0
     rope_rows = 0.0
     if not SPLIT:                  # a k split adds them in the reduce kernel
         if HAS_BIAS:
             bias = tl.load(Bias + cols, mask=cols < N, other=0.0).to(tl.float32)
-        if RESIDUAL:
-            res = tl.load(Res + offs_m[None, :] * stride_rm + cols[:, None], mask=mask, other=0.0,
-                          cache_modifier=".cg")
         if EMIT_NORM:
             next_nw = tl.load(NextNormW + cols, mask=cols < N, other=0.0).to(tl.float32)
     if ROPE:
@@ -350,7 +345,7 @@ def _epilogue_inputs(cols, offs_m, mask, first_pair, m_ok, N, T, Bias, Res, Next
                                               HALF_D, m_ok[None, :], KCache.dtype.element_ty)
         pos = tl.load(Pos + t, mask=m_ok, other=0, cache_modifier=".cg")
         rope_rows = (cos1, cos2, sin1, sin2, pos)
-    return bias, res, next_nw, rope_rows
+    return bias, next_nw, rope_rows
 
 
 @triton.jit
@@ -391,12 +386,12 @@ def _rope_epilogue(acc, first_pair, offs_m, m_ok, T, rope_rows, QOut, KCache, VC
 
 
 @triton.jit
-def _epilogue(acc, gate, up, cols, offs_m, mask, part, M, N, bias, res, next_nw, Out, WeightedOut, SumSqOut,
-              stride_om, GATED: tl.constexpr, HAS_BIAS: tl.constexpr, RESIDUAL: tl.constexpr,
+def _epilogue(acc, gate, up, cols, offs_m, mask, part, M, bias, Res, next_nw, Out, WeightedOut, SumSqOut,
+              stride_rm, stride_om, GATED: tl.constexpr, HAS_BIAS: tl.constexpr, RESIDUAL: tl.constexpr,
               EMIT_NORM: tl.constexpr):
     """The finished float32 sums [cols, rows] (gate and up halves when GATED) -> the output rows:
     bias or silu(gate) * up, the cast, the residual, the store, and the next norm's inputs
-    (bias, res, next_nw: `_epilogue_inputs`)."""
+    (bias, next_nw: `_epilogue_inputs`)."""
     dtype = Out.dtype.element_ty
     if GATED:
         # silu(gate) * up with the eager rounding: gate, up and silu(gate) each in the model dtype
@@ -408,6 +403,7 @@ def _epilogue(acc, gate, up, cols, offs_m, mask, part, M, N, bias, res, next_nw,
             acc += bias[:, None]
         y = acc.to(dtype)
     if RESIDUAL:
+        res = tl.load(Res + offs_m[None, :] * stride_rm + cols[:, None], mask=mask, other=0.0)
         y = (y.to(tl.float32) + res.to(tl.float32)).to(dtype)
     tl.store(Out + offs_m[None, :] * stride_om + cols[:, None], y, mask=mask)
     if EMIT_NORM:

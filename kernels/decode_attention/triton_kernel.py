@@ -38,15 +38,15 @@ def _split_len(s_max, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _attend_block(q, k, v, offs_n, limit, m_i, l_i, acc, qk_scale, UPCAST_DOT: tl.constexpr,
-                  DOT_PRECISION: tl.constexpr):
-    """One key block of the online softmax: q [BLOCK_M, D], k/v [BLOCK_N, D] at rows offs_n, limit
-    [BLOCK_M] the last row each tile row sees -> the updated (m_i, l_i, acc)."""
+def attend_block(q, k, v, visible, m_i, l_i, acc, qk_scale, UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """One key block of the online softmax (this kernel's and the sparse split's): q [BLOCK_M, D],
+    k/v [BLOCK_N, D], visible [BLOCK_M, BLOCK_N] which keys each tile row sees -> the updated
+    (m_i, l_i, acc)."""
     if UPCAST_DOT:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale        # [BLOCK_M, BLOCK_N]
-    s = tl.where(offs_n[None, :] <= limit[:, None], s, float("-inf"))
+    s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     alpha = tl.math.exp2(m_i - m_new)
     p = tl.math.exp2(s - m_new[:, None])
@@ -143,18 +143,28 @@ def _decode_split_kernel(
     else:
         k, v = _load_kv_block(k_base, v_base, offs_n, offs_n < end, offs_d, d_ok, stride_kn, stride_vn,
                               HEAD_DIM, BLOCK_D)
-    m_i, l_i, acc = _attend_block(q, k, v, offs_n, limit, m_i, l_i, acc, qk_scale, UPCAST_DOT, DOT_PRECISION)
+    m_i, l_i, acc = attend_block(q, k, v, offs_n[None, :] <= limit[:, None], m_i, l_i, acc, qk_scale, UPCAST_DOT,
+                                 DOT_PRECISION)
     for start_n in range(start + BLOCK_N, end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         k, v = _load_kv_block(k_base, v_base, offs_n, offs_n < end, offs_d, d_ok, stride_kn, stride_vn,
                               HEAD_DIM, BLOCK_D)
-        m_i, l_i, acc = _attend_block(q, k, v, offs_n, limit, m_i, l_i, acc, qk_scale, UPCAST_DOT, DOT_PRECISION)
+        m_i, l_i, acc = attend_block(q, k, v, offs_n[None, :] <= limit[:, None], m_i, l_i, acc, qk_scale, UPCAST_DOT,
+                                     DOT_PRECISION)
 
     pdl_trigger(USE_PDL, TRIGGER, 2)
+    row = (b * H_KV * GROUP + head) * Q_ROWS + lane                       # flat (b, head, lane)
+    store_split(acc, l_i, m_i, row, row_ok, pid_s, offs_d, d_ok, O_part, L_part, NUM_SPLITS, HEAD_DIM)
+
+
+@triton.jit
+def store_split(acc, l_i, m_i, row, row_ok, pid_s, offs_d, d_ok, O_part, L_part, NUM_SPLITS: tl.constexpr,
+                HEAD_DIM: tl.constexpr):
+    """A split's normalised output and log2-sum-exp for the merge (this kernel's and the sparse
+    split's), at flat rows `row` (b, head, lane); a row that saw no key stores lse = -inf."""
     seen = l_i > 0.0
     o = acc / tl.where(seen, l_i, 1.0)[:, None]
     lse = tl.where(seen, m_i + tl.math.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
-    row = (b * H_KV * GROUP + head) * Q_ROWS + lane                       # flat (b, head, lane)
     tl.store(L_part + row * NUM_SPLITS + pid_s, lse, mask=row_ok)
     o_ptrs = O_part + (row[:, None] * NUM_SPLITS + pid_s) * HEAD_DIM + offs_d[None, :]
     tl.store(o_ptrs, o, mask=row_ok[:, None] & d_ok[None, :])
@@ -330,4 +340,4 @@ def decode_attention_triton(
                         early=early)
 
 
-__all__ = ["decode_attention_triton", "DecodeTile", "TUNED_TILES", "decode_tile", "invariant_tile_rows", "merge_splits", "dot_flags", "default_num_splits", "LOG2E"]
+__all__ = ["decode_attention_triton", "attend_block", "store_split", "DecodeTile", "TUNED_TILES", "decode_tile", "invariant_tile_rows", "merge_splits", "dot_flags", "default_num_splits", "LOG2E"]

@@ -33,6 +33,8 @@ from kernels._backend import interpreting, launch_options, patch_interpreter_ind
 from kernels._pdl import AFTER_WAIT, pdl_wait
 from kernels.decode_attention.triton_kernel import (
     INVARIANT_Q_ROWS,
+    attend_block,
+    store_split,
     LOG2E,
     _split_len,
     default_num_splits,
@@ -212,26 +214,12 @@ def _sparse_split_kernel(
         kv_mask = n_ok[:, None] & d_ok[None, :]
         k = tl.load(k_base + offs_n[:, None] * stride_kn + offs_d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :], mask=kv_mask, other=0.0)
-        if UPCAST_DOT:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale        # [BLOCK_M, BLOCK_N]
         lane_chose = ((lane_bits >> lane) & 1) != 0                                 # [BLOCK_M]
-        s = tl.where((offs_n[None, :] <= limit[:, None]) & lane_chose[:, None], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.math.exp2(m_i - m_new)
-        p = tl.math.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+        visible = (offs_n[None, :] <= limit[:, None]) & lane_chose[:, None]
+        m_i, l_i, acc = attend_block(q, k, v, visible, m_i, l_i, acc, qk_scale, UPCAST_DOT, DOT_PRECISION)
 
-    seen = l_i > 0.0
-    o = acc / tl.where(seen, l_i, 1.0)[:, None]
-    lse = tl.where(seen, m_i + tl.math.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
     row = (b * H_KV * GROUP + head) * Q_ROWS + lane                       # flat (b, head, lane)
-    tl.store(L_part + row * NUM_SPLITS + pid_s, lse, mask=row_ok)
-    o_ptrs = O_part + (row[:, None] * NUM_SPLITS + pid_s) * HEAD_DIM + offs_d[None, :]
-    tl.store(o_ptrs, o, mask=row_ok[:, None] & d_ok[None, :])
+    store_split(acc, l_i, m_i, row, row_ok, pid_s, offs_d, d_ok, O_part, L_part, NUM_SPLITS, HEAD_DIM)
 
 
 def block_scores_triton(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, seq_len: torch.Tensor,

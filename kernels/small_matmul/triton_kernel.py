@@ -55,16 +55,22 @@ class SmallLinearConfig:
     num_stages: int = 3
     swap: bool = True
     preload: int = 0       # k steps of weight tiles requested before griddepcontrol.wait (0..4)
+    gemv: bool = False     # block_n whole weight rows per program on the CUDA cores (see _gemv_rows)
 
     def preload_steps(self, K: int) -> int:
-        """`preload`, capped by the k steps of the shortest (last) split."""
+        """`preload`, capped by the k steps of the shortest (last) split (0 for a gemv: its rows are
+        all loaded before the wait)."""
+        if self.gemv:
+            return 0
         k_blocks = triton.cdiv(K, self.block_k)
         per_split = triton.cdiv(self.k_per_split(K), self.block_k)
         last = k_blocks - (self.effective_splits(K) - 1) * per_split
         return max(0, min(self.preload, last, 4))
 
     def k_per_split(self, K: int) -> int:
-        """Columns of K per split, a multiple of block_k (depends on K only)."""
+        """Columns of K per split, a multiple of block_k (depends on K only); a gemv never splits."""
+        if self.gemv:
+            return triton.cdiv(K, self.block_k) * self.block_k
         k_blocks = triton.cdiv(K, self.block_k)
         return triton.cdiv(k_blocks, max(1, min(self.splits, k_blocks))) * self.block_k
 
@@ -85,7 +91,7 @@ class SmallLinearConfig:
 TUNED: dict[tuple[int, int, int], SmallLinearConfig] = {
     # Qwen2.5-1.5B
     (2048, 1536, 2): SmallLinearConfig(16, 128, 1, num_warps=4, num_stages=4, swap=True),      # qkv
-    (1536, 1536, 2): SmallLinearConfig(16, 128, 1, num_warps=4, num_stages=4, swap=True),      # o
+    (1536, 1536, 2): SmallLinearConfig(8, 128, 1, num_warps=4, gemv=True),                     # o (stop 13)
     (17920, 1536, 2): SmallLinearConfig(128, 128, 1, num_warps=4, num_stages=3, swap=True),    # gate_up
     (1536, 8960, 2): SmallLinearConfig(64, 128, 8, num_warps=4, num_stages=3, swap=True, preload=2),    # down
     (151936, 1536, 2): SmallLinearConfig(64, 128, 1, num_warps=4, num_stages=3, swap=True),    # lm_head
@@ -196,6 +202,7 @@ def _small_linear_kernel(
     SCALE_ROWS: tl.constexpr, PARTS_P2: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr,
     EMIT_NORM: tl.constexpr, USE_PDL: tl.constexpr, TRIGGER: tl.constexpr, PRELOAD: tl.constexpr,
     EARLY: tl.constexpr, ROPE: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, HEAD_DIM: tl.constexpr,
+    GEMV: tl.constexpr, K_P2: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """Nothing but loads feeds tl.dot, so Triton pipelines both operands (an elementwise op on x
@@ -210,6 +217,7 @@ def _small_linear_kernel(
     tl.static_assert(not (GATED and SPLIT))
     tl.static_assert(PRELOAD <= 4)
     tl.static_assert(not (ROPE and (SPLIT or GATED)))
+    tl.static_assert(not (GEMV and (SPLIT or GATED or PRELOAD > 0 or not SWAP)))
     OUT_N: tl.constexpr = BLOCK_N // 2 if GATED else BLOCK_N     # output columns per program
     HALF_N: tl.constexpr = BLOCK_N // 2
     HALF_D: tl.constexpr = HEAD_DIM // 2
@@ -246,6 +254,13 @@ def _small_linear_kernel(
         w2 = _load_weight_tile(w_ptrs, k_start + 2 * BLOCK_K, K, n_ok, offs_k, EVEN_N, EVEN_K)
     if PRELOAD >= 4:
         w3 = _load_weight_tile(w_ptrs, k_start + 3 * BLOCK_K, K, n_ok, offs_k, EVEN_N, EVEN_K)
+    if GEMV:
+        # the program's BLOCK_N whole weight rows [BLOCK_N, K_P2], requested before the wait (held in
+        # registers: the host keeps K_P2 <= 2048; K in chunks without the power-of-2 padding measured
+        # slower in whole steps, NOTES.md "Stop 13")
+        offs_kk = tl.arange(0, K_P2)
+        w_rows = tl.load(W + w_row[:, None].to(tl.int64) * stride_wn + offs_kk[None, :],
+                         mask=n_ok[:, None] & (offs_kk < K)[None, :], other=0.0, eviction_policy="evict_first")
     if GATED:
         cols = pid_n * OUT_N + tl.arange(0, OUT_N)
     elif ROPE:
@@ -272,6 +287,8 @@ def _small_linear_kernel(
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if GEMV:
+        acc = _gemv_rows(acc, w_rows, X, pid_m * BLOCK_M, M, K, stride_xm, K_P2, BLOCK_M)
     # k steps in increasing order whether preloaded or not: the same sums, bit for bit
     if PRELOAD >= 1:
         acc = _accumulate(acc, w0, x_ptrs, k_start, K, m_ok, offs_k, EVEN_K, SWAP, UPCAST_DOT, DOT_PRECISION)
@@ -284,9 +301,10 @@ def _small_linear_kernel(
     if PRELOAD >= 4:
         acc = _accumulate(acc, w3, x_ptrs, k_start + 3 * BLOCK_K, K, m_ok, offs_k, EVEN_K, SWAP, UPCAST_DOT,
                           DOT_PRECISION)
-    for k0 in range(k_start + PRELOAD * BLOCK_K, k_end, BLOCK_K):
-        w = _load_weight_tile(w_ptrs, k0, K, n_ok, offs_k, EVEN_N, EVEN_K)
-        acc = _accumulate(acc, w, x_ptrs, k0, K, m_ok, offs_k, EVEN_K, SWAP, UPCAST_DOT, DOT_PRECISION)
+    if not GEMV:
+        for k0 in range(k_start + PRELOAD * BLOCK_K, k_end, BLOCK_K):
+            w = _load_weight_tile(w_ptrs, k0, K, n_ok, offs_k, EVEN_N, EVEN_K)
+            acc = _accumulate(acc, w, x_ptrs, k0, K, m_ok, offs_k, EVEN_K, SWAP, UPCAST_DOT, DOT_PRECISION)
     pdl_trigger(USE_PDL, TRIGGER, 2)
     if not SWAP:
         acc = tl.trans(acc)                           # [BLOCK_N, BLOCK_M] from here on
@@ -313,6 +331,24 @@ def _small_linear_kernel(
     else:
         _epilogue(acc, acc, acc, cols, offs_m, mask, pid_n, M, bias, Res, next_nw, Out, WeightedOut, SumSqOut,
                   stride_rm, stride_om, False, HAS_BIAS, RESIDUAL, EMIT_NORM)
+
+
+@triton.jit
+def _gemv_rows(acc, w_rows, X, m0, M, K, stride_xm, K_P2: tl.constexpr, BLOCK_M: tl.constexpr):
+    """acc [BLOCK_N, BLOCK_M] with column r = w_rows [BLOCK_N, K_P2] times x row m0 + r, on the CUDA
+    cores: float32 products summed over k by one tl.sum in a fixed layout, row after row. A row's
+    sum is the same code whatever M is (batch-invariant), and the program holds its weight rows in
+    registers for all of them. At batch 1 this streams a small weight from many programs, a few
+    rows each, where the tl.dot tiles (16 weight rows at least) leave it to fewer programs with
+    fewer bytes in flight (NOTES.md, "Stop 13")."""
+    offs_kk = tl.arange(0, K_P2)
+    lane = tl.arange(0, BLOCK_M)
+    w = w_rows.to(tl.float32)
+    for r in range(0, tl.minimum(BLOCK_M, M - m0)):
+        x = tl.load(X + (m0 + r) * stride_xm + offs_kk, mask=offs_kk < K, other=0.0).to(tl.float32)
+        y = tl.sum(w * x[None, :], 1)                                   # [BLOCK_N]
+        acc = tl.where((lane == r)[None, :], y[:, None], acc)
+    return acc
 
 
 @triton.jit
@@ -553,9 +589,12 @@ def small_linear_triton(
         config = choose_config(N, K, x.dtype, x.device, gated=gated)
     k_per_split = config.k_per_split(K)
     splits = triton.cdiv(K, k_per_split)
-    if gated and (splits > 1 or config.block_n % 32):
-        raise ValueError(f"a gated projection needs no k split and block_n % 32 == 0 (config {config})")
+    if gated and (splits > 1 or config.block_n % 32 or config.gemv):
+        raise ValueError(f"a gated projection needs no k split, no gemv and block_n % 32 == 0 (config {config})")
     out_n = config.block_n // 2 if gated else config.block_n
+    if config.gemv and (K > 2048 or splits > 1):
+        raise ValueError(f"a gemv config holds whole weight rows of K <= 2048 in registers, with no k split "
+                         f"(K = {K}, config {config})")
     grid = (triton.cdiv(M, BLOCK_M), triton.cdiv(N, out_n), splits)
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     part = torch.empty(splits, M, N, dtype=torch.float32, device=x.device) if splits > 1 else out
@@ -594,6 +633,7 @@ def small_linear_triton(
         SCALE_ROWS=row_sumsq is not None, PARTS_P2=triton.next_power_of_2(parts_in), GATED=gated,
         RESIDUAL=residual is not None, EMIT_NORM=emit and splits == 1, USE_PDL=pdl, TRIGGER=pdl_trigger_point("linear"),
         PRELOAD=config.preload_steps(K), EARLY=early, ROPE=rope is not None, HQ=heads, HKV=kv_heads, HEAD_DIM=head_dim,
+        GEMV=config.gemv, K_P2=triton.next_power_of_2(K) if config.gemv else 1,
         BLOCK_M=BLOCK_M, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         num_warps=config.num_warps, num_stages=config.num_stages, **launch_options(pdl),
     )

@@ -27,10 +27,14 @@ def make(M, N, K, dtype, bias=False, seed=0):
     return x, w, b
 
 
-def config(block_n, block_k, splits, swap=True, preload=0):
+def config(block_n, block_k, splits, swap=True, preload=0, gemv=False):
     from kernels.small_matmul.triton_kernel import SmallLinearConfig
 
-    return SmallLinearConfig(block_n, block_k, splits, num_warps=4, num_stages=2, swap=swap, preload=preload)
+    return SmallLinearConfig(block_n, block_k, splits, num_warps=4, num_stages=2, swap=swap, preload=preload,
+                             gemv=gemv)
+
+
+GEMV4 = (4, 32, 1, True, 0, True)      # whole weight rows, 4 per program, on the CUDA cores
 
 
 def run_triton(x, w, b, cfg):
@@ -61,6 +65,7 @@ CASES = [
     pytest.param(5, 40, 72, (32, 32, 2, True), id="m5-n40-k72-ragged-split2"),
     pytest.param(17, 72, 96, (64, 32, 3, False), id="m17-n72-k96-split3-noswap"),
     pytest.param(32, 48, 80, (32, 64, 1, True), id="m32-n48-k80-nosplit"),
+    pytest.param(17, 42, 72, GEMV4, id="m17-n42-k72-gemv4-ragged"),
 ]
 
 
@@ -82,6 +87,8 @@ INVARIANCE = [
     pytest.param(torch.bfloat16, (32, 32, 2, True), True, id="bf16-split2-swap-bias"),
     pytest.param(torch.float16, (64, 64, 1, False), False, id="f16-nosplit-noswap"),
     pytest.param(torch.float32, (32, 32, 3, False), True, id="f32-split3-noswap-bias"),
+    pytest.param(torch.bfloat16, GEMV4, True, id="bf16-gemv4-bias"),
+    pytest.param(torch.float32, (8, 32, 1, True, 0, True), False, id="f32-gemv8"),
 ]
 
 
@@ -235,6 +242,8 @@ FUSED = [  # (kind, cfg)
     pytest.param("norm-gated", (64, 64, 1, False), id="norm-gated-noswap"),
     pytest.param("residual-emit", (16, 32, 1, True), id="residual-emit"),
     pytest.param("residual-emit", (32, 32, 3, False), id="residual-emit-split3-noswap"),
+    pytest.param("norm", GEMV4, id="norm-bias-gemv4"),
+    pytest.param("residual-emit", GEMV4, id="residual-emit-gemv4"),
 ]
 
 
@@ -262,6 +271,15 @@ def flat(result):
     return (result,)
 
 
+def by_rows(result):
+    """out, or (out, NormInputs) -> out, weighted and the sums of squares' parts as [M, P], compared
+    as they are (summing the parts in torch may take another order for another M)"""
+    if isinstance(result, tuple):
+        out, (weighted, sumsq) = result
+        return out, weighted, sumsq.t()
+    return (result,)
+
+
 @needs_triton
 @pytest.mark.triton
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])
@@ -278,10 +296,10 @@ def test_fused_matches_reference(kind, cfg, dtype):
 @pytest.mark.parametrize("kind, cfg", FUSED[1:3] + FUSED[5:])
 def test_fused_rows_are_batch_invariant(kind, cfg):
     t = fusion_inputs(17, 40, 72, torch.bfloat16, gated=kind == "norm-gated", seed=3)
-    alone = [flat(run_fused(kind, cfg, t, slice(i, i + 1))) for i in range(17)]
-    alone = [torch.cat(parts, dim=-1 if parts[0].dim() == 1 else 0) for parts in zip(*alone)]
+    alone = [by_rows(run_fused(kind, cfg, t, slice(i, i + 1))) for i in range(17)]
+    alone = [torch.cat(parts) for parts in zip(*alone)]
     for M in (2, 5, 16, 17):
-        for got, want in zip(flat(run_fused(kind, cfg, t, slice(0, M))), alone):
+        for got, want in zip(by_rows(run_fused(kind, cfg, t, slice(0, M))), alone):
             assert torch.equal(got, want[:M]), f"M={M}: fused rows differ from one-row calls"
 
 
@@ -328,18 +346,19 @@ def test_fusion_inputs_are_checked():
 
 # ---- rope and the cache write in the q/k/v projection's epilogue ----
 
-QKV_ROPE = [  # (block_n, splits, bias, T): tiles of 8 and 4 rope pairs, one and three rows
-    pytest.param(16, 1, True, 3, id="pairs8-bias-t3"),
-    pytest.param(8, 1, False, 1, id="pairs4-t1"),
-    pytest.param(16, 1, False, 17, id="pairs8-t17"),
+QKV_ROPE = [  # (block_n, splits, bias, T, gemv): tiles of 8 and 4 rope pairs, one and three rows
+    pytest.param(16, 1, True, 3, False, id="pairs8-bias-t3"),
+    pytest.param(8, 1, False, 1, False, id="pairs4-t1"),
+    pytest.param(16, 1, False, 17, False, id="pairs8-t17"),
+    pytest.param(4, 1, True, 3, True, id="gemv-pairs2-bias-t3"),
 ]
 
 
 @needs_triton
 @pytest.mark.triton
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])
-@pytest.mark.parametrize("block_n, splits, bias, T", QKV_ROPE)
-def test_qkv_rope_epilogue_equals_projection_then_rope_kernel(block_n, splits, bias, T, dtype):
+@pytest.mark.parametrize("block_n, splits, bias, T, gemv", QKV_ROPE)
+def test_qkv_rope_epilogue_equals_projection_then_rope_kernel(block_n, splits, bias, T, gemv, dtype):
     """One launch (projection + rope + cache write) against the two it replaces, bitwise: q and
     both caches, with the input RMSNorm folded in as in a decode step."""
     from kernels.rope_cache import rope_and_store
@@ -353,7 +372,7 @@ def test_qkv_rope_epilogue_equals_projection_then_rope_kernel(block_n, splits, b
     angles = torch.randn(T, D // 2, generator=g)
     cos, sin = torch.cat([angles.cos()] * 2, -1).to(DEVICE), torch.cat([angles.sin()] * 2, -1).to(DEVICE)
     positions = torch.arange(start, start + T, device=DEVICE)
-    cfg = config(block_n, 16, splits)
+    cfg = config(block_n, 16, splits, gemv=gemv)
     assert rope_fits(cfg, N, K, D)
     caches = [torch.randn(1, Hkv, S, D, generator=g).to(dtype).to(DEVICE) for _ in range(2)]
     fused_k, fused_v = caches[0].clone(), caches[1].clone()
@@ -379,7 +398,7 @@ def test_rope_fits_needs_whole_pairs_of_one_head_and_no_split():
 
 @needs_triton
 @pytest.mark.triton
-@pytest.mark.parametrize("kind, cfg", [FUSED[0], FUSED[2], FUSED[4], FUSED[5]])
+@pytest.mark.parametrize("kind, cfg", [FUSED[0], FUSED[2], FUSED[4], FUSED[5], FUSED[7]])
 def test_settled_inputs_read_early_change_no_bits(kind, cfg, monkeypatch):
     """settled=True moves the epilogue's reads (bias, residual, next norm weight; the reduce
     kernel's with a k split) before the wait: the same outputs, bit for bit, as reading them after
@@ -471,3 +490,17 @@ def test_cuda_settled_reads_change_no_bits_at_qwen_shapes(kind, monkeypatch):
         monkeypatch.setenv("BATCHD_EARLY_READS", "0")
         for a, b_ in zip(early, call(*inputs)):
             assert torch.equal(a, b_)
+
+
+def test_gemv_configs_refuse_what_they_cannot_hold():
+    """A gemv program keeps whole weight rows in registers and has no k loop: no gate/up pairs, no
+    k split, K at most 2048; and it never preloads (its rows are all read before the wait)."""
+    from kernels.small_matmul.triton_kernel import small_linear_triton
+
+    x = torch.zeros(1, 4096)
+    with pytest.raises(ValueError, match="K <= 2048"):
+        small_linear_triton(x, torch.zeros(8, 4096), None, config=config(*GEMV4))
+    with pytest.raises(ValueError, match="no gemv"):
+        small_linear_triton(x[:, :64], torch.zeros(16, 64), None, gated=True, config=config(*GEMV4))
+    assert config(*GEMV4[:4], preload=3, gemv=True).preload_steps(72) == 0
+    assert config(4, 32, 3, gemv=True).effective_splits(4096) == 1

@@ -19,6 +19,11 @@ trip overlaps that kernel's tail (at batch 1 the small projections are all ramp 
 the reduce the residual; the constants bias and norm weight with them) are read there too
 (kernels._pdl, "Settled inputs"; +4% decode at Qwen2.5-1.5B with the attention's, NOTES.md "Stop 12").
 
+A gemv config (`gemv=True`, kernels/small_matmul/NOTES.md "Stop 13") replaces the tl.dot loop with
+block_n whole weight rows per program, loaded before the wait into registers and multiplied on the
+CUDA cores, one row of x after the other: more programs for a small weight (Qwen2.5-1.5B's o: 192
+instead of 96), same epilogues, the same code for every row whatever M is.
+
 SWAP computes out^T = W x^T (the weight as the MMA's A operand, BLOCK_N its M side), which lets
 Hopper use wgmma with the 16 rows of x as its narrow N side; SWAP=False computes x W^T.
 

@@ -38,6 +38,22 @@ def cuda_time(fn, warmup: int = 3, repeats: int = 10) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def graph_replay_time(fn, repeats: int = 15) -> float:
+    """Median seconds of one replay of a CUDA graph capturing fn() (warmed up on a side stream
+    first, as capture requires)."""
+    fn()
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return cuda_time(graph.replay, warmup=1, repeats=repeats)
+
+
 def print_table(rows: list[dict]) -> None:
     if not rows:
         return

@@ -13,25 +13,9 @@ import sys
 from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch, triton, triton.language as tl
-from bench.common import print_table
+from bench.common import graph_replay_time, print_table
 from kernels._backend import launch_options
 from kernels.small_matmul.triton_kernel import SmallLinearConfig, small_linear_triton
-
-def timed(fn, reps=15):
-    fn(); torch.cuda.synchronize()
-    s = torch.cuda.Stream(); s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    g.replay(); torch.cuda.synchronize()
-    a, b = torch.cuda.Event(True), torch.cuda.Event(True)
-    ts = []
-    for _ in range(reps):
-        a.record(); g.replay(); b.record(); b.synchronize(); ts.append(a.elapsed_time(b) / 1e3)
-    return sorted(ts)[len(ts) // 2]
 
 @triton.jit
 def _gemv(X, W, Out, M, K: tl.constexpr, ROWS: tl.constexpr, BK: tl.constexpr, PRE: tl.constexpr):
@@ -69,7 +53,7 @@ for r, bk, nw, pre in ((4, 512, 4, 0), (4, 256, 4, 0), (2, 512, 4, 0), (8, 256, 
         for i in range(R):
             _gemv[(N // r,)](x, ws[i], outs[i], 1, K=K, ROWS=r, BK=bk, PRE=pre, num_warps=nw, **launch_options(True))
             x = outs[i]
-    t = timed(chain) / R
+    t = graph_replay_time(chain) / R
     ref = (x0.float() @ ws[0].float().T)
     _gemv[(N // r,)](x0, ws[0], outs[0], 1, K=K, ROWS=r, BK=bk, PRE=pre, num_warps=nw)
     err = ((outs[0].float() - ref).abs().max() / ref.abs().max()).item()
@@ -81,5 +65,5 @@ for kind, cfg, programs in (("small_linear tiles 16x128 s4 (o before stop 13)", 
         x = x0
         for i in range(R):
             x = small_linear_triton(x, ws[i], None, config=cfg)
-    rows.append(dict(kind=kind, programs=programs, us=round(timed(chain2) / R * 1e6, 2), err=""))
+    rows.append(dict(kind=kind, programs=programs, us=round(graph_replay_time(chain2) / R * 1e6, 2), err=""))
 print_table(rows)

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch, triton, triton.language as tl
+from bench.common import graph_replay_time
 from kernels._backend import launch_options
 
 @triton.jit
@@ -45,22 +46,6 @@ def _stage(Data, s, NPROG: tl.constexpr, BLOCK: tl.constexpr):
     v = tl.load(src + offs)
     tl.store(Data + ((s + 1) % 2) * NPROG * BLOCK + pid * BLOCK + offs, v + 1.0)
 
-def timed(fn, reps=20):
-    fn(); torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    s = torch.cuda.Stream(); s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    with torch.cuda.graph(g):
-        fn()
-    g.replay(); torch.cuda.synchronize()
-    a, b = torch.cuda.Event(True), torch.cuda.Event(True)
-    ts = []
-    for _ in range(reps):
-        a.record(); g.replay(); b.record(); b.synchronize(); ts.append(a.elapsed_time(b) / 1e3)
-    return sorted(ts)[len(ts) // 2]
-
 STAGES = 200
 BLOCK = 256
 for nprog in (132, 264):
@@ -70,10 +55,10 @@ for nprog in (132, 264):
         def persistent():
             counter.zero_()
             _persistent[(nprog,)](counter, data, STAGES, NPROG=nprog, BLOCK=BLOCK, POLL_ATOMIC=poll, num_warps=4)
-        t = timed(persistent)
+        t = graph_replay_time(persistent)
         print(f"persistent nprog={nprog} poll_atomic={poll}: {t / STAGES * 1e6:.2f} us per barrier stage", flush=True)
     def chain():
         for s in range(STAGES):
             _stage[(nprog,)](data, s, NPROG=nprog, BLOCK=BLOCK, num_warps=4, **launch_options(True))
-    t = timed(chain)
+    t = graph_replay_time(chain)
     print(f"PDL chain nprog={nprog}: {t / STAGES * 1e6:.2f} us per kernel", flush=True)

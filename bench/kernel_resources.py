@@ -1,0 +1,109 @@
+"""Registers, spills and shared memory of small_linear's decode kernels, compiled for the H200
+(sm_90) on any machine: no GPU needed, so a config can be checked before device time is spent.
+
+    python bench/kernel_resources.py
+
+Each row compiles `_small_linear_kernel` as a Qwen2.5-1.5B decode layer launches it (the fusions on,
+pointer and stride arguments 16-divisible as the JIT specializes them) and reads the cubin's
+resource usage with Triton's bundled cuobjdump. "ctas/SM" is what registers and shared memory
+allow at most (65536 registers, 228 KB per multiprocessor): what decides whether a kernel's
+programs fit in one wave and whether the next kernel's early programs fit beside them (stop 13:
+the o projection as a gemv, 242 registers, leaves no room for gate/up's programs where two o
+programs share a multiprocessor; q/k/v as a gemv spills; kernels/small_matmul/NOTES.md).
+"""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+os.environ.pop("TRITON_INTERPRET", None)
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from bench.common import print_table  # noqa: E402
+from kernels.small_matmul import triton_kernel as tk  # noqa: E402
+
+POINTERS = dict(X="*bf16", W="*bf16", Bias="*bf16", Res="*bf16", Out="*bf16", Part="*fp32", SumSqIn="*fp32",
+                NextNormW="*bf16", WeightedOut="*bf16", SumSqOut="*fp32", Cos="*fp32", Sin="*fp32", Pos="*i64",
+                QOut="*bf16", KCache="*bf16", VCache="*bf16")
+DIVISIBLE = set(POINTERS) | {"N", "K", "k_per_split", "stride_xm", "stride_wn", "stride_rm", "stride_om",
+                             "stride_qb", "stride_qh", "stride_qt", "stride_cb", "stride_ch", "stride_cn"}
+HQ, HKV, HEAD_DIM = 12, 2, 128          # Qwen2.5-1.5B
+
+
+def constexprs(cfg: tk.SmallLinearConfig, K: int, *, gated=False, rope=False, norm=False, residual=False,
+               bias=False, parts_in=2) -> dict:
+    """The constexpr arguments small_linear_triton passes for this call (bf16, PDL, settled)."""
+    return dict(
+        HAS_BIAS=bias, SPLIT=cfg.effective_splits(K) > 1, SWAP=cfg.swap, EVEN_N=True, EVEN_K=K % cfg.block_k == 0,
+        UPCAST_DOT=False, DOT_PRECISION="tf32", SCALE_ROWS=norm, PARTS_P2=triton.next_power_of_2(parts_in) if norm else 1,
+        GATED=gated, RESIDUAL=residual, EMIT_NORM=residual, USE_PDL=True, TRIGGER=1, PRELOAD=cfg.preload_steps(K),
+        EARLY=True, ROPE=rope, HQ=HQ, HKV=HKV, HEAD_DIM=HEAD_DIM if rope else 2, GEMV=cfg.gemv,
+        K_P2=triton.next_power_of_2(K) if cfg.gemv else 1, BLOCK_M=tk.BLOCK_M, BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k)
+
+
+def resources(cfg: tk.SmallLinearConfig, consts: dict) -> dict:
+    fn = tk._small_linear_kernel
+    signature = {name: "constexpr" if name in consts else POINTERS.get(name, "fp32" if name == "eps" else "i32")
+                 for name in fn.arg_names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names) if name in DIVISIBLE}
+    kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=consts, attrs=attrs),
+                            target=GPUTarget("cuda", 90, 32),
+                            options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile("wb", suffix=".cubin") as cubin:
+        cubin.write(kernel.asm["cubin"])
+        cubin.flush()
+        usage = subprocess.run([str(cuobjdump), "-res-usage", cubin.name], capture_output=True, text=True,
+                               check=True).stdout
+    regs = int(re.search(r"REG:(\d+)", usage).group(1))
+    stack = int(re.search(r"STACK:(\d+)", usage).group(1))
+    shared = kernel.metadata.shared
+    threads = cfg.num_warps * 32
+    per_sm = min(65536 // (-(-regs // 8) * 8 * threads), (228 << 10) // (shared + 1024))
+    return dict(regs=regs, spill_stack_bytes=stack, shared_kb=round(shared / 1024, 1), ctas_per_sm=per_sm)
+
+
+def main() -> None:
+    C = tk.SmallLinearConfig
+    table = lambda n, k: tk.TUNED[(n, k, 2)]  # noqa: E731
+    H, I, QKV = 1536, 8960, (HQ + 2 * HKV) * HEAD_DIM
+    cases = [
+        ("qkv (table)", table(QKV, H), H, dict(rope=True, norm=True, bias=True)),
+        ("qkv as gemv, 8 rows", C(8, 128, 1, gemv=True), H, dict(rope=True, norm=True, bias=True)),
+        ("o (table)", table(H, H), H, dict(residual=True)),
+        ("o as tiles 16x128 (before stop 13)", C(16, 128, 1, num_stages=4), H, dict(residual=True)),
+        ("o as gemv, 4 rows", C(4, 128, 1, gemv=True), H, dict(residual=True)),
+        ("gate_up (table)", dataclass_gated(table(2 * I, H)), H, dict(gated=True, norm=True, parts_in=H // 8)),
+        ("down (table)", table(H, I), I, dict()),
+    ]
+    rows = []
+    for label, cfg, K, fusion in cases:
+        rows.append(dict(kernel=label, config=describe(cfg), **resources(cfg, constexprs(cfg, K, **fusion))))
+        print(rows[-1], flush=True)
+    print_table(rows)
+
+
+def dataclass_gated(cfg: tk.SmallLinearConfig) -> tk.SmallLinearConfig:
+    """The gated launch's config, as choose_config derives it from the [2N, K] entry."""
+    import dataclasses
+
+    return dataclasses.replace(cfg, block_n=max(32, cfg.block_n), splits=1)
+
+
+def describe(cfg: tk.SmallLinearConfig) -> str:
+    if cfg.gemv:
+        return f"gemv {cfg.block_n} rows, {cfg.num_warps} warps"
+    return f"{cfg.block_n}x{cfg.block_k}, {cfg.splits} splits, {cfg.num_stages} stages, preload {cfg.preload}"
+
+
+if __name__ == "__main__":
+    main()

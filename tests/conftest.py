@@ -32,5 +32,23 @@ def smollm2_gguf() -> Path:
 
 
 @pytest.fixture(scope="session")
+def transformers_smollm2(smollm2_gguf):
+    """transformers' own reading of the SmolLM2 GGUF: (model in float32, eval mode; tokenizer).
+    Loaded once for the session: dequantising and converting the tokenizer take about 25 s on 2
+    cores, and two test modules compare against it."""
+    import os
+
+    import torch
+
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")          # transformers needs it to read GGUF
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    kwargs = dict(gguf_file=smollm2_gguf.name)
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(smollm2_gguf.parent), dtype=torch.float32, **kwargs)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(smollm2_gguf.parent), **kwargs)
+    return model.eval(), tokenizer
+
+
+@pytest.fixture(scope="session")
 def aclsum_sample() -> list[Paper]:
     return aclsum_papers(limit=8)

@@ -2,8 +2,6 @@
 loading the very same file (its own GGUF reader and dequantisation) token for token."""
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -22,12 +20,8 @@ def engine(smollm2_gguf) -> Engine:
 
 
 @pytest.fixture(scope="module")
-def reference(smollm2_gguf):
-    os.environ["HF_HUB_OFFLINE"] = "1"
-    kwargs = dict(gguf_file=smollm2_gguf.name)
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(smollm2_gguf.parent), dtype=torch.float32, **kwargs)
-    tokenizer = transformers.AutoTokenizer.from_pretrained(str(smollm2_gguf.parent), **kwargs)
-    return model.eval(), tokenizer
+def reference(transformers_smollm2):
+    return transformers_smollm2
 
 
 def chat(question: str, max_new_tokens: int = 24) -> GenerationRequest:

@@ -23,6 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.pop("TRITON_INTERPRET", None)
 
+import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
@@ -74,7 +75,7 @@ def resources(cfg: tk.SmallLinearConfig, consts: dict) -> dict:
 
 def main() -> None:
     C = tk.SmallLinearConfig
-    table = lambda n, k: tk.TUNED[(n, k, 2)]  # noqa: E731
+    table = lambda n, k, gated=False: tk.choose_config(n, k, torch.bfloat16, torch.device("cuda"), gated=gated)  # noqa: E731
     H, I, QKV = 1536, 8960, (HQ + 2 * HKV) * HEAD_DIM
     cases = [
         ("qkv (table)", table(QKV, H), H, dict(rope=True, norm=True, bias=True)),
@@ -82,7 +83,7 @@ def main() -> None:
         ("o (table)", table(H, H), H, dict(residual=True)),
         ("o as tiles 16x128 (before stop 13)", C(16, 128, 1, num_stages=4), H, dict(residual=True)),
         ("o as gemv, 4 rows", C(4, 128, 1, gemv=True), H, dict(residual=True)),
-        ("gate_up (table)", dataclass_gated(table(2 * I, H)), H, dict(gated=True, norm=True, parts_in=H // 8)),
+        ("gate_up (table)", table(I, H, gated=True), H, dict(gated=True, norm=True, parts_in=H // 8)),
         ("down (table)", table(H, I), I, dict()),
     ]
     rows = []
@@ -90,13 +91,6 @@ def main() -> None:
         rows.append(dict(kernel=label, config=describe(cfg), **resources(cfg, constexprs(cfg, K, **fusion))))
         print(rows[-1], flush=True)
     print_table(rows)
-
-
-def dataclass_gated(cfg: tk.SmallLinearConfig) -> tk.SmallLinearConfig:
-    """The gated launch's config, as choose_config derives it from the [2N, K] entry."""
-    import dataclasses
-
-    return dataclasses.replace(cfg, block_n=max(32, cfg.block_n), splits=1)
 
 
 def describe(cfg: tk.SmallLinearConfig) -> str:

@@ -294,19 +294,19 @@ def _small_linear_kernel(
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     if GEMV:
         acc = _gemv_rows(acc, w_rows, X, pid_m * BLOCK_M, M, K, stride_xm, K_P2, BLOCK_M)
-    # k steps in increasing order whether preloaded or not: the same sums, bit for bit
-    if PRELOAD >= 1:
-        acc = _accumulate(acc, w0, x_ptrs, k_start, K, m_ok, offs_k, EVEN_K, SWAP, UPCAST_DOT, DOT_PRECISION)
-    if PRELOAD >= 2:
-        acc = _accumulate(acc, w1, x_ptrs, k_start + BLOCK_K, K, m_ok, offs_k, EVEN_K, SWAP, UPCAST_DOT,
-                          DOT_PRECISION)
-    if PRELOAD >= 3:
-        acc = _accumulate(acc, w2, x_ptrs, k_start + 2 * BLOCK_K, K, m_ok, offs_k, EVEN_K, SWAP, UPCAST_DOT,
-                          DOT_PRECISION)
-    if PRELOAD >= 4:
-        acc = _accumulate(acc, w3, x_ptrs, k_start + 3 * BLOCK_K, K, m_ok, offs_k, EVEN_K, SWAP, UPCAST_DOT,
-                          DOT_PRECISION)
-    if not GEMV:
+    else:
+        # k steps in increasing order whether preloaded or not: the same sums, bit for bit
+        if PRELOAD >= 1:
+            acc = _accumulate(acc, w0, x_ptrs, k_start, K, m_ok, offs_k, EVEN_K, SWAP, UPCAST_DOT, DOT_PRECISION)
+        if PRELOAD >= 2:
+            acc = _accumulate(acc, w1, x_ptrs, k_start + BLOCK_K, K, m_ok, offs_k, EVEN_K, SWAP, UPCAST_DOT,
+                              DOT_PRECISION)
+        if PRELOAD >= 3:
+            acc = _accumulate(acc, w2, x_ptrs, k_start + 2 * BLOCK_K, K, m_ok, offs_k, EVEN_K, SWAP, UPCAST_DOT,
+                              DOT_PRECISION)
+        if PRELOAD >= 4:
+            acc = _accumulate(acc, w3, x_ptrs, k_start + 3 * BLOCK_K, K, m_ok, offs_k, EVEN_K, SWAP, UPCAST_DOT,
+                              DOT_PRECISION)
         for k0 in range(k_start + PRELOAD * BLOCK_K, k_end, BLOCK_K):
             w = _load_weight_tile(w_ptrs, k0, K, n_ok, offs_k, EVEN_N, EVEN_K)
             acc = _accumulate(acc, w, x_ptrs, k0, K, m_ok, offs_k, EVEN_K, SWAP, UPCAST_DOT, DOT_PRECISION)
@@ -597,9 +597,8 @@ def small_linear_triton(
     if gated and (splits > 1 or config.block_n % 32 or config.gemv):
         raise ValueError(f"a gated projection needs no k split, no gemv and block_n % 32 == 0 (config {config})")
     out_n = config.block_n // 2 if gated else config.block_n
-    if config.gemv and (K > 2048 or splits > 1):
-        raise ValueError(f"a gemv config holds whole weight rows of K <= 2048 in registers, with no k split "
-                         f"(K = {K}, config {config})")
+    if config.gemv and K > 2048:          # (a gemv never splits: SmallLinearConfig.k_per_split)
+        raise ValueError(f"a gemv config holds whole weight rows of K <= 2048 in registers (K = {K}, config {config})")
     grid = (triton.cdiv(M, BLOCK_M), triton.cdiv(N, out_n), splits)
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     part = torch.empty(splits, M, N, dtype=torch.float32, device=x.device) if splits > 1 else out

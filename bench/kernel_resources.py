@@ -47,7 +47,7 @@ def constexprs(cfg: tk.SmallLinearConfig, K: int, *, gated=False, rope=False, no
         UPCAST_DOT=False, DOT_PRECISION="tf32", SCALE_ROWS=norm, PARTS_P2=triton.next_power_of_2(parts_in) if norm else 1,
         GATED=gated, RESIDUAL=residual, EMIT_NORM=residual, USE_PDL=True, TRIGGER=1, PRELOAD=cfg.preload_steps(K),
         EARLY=True, ROPE=rope, HQ=HQ, HKV=HKV, HEAD_DIM=HEAD_DIM if rope else 2, GEMV=cfg.gemv,
-        GEMV_COLS=cfg.gemv_cols(K), GEMV_CHUNKED=cfg.k_chunk > 0, BLOCK_M=tk.BLOCK_M, BLOCK_N=cfg.block_n,
+        K_P2=triton.next_power_of_2(K) if cfg.gemv else 1, BLOCK_M=tk.BLOCK_M, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k)
 
 
@@ -86,12 +86,6 @@ def main() -> None:
         ("gate_up (table)", table(I, H, gated=True), H, dict(gated=True, norm=True, parts_in=H // 8)),
         ("down (table)", table(H, I), I, dict()),
     ]
-    for spec in sys.argv[1:]:          # extra "label=N,K,rows,warps,chunk[,gated][,residual]" gemv cases
-        label, _, values = spec.partition("=")
-        n, k, rows_, warps, chunk, *flags = values.split(",")
-        cfg = C(int(rows_), 128, 1, num_warps=int(warps), gemv=True, k_chunk=int(chunk))
-        cases.append((label, cfg, int(k), dict(gated="gated" in flags, norm="gated" in flags,
-                                               residual="residual" in flags, parts_in=H // 8)))
     rows = []
     for label, cfg, K, fusion in cases:
         rows.append(dict(kernel=label, config=describe(cfg), **resources(cfg, constexprs(cfg, K, **fusion))))
@@ -101,8 +95,7 @@ def main() -> None:
 
 def describe(cfg: tk.SmallLinearConfig) -> str:
     if cfg.gemv:
-        chunks = f", k chunks of {cfg.k_chunk}" if cfg.k_chunk else ""
-        return f"gemv {cfg.block_n} rows, {cfg.num_warps} warps{chunks}"
+        return f"gemv {cfg.block_n} rows, {cfg.num_warps} warps"
     return f"{cfg.block_n}x{cfg.block_k}, {cfg.splits} splits, {cfg.num_stages} stages, preload {cfg.preload}"
 
 

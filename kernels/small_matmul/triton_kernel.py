@@ -60,8 +60,7 @@ class SmallLinearConfig:
     num_stages: int = 3
     swap: bool = True
     preload: int = 0       # k steps of weight tiles requested before griddepcontrol.wait (0..4)
-    gemv: bool = False     # block_n weight rows per program on the CUDA cores (see _gemv_rows)
-    k_chunk: int = 0       # gemv: 0 holds whole rows (K <= 2048); else K in chunks of k_chunk, one ahead
+    gemv: bool = False     # block_n whole weight rows per program on the CUDA cores (see _gemv_rows)
 
     def preload_steps(self, K: int) -> int:
         """`preload`, capped by the k steps of the shortest (last) split (0 for a gemv: its rows are
@@ -82,12 +81,6 @@ class SmallLinearConfig:
 
     def effective_splits(self, K: int) -> int:
         return triton.cdiv(K, self.k_per_split(K))
-
-    def gemv_cols(self, K: int) -> int:
-        """Weight columns a gemv program loads at once: its k chunk, or whole rows padded to a power of 2."""
-        if not self.gemv:
-            return 1
-        return self.k_chunk or triton.next_power_of_2(K)
 
 
 # Measured on one H200 (132 SMs, copy bandwidth 4.27 TB/s) by `python bench/small_matmul.py --tune`,
@@ -142,7 +135,7 @@ def choose_config(N: int, K: int, dtype: torch.dtype, device: torch.device, *, g
         config = TUNED.get((rows, K, 2))
     if config is None:
         config = heuristic_config(rows, K, dtype, multiprocessor_count(device))
-    if gated and not config.gemv:
+    if gated:
         config = dataclasses.replace(config, block_n=max(32, config.block_n), splits=1)
     return config
 
@@ -214,7 +207,7 @@ def _small_linear_kernel(
     SCALE_ROWS: tl.constexpr, PARTS_P2: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr,
     EMIT_NORM: tl.constexpr, USE_PDL: tl.constexpr, TRIGGER: tl.constexpr, PRELOAD: tl.constexpr,
     EARLY: tl.constexpr, ROPE: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, HEAD_DIM: tl.constexpr,
-    GEMV: tl.constexpr, GEMV_COLS: tl.constexpr, GEMV_CHUNKED: tl.constexpr,
+    GEMV: tl.constexpr, K_P2: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """Nothing but loads feeds tl.dot, so Triton pipelines both operands (an elementwise op on x
@@ -229,7 +222,7 @@ def _small_linear_kernel(
     tl.static_assert(not (GATED and SPLIT))
     tl.static_assert(PRELOAD <= 4)
     tl.static_assert(not (ROPE and (SPLIT or GATED)))
-    tl.static_assert(not (GEMV and (SPLIT or PRELOAD > 0 or not SWAP)))
+    tl.static_assert(not (GEMV and (SPLIT or GATED or PRELOAD > 0 or not SWAP)))
     OUT_N: tl.constexpr = BLOCK_N // 2 if GATED else BLOCK_N     # output columns per program
     HALF_N: tl.constexpr = BLOCK_N // 2
     HALF_D: tl.constexpr = HEAD_DIM // 2
@@ -267,11 +260,10 @@ def _small_linear_kernel(
     if PRELOAD >= 4:
         w3 = _load_weight_tile(w_ptrs, k_start + 3 * BLOCK_K, K, n_ok, offs_k, EVEN_N, EVEN_K)
     if GEMV:
-        # The program's BLOCK_N whole weight rows [BLOCK_N, GEMV_COLS = K padded to a power of 2],
-        # requested before the wait (held in registers: the host keeps GEMV_COLS <= 2048; K in
-        # chunks without the padding measured slower in whole steps, NOTES.md "Stop 13"); or with
-        # GEMV_CHUNKED the first chunk of GEMV_COLS columns, the others in _gemv_chunks' k walk.
-        offs_kk = tl.arange(0, GEMV_COLS)
+        # the program's BLOCK_N whole weight rows [BLOCK_N, K_P2], requested before the wait (held in
+        # registers: the host keeps K_P2 <= 2048; K in chunks without the power-of-2 padding measured
+        # slower in whole steps, NOTES.md "Stop 13")
+        offs_kk = tl.arange(0, K_P2)
         w_rows = tl.load(W + w_row[:, None].to(tl.int64) * stride_wn + offs_kk[None, :],
                          mask=n_ok[:, None] & (offs_kk < K)[None, :], other=0.0, eviction_policy="evict_first")
     if GATED:
@@ -301,11 +293,7 @@ def _small_linear_kernel(
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     if GEMV:
-        if GEMV_CHUNKED:
-            acc = _gemv_chunks(acc, w_rows, W + w_row[:, None].to(tl.int64) * stride_wn, n_ok, X, pid_m * BLOCK_M, M,
-                               K, stride_xm, GEMV_COLS, BLOCK_M)
-        else:
-            acc = _gemv_rows(acc, w_rows, X, pid_m * BLOCK_M, M, K, stride_xm, GEMV_COLS, BLOCK_M)
+        acc = _gemv_rows(acc, w_rows, X, pid_m * BLOCK_M, M, K, stride_xm, K_P2, BLOCK_M)
     else:
         # k steps in increasing order whether preloaded or not: the same sums, bit for bit
         if PRELOAD >= 1:
@@ -352,7 +340,7 @@ def _small_linear_kernel(
 
 @triton.jit
 def _gemv_rows(acc, w_rows, X, m0, M, K, stride_xm, K_P2: tl.constexpr, BLOCK_M: tl.constexpr):
-    """acc [BLOCK_N, BLOCK_M] with column r = w_rows [BLOCK_N, K_P2 >= K] times x row m0 + r, on the CUDA
+    """acc [BLOCK_N, BLOCK_M] with column r = w_rows [BLOCK_N, K_P2] times x row m0 + r, on the CUDA
     cores: float32 products summed over k by one tl.sum in a fixed layout, row after row. A row's
     sum is the same code whatever M is (batch-invariant), and the program holds its weight rows in
     registers for all of them. At batch 1 this streams a small weight from many programs, a few
@@ -365,32 +353,6 @@ def _gemv_rows(acc, w_rows, X, m0, M, K, stride_xm, K_P2: tl.constexpr, BLOCK_M:
         x = tl.load(X + (m0 + r) * stride_xm + offs_kk, mask=offs_kk < K, other=0.0).to(tl.float32)
         y = tl.sum(w * x[None, :], 1)                                   # [BLOCK_N]
         acc = tl.where((lane == r)[None, :], y[:, None], acc)
-    return acc
-
-
-@triton.jit
-def _gemv_chunks(acc, w_first, w_row_ptrs, n_ok, X, m0, M, K, stride_xm, K_CHUNK: tl.constexpr,
-                 BLOCK_M: tl.constexpr):
-    """_gemv_rows over K in chunks of K_CHUNK columns, for rows too long to hold in registers (or to
-    hold fewer): w_first is the first chunk [BLOCK_N, K_CHUNK] (requested before the wait),
-    w_row_ptrs [BLOCK_N, 1] the rows' starts. Each chunk's successor is requested before the chunk
-    is used, so one chunk's memory round trip overlaps the other's arithmetic. A row's sum is its
-    chunks' float32 sums added in k order, the same code whatever M is (batch-invariant)."""
-    offs_c = tl.arange(0, K_CHUNK)
-    lane = tl.arange(0, BLOCK_M)
-    rows = tl.minimum(BLOCK_M, M - m0)
-    w_next = w_first
-    for k0 in range(0, K, K_CHUNK):
-        w_this = w_next
-        ahead = k0 + K_CHUNK + offs_c
-        w_next = tl.load(w_row_ptrs + ahead[None, :], mask=n_ok[:, None] & (ahead < K)[None, :], other=0.0,
-                         eviction_policy="evict_first")
-        w = w_this.to(tl.float32)
-        in_k = (k0 + offs_c) < K
-        for r in range(0, rows):
-            x = tl.load(X + (m0 + r) * stride_xm + k0 + offs_c, mask=in_k, other=0.0).to(tl.float32)
-            y = tl.sum(w * x[None, :], 1)                               # [BLOCK_N]
-            acc = tl.where((lane == r)[None, :], acc + y[:, None], acc)
     return acc
 
 
@@ -604,22 +566,6 @@ def dot_flags(dtype: torch.dtype) -> tuple[bool, str]:
     return interpreting() and dtype == torch.bfloat16, precision
 
 
-def check_config(config: SmallLinearConfig, K: int, gated: bool) -> None:
-    """Raise ValueError for a config the kernel cannot run on rows of K (gated: gate/up pairs)."""
-    if gated and config.effective_splits(K) > 1:
-        raise ValueError(f"a gated projection needs the whole sum in one program: no k split (config {config})")
-    if gated and not config.gemv and config.block_n % 32:
-        raise ValueError(f"gated tiles need block_n % 32 == 0, 16 gate and 16 up rows at least (config {config})")
-    if config.gemv:                   # (a gemv never splits: SmallLinearConfig.k_per_split)
-        if config.block_n & (config.block_n - 1) or (gated and config.block_n < 2):
-            raise ValueError(f"a gemv needs block_n a power of 2 (2 or more when gated) (config {config})")
-        if config.k_chunk == 0 and K > 2048:
-            raise ValueError(f"a gemv config holds whole weight rows of K <= 2048 in registers (K = {K}, "
-                             f"config {config}); set k_chunk to walk longer rows in chunks")
-        if config.k_chunk and (config.k_chunk < 16 or config.k_chunk & (config.k_chunk - 1)):
-            raise ValueError(f"a gemv's k_chunk must be a power of 2, 16 or more (config {config})")
-
-
 def small_linear_triton(
     x: torch.Tensor,                     # [M, K], M = 1..32, stride(1) == 1
     weight: torch.Tensor,                # [N, K] ([2N, K] when gated), stride(1) == 1
@@ -648,8 +594,11 @@ def small_linear_triton(
         config = choose_config(N, K, x.dtype, x.device, gated=gated)
     k_per_split = config.k_per_split(K)
     splits = triton.cdiv(K, k_per_split)
-    check_config(config, K, gated)
+    if gated and (splits > 1 or config.block_n % 32 or config.gemv):
+        raise ValueError(f"a gated projection needs no k split, no gemv and block_n % 32 == 0 (config {config})")
     out_n = config.block_n // 2 if gated else config.block_n
+    if config.gemv and K > 2048:          # (a gemv never splits: SmallLinearConfig.k_per_split)
+        raise ValueError(f"a gemv config holds whole weight rows of K <= 2048 in registers (K = {K}, config {config})")
     grid = (triton.cdiv(M, BLOCK_M), triton.cdiv(N, out_n), splits)
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     part = torch.empty(splits, M, N, dtype=torch.float32, device=x.device) if splits > 1 else out
@@ -688,7 +637,7 @@ def small_linear_triton(
         SCALE_ROWS=row_sumsq is not None, PARTS_P2=triton.next_power_of_2(parts_in), GATED=gated,
         RESIDUAL=residual is not None, EMIT_NORM=emit and splits == 1, USE_PDL=pdl, TRIGGER=pdl_trigger_point("linear"),
         PRELOAD=config.preload_steps(K), EARLY=early, ROPE=rope is not None, HQ=heads, HKV=kv_heads, HEAD_DIM=head_dim,
-        GEMV=config.gemv, GEMV_COLS=config.gemv_cols(K), GEMV_CHUNKED=config.k_chunk > 0,
+        GEMV=config.gemv, K_P2=triton.next_power_of_2(K) if config.gemv else 1,
         BLOCK_M=BLOCK_M, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         num_warps=config.num_warps, num_stages=config.num_stages, **launch_options(pdl),
     )

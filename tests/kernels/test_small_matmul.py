@@ -27,15 +27,14 @@ def make(M, N, K, dtype, bias=False, seed=0):
     return x, w, b
 
 
-def config(block_n, block_k, splits, swap=True, preload=0, gemv=False, k_chunk=0):
+def config(block_n, block_k, splits, swap=True, preload=0, gemv=False):
     from kernels.small_matmul.triton_kernel import SmallLinearConfig
 
     return SmallLinearConfig(block_n, block_k, splits, num_warps=4, num_stages=2, swap=swap, preload=preload,
-                             gemv=gemv, k_chunk=k_chunk)
+                             gemv=gemv)
 
 
 GEMV4 = (4, 32, 1, True, 0, True)      # whole weight rows, 4 per program, on the CUDA cores
-GEMV4_CHUNKS = (*GEMV4, 32)            # the same rows walked in chunks of 32 columns (K = 72: 32, 32, 8)
 
 
 def run_triton(x, w, b, cfg):
@@ -67,7 +66,6 @@ CASES = [
     pytest.param(17, 72, 96, (64, 32, 3, False), id="m17-n72-k96-split3-noswap"),
     pytest.param(32, 48, 80, (32, 64, 1, True), id="m32-n48-k80-nosplit"),
     pytest.param(17, 42, 72, GEMV4, id="m17-n42-k72-gemv4-ragged"),
-    pytest.param(17, 42, 72, GEMV4_CHUNKS, id="m17-n42-k72-gemv4-chunks32-ragged"),
 ]
 
 
@@ -91,7 +89,6 @@ INVARIANCE = [
     pytest.param(torch.float32, (32, 32, 3, False), True, id="f32-split3-noswap-bias"),
     pytest.param(torch.bfloat16, GEMV4, True, id="bf16-gemv4-bias"),
     pytest.param(torch.float32, (8, 32, 1, True, 0, True), False, id="f32-gemv8"),
-    pytest.param(torch.bfloat16, GEMV4_CHUNKS, True, id="bf16-gemv4-chunks32-bias"),
 ]
 
 
@@ -247,9 +244,6 @@ FUSED = [  # (kind, cfg)
     pytest.param("residual-emit", (32, 32, 3, False), id="residual-emit-split3-noswap"),
     pytest.param("norm", GEMV4, id="norm-bias-gemv4"),
     pytest.param("residual-emit", GEMV4, id="residual-emit-gemv4"),
-    pytest.param("norm-gated", GEMV4, id="norm-gated-gemv4"),
-    pytest.param("norm-gated", (2, 32, 1, True, 0, True, 16), id="norm-gated-gemv2-chunks16"),
-    pytest.param("residual-emit", GEMV4_CHUNKS, id="residual-emit-gemv4-chunks32"),
 ]
 
 
@@ -499,19 +493,14 @@ def test_cuda_settled_reads_change_no_bits_at_qwen_shapes(kind, monkeypatch):
 
 
 def test_gemv_configs_refuse_what_they_cannot_hold():
-    """A gemv program without a k chunk keeps whole weight rows in registers: K at most 2048; a k
-    chunk is a power of 2; gate/up pairs need an even row count; a gemv never splits K or preloads
-    (its first rows or chunk are read before the wait anyway)."""
+    """A gemv program keeps whole weight rows in registers and has no k loop: no gate/up pairs, no
+    k split, K at most 2048; and it never preloads (its rows are all read before the wait)."""
     from kernels.small_matmul.triton_kernel import small_linear_triton
 
     x = torch.zeros(1, 4096)
-    with pytest.raises(ValueError, match="K <= 2048.*k_chunk"):
+    with pytest.raises(ValueError, match="K <= 2048"):
         small_linear_triton(x, torch.zeros(8, 4096), None, config=config(*GEMV4))
-    with pytest.raises(ValueError, match="power of 2, 16 or more"):
-        small_linear_triton(x, torch.zeros(8, 4096), None, config=config(*GEMV4, 48))
-    with pytest.raises(ValueError, match="2 or more when gated"):
-        small_linear_triton(x[:, :64], torch.zeros(2, 64), None, gated=True, config=config(1, 32, 1, gemv=True))
-    with pytest.raises(ValueError, match="block_n % 32"):
-        small_linear_triton(x[:, :64], torch.zeros(32, 64), None, gated=True, config=config(16, 32, 1))
+    with pytest.raises(ValueError, match="no gemv"):
+        small_linear_triton(x[:, :64], torch.zeros(16, 64), None, gated=True, config=config(*GEMV4))
     assert config(*GEMV4[:4], preload=3, gemv=True).preload_steps(72) == 0
     assert config(4, 32, 3, gemv=True).effective_splits(4096) == 1

@@ -24,8 +24,10 @@ $(STAMP): pyproject.toml
 demo: install
 	$(BIN)/python scripts/demo.py
 
+# one pytest worker per core (at most 4), a test file's tests on one worker (its module fixtures load
+# once); tests/conftest.py gives each worker its share of the cores for torch and BLAS
 test: install
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n auto --maxprocesses 4 --dist loadfile
 
 test-service: install
 	$(BIN)/python -m pytest -q tests/service

@@ -33,7 +33,7 @@ from kernels.small_matmul import triton_kernel as tk  # noqa: E402
 
 POINTERS = dict(X="*bf16", W="*bf16", Bias="*bf16", Res="*bf16", Out="*bf16", Part="*fp32", SumSqIn="*fp32",
                 NextNormW="*bf16", WeightedOut="*bf16", SumSqOut="*fp32", Cos="*fp32", Sin="*fp32", Pos="*i64",
-                QOut="*bf16", KCache="*bf16", VCache="*bf16")
+                QOut="*bf16", KCache="*bf16", VCache="*bf16", Trace="*i64")
 DIVISIBLE = set(POINTERS) | {"N", "K", "k_per_split", "stride_xm", "stride_wn", "stride_rm", "stride_om",
                              "stride_qb", "stride_qh", "stride_qt", "stride_cb", "stride_ch", "stride_cn"}
 HQ, HKV, HEAD_DIM = 12, 2, 128          # Qwen2.5-1.5B
@@ -48,7 +48,7 @@ def constexprs(cfg: tk.SmallLinearConfig, K: int, *, gated=False, rope=False, no
         GATED=gated, RESIDUAL=residual, EMIT_NORM=residual, USE_PDL=True, TRIGGER=1, PRELOAD=cfg.preload_steps(K),
         EARLY=True, ROPE=rope, HQ=HQ, HKV=HKV, HEAD_DIM=HEAD_DIM if rope else 2, GEMV=cfg.gemv,
         K_P2=triton.next_power_of_2(K) if cfg.gemv else 1, BLOCK_M=tk.BLOCK_M, BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k)
+        BLOCK_K=cfg.block_k, TRACE=False)
 
 
 def resources(cfg: tk.SmallLinearConfig, consts: dict) -> dict:

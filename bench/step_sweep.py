@@ -10,6 +10,7 @@ A variant is space-separated settings, "table" for none:
   N,K=gemv,rows[,warps]           the same with a gemv config (rows weight rows per program)
   preload=D[@MB]                  every table entry preloads D weight tiles (only weights of at
                                   least MB megabytes; the others 0)
+  reduce=BLOCK                    columns per program of small_linear's split-K reduce (REDUCE_BLOCK)
   attnG=bn,warps,stages,fit       replaces decode attention's tile for query-head group size G
                                   (kernels.decode_attention.triton_kernel.DecodeTile; warps 0: auto)
 
@@ -39,6 +40,7 @@ from kernels.decode_attention import triton_kernel as attention_kernel  # noqa: 
 from kernels.small_matmul import triton_kernel  # noqa: E402
 
 TILES = dict(attention_kernel.TUNED_TILES)
+REDUCE_BLOCK = triton_kernel.REDUCE_BLOCK
 
 
 SWITCHES = ("BATCHD_PDL_TRIGGER", "BATCHD_EARLY_READS", "BATCHD_PDL")
@@ -52,6 +54,7 @@ def apply_variant(spec: str, tuned: dict) -> None:
     triton_kernel.TUNED.update(tuned)
     attention_kernel.TUNED_TILES.clear()
     attention_kernel.TUNED_TILES.update(TILES)
+    triton_kernel.REDUCE_BLOCK = REDUCE_BLOCK
     for item in spec.split():
         if item == "table":
             continue
@@ -67,6 +70,9 @@ def apply_variant(spec: str, tuned: dict) -> None:
             triton_kernel.TUNED.update({
                 (n, k, size): dataclasses.replace(cfg, preload=int(depth) if n * k * size >= float(min_mb or 0) * 1e6 else 0)
                 for (n, k, size), cfg in tuned.items()})
+            continue
+        if shape == "reduce":
+            triton_kernel.REDUCE_BLOCK = int(values)
             continue
         if shape.startswith("attn"):
             bn, warps, stages, fit = (int(v) for v in values.split(","))

@@ -157,9 +157,14 @@ def early_reads_enabled() -> bool:
     griddepcontrol.wait (kernels._pdl, "Settled inputs"). That is safe only while every kernel
     triggers its dependents at or after its own wait: with a trigger before the wait (0), launches
     run two deep and "two launches back" is no longer finished. BATCHD_EARLY_READS=0 turns it off
-    (to measure it, or to rule it out when a result looks racy)."""
-    if os.environ.get("BATCHD_EARLY_READS", "1") == "0":
+    (to measure it, or to rule it out when a result looks racy); BATCHD_EARLY_READS=force keeps it on
+    whatever the triggers (for measurements: safe only where the kernel after an early trigger reads
+    nothing early from the kernel before that trigger)."""
+    mode = os.environ.get("BATCHD_EARLY_READS", "1")
+    if mode == "0":
         return False
+    if mode == "force":
+        return True
     return all(pdl_trigger_point(kernel) >= 1 for kernel in TRIGGER_KNOBS)
 
 

@@ -5,7 +5,15 @@ import importlib.metadata
 import os
 from pathlib import Path
 
-import torch
+# Under pytest-xdist (`make test` runs one worker per core) every worker gets an equal share of the
+# cores for torch, BLAS and the worker subprocesses the service tests start (they inherit the
+# environment): without it each of them would take every core and they would oversubscribe them.
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    _threads = str(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+    for _name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ[_name] = _threads
+
+import torch  # noqa: E402
 
 # Triton decides at decoration time whether kernels run compiled or interpreted, so without a GPU
 # the interpreter must be on before any test module imports a kernel (engine tests do, too).

@@ -20,6 +20,7 @@ import triton.language as tl
 from kernels._backend import (early_reads_enabled, interpreting, launch_options, multiprocessor_count,
                               patch_interpreter_index, pdl_enabled, pdl_trigger_point)
 from kernels._pdl import pdl_trigger, pdl_wait
+from kernels._trace import END, START, WAITED, trace_args, trace_mark
 
 LOG2E = 1.4426950408889634
 INVARIANT_Q_ROWS = 16  # tiles are sized for the widest verify, whatever Q a call has
@@ -70,7 +71,7 @@ def _load_kv_block(k_base, v_base, offs_n, rows_ok, offs_d, d_ok, stride_kn, str
     return k, v
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["trace_row"])
 def _decode_split_kernel(
     Q, K, V, SeqLen,           # Q [B, Hq, QR, D]; K, V [B, Hkv, S_max, D]; SeqLen [B] int64
     O_part, L_part,            # O_part [B, Hq, QR, NUM_SPLITS, D] f32; L_part [B, Hq, QR, NUM_SPLITS] f32 (log2)
@@ -82,7 +83,7 @@ def _decode_split_kernel(
     Q_ROWS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr, TRIGGER: tl.constexpr,
-    EARLY: tl.constexpr,
+    EARLY: tl.constexpr, Trace, trace_row, TRACE: tl.constexpr,     # kernels._trace
 ):
     """EARLY: seq_len and the split's first key block, as far as it holds rows before the call's
     Q_ROWS new ones (below seq_len - Q_ROWS: the caller promises they were written two or more
@@ -91,6 +92,7 @@ def _decode_split_kernel(
     the loop either way, so both give the same sums."""
     tl.static_assert(BLOCK_M >= GROUP * Q_ROWS)
     tl.static_assert(BLOCK_D >= HEAD_DIM)
+    trace_mark(Trace, trace_row, START, TRACE)
     pdl_trigger(USE_PDL, TRIGGER, 0)
     pid_s = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -110,11 +112,13 @@ def _decode_split_kernel(
         k_old, v_old = _load_kv_block(k_base, v_base, offs_n, cached, offs_d, d_ok, stride_kn, stride_vn,
                               HEAD_DIM, BLOCK_D)
     pdl_wait(USE_PDL, TRIGGER)                   # q and the new cache rows come from the kernel before
+    trace_mark(Trace, trace_row, WAITED, TRACE)
     if not EARLY:
         seq_len = tl.load(SeqLen + b).to(tl.int32)
         end = tl.minimum(start + split_len, seq_len)
     if start >= seq_len:
         pdl_trigger(USE_PDL, TRIGGER, 2)
+        trace_mark(Trace, trace_row, END, TRACE)
         return
 
     # row r of the tile is (head kvh*G + r // QR, lane r % QR)
@@ -155,6 +159,7 @@ def _decode_split_kernel(
     pdl_trigger(USE_PDL, TRIGGER, 2)
     row = (b * H_KV * GROUP + head) * Q_ROWS + lane                       # flat (b, head, lane)
     store_split(acc, l_i, m_i, row, row_ok, pid_s, offs_d, d_ok, O_part, L_part, NUM_SPLITS, HEAD_DIM)
+    trace_mark(Trace, trace_row, END, TRACE)
 
 
 @triton.jit
@@ -170,16 +175,17 @@ def store_split(acc, l_i, m_i, row, row_ok, pid_s, offs_d, d_ok, O_part, L_part,
     tl.store(o_ptrs, o, mask=row_ok[:, None] & d_ok[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["trace_row"])
 def _merge_splits_kernel(
     O_part, L_part, Out, SeqLen,   # O_part [B, Hq, QR, NUM_SPLITS, D]; L_part [B, Hq, QR, NUM_SPLITS]; Out [B, Hq, QR, D]
     stride_ob, stride_oh, stride_oq,
     H_Q, S_MAX,
     Q_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS_FROM_SEQ_LEN: tl.constexpr, USE_PDL: tl.constexpr,
-    TRIGGER: tl.constexpr, EARLY: tl.constexpr,
+    TRIGGER: tl.constexpr, EARLY: tl.constexpr, Trace, trace_row, TRACE: tl.constexpr,     # kernels._trace
 ):
     """EARLY: seq_len (settled, kernels._pdl) is read before griddepcontrol.wait."""
+    trace_mark(Trace, trace_row, START, TRACE)
     pdl_trigger(USE_PDL, TRIGGER, 0)
     pid = tl.program_id(0)                   # flat (b, head, lane)
     b = pid // (H_Q * Q_ROWS)
@@ -190,6 +196,7 @@ def _merge_splits_kernel(
     if EARLY and SPLITS_FROM_SEQ_LEN:
         n_active = _active_splits(SeqLen, b, S_MAX, NUM_SPLITS, BLOCK_N)
     pdl_wait(USE_PDL, TRIGGER)
+    trace_mark(Trace, trace_row, WAITED, TRACE)
     if not SPLITS_FROM_SEQ_LEN:
         n_active = NUM_SPLITS
     elif not EARLY:                          # dense: splits past seq_len exited without writing
@@ -208,6 +215,7 @@ def _merge_splits_kernel(
     out = tl.sum(w[:, None] * o, 0) / tl.where(den > 0.0, den, 1.0)
     out_ptrs = Out + b * stride_ob + head * stride_oh + lane * stride_oq + offs_d
     tl.store(out_ptrs, out.to(Out.dtype.element_ty), mask=d_ok)
+    trace_mark(Trace, trace_row, END, TRACE)
 
 
 @triton.jit
@@ -238,13 +246,15 @@ def merge_splits(o_part: torch.Tensor, l_part: torch.Tensor, out: torch.Tensor, 
     """Merge the splits' partial outputs into `out`; early: seq_len is settled (read before the wait)."""
     B, Hq, QR, num_splits, D = o_part.shape
     pdl = pdl_enabled(out.device)
-    _merge_splits_kernel[(B * Hq * QR,)](
+    grid = (B * Hq * QR,)
+    _merge_splits_kernel[grid](
         o_part, l_part, out, seq_len,
         out.stride(0), out.stride(1), out.stride(2),
         Hq, s_max,
         Q_ROWS=QR, HEAD_DIM=D, NUM_SPLITS=num_splits, SPLITS_P2=triton.next_power_of_2(num_splits),
         BLOCK_N=block_n, BLOCK_D=triton.next_power_of_2(D), SPLITS_FROM_SEQ_LEN=splits_from_seq_len,
-        USE_PDL=pdl, TRIGGER=pdl_trigger_point("merge"), EARLY=early, num_warps=4, **launch_options(pdl),
+        USE_PDL=pdl, TRIGGER=pdl_trigger_point("merge"), EARLY=early,
+        **trace_args(f"attention merge of {num_splits}", grid, out), num_warps=4, **launch_options(pdl),
     )
     return out
 
@@ -322,7 +332,8 @@ def decode_attention_triton(
     l_part = torch.empty(B, Hq, QR, num_splits, dtype=torch.float32, device=q.device)
     upcast, precision = dot_flags(q.dtype)
     pdl = pdl_enabled(q.device)
-    _decode_split_kernel[(num_splits, B * Hkv)](
+    grid = (num_splits, B * Hkv)
+    _decode_split_kernel[grid](
         q, k_cache, v_cache, seq_len, o_part, l_part,
         scale * LOG2E,
         q.stride(0), q.stride(1), q.stride(2),
@@ -332,7 +343,8 @@ def decode_attention_triton(
         Q_ROWS=QR, GROUP=G, HEAD_DIM=D, NUM_SPLITS=num_splits,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=triton.next_power_of_2(D),
         UPCAST_DOT=upcast, DOT_PRECISION=precision, USE_PDL=pdl,
-        TRIGGER=pdl_trigger_point("split"), EARLY=early, num_warps=num_warps, num_stages=num_stages, **launch_options(pdl),
+        TRIGGER=pdl_trigger_point("split"), EARLY=early, **trace_args(f"attention split x{num_splits}", grid, o_part),
+        num_warps=num_warps, num_stages=num_stages, **launch_options(pdl),
     )
     # [B, Q, Hq, D] memory seen as [B, Hq, Q, D]: the o projection reads rows [B*Q, Hq*D] as they are
     out = torch.empty(B, QR, Hq, D, dtype=q.dtype, device=q.device).transpose(1, 2)

@@ -42,6 +42,7 @@ import triton.language as tl
 from kernels._backend import (early_reads_enabled, interpreting, launch_options, multiprocessor_count,
                               patch_interpreter_index, pdl_enabled, pdl_trigger_point)
 from kernels._pdl import AFTER_WAIT, pdl_trigger, pdl_wait
+from kernels._trace import END, START, WAITED, trace_args, trace_mark
 from kernels.rope_cache.triton_kernel import rope_rows_at, rotate_with
 
 BLOCK_M = 16
@@ -190,7 +191,7 @@ def _accumulate(acc, w, x_ptrs, k0, K, m_ok, offs_k, EVEN_K: tl.constexpr, SWAP:
     return acc
 
 
-@triton.jit(do_not_specialize=["M"])
+@triton.jit(do_not_specialize=["M", "trace_row"])
 def _small_linear_kernel(
     X, W, Bias, Res, Out, Part, SumSqIn, NextNormW, WeightedOut, SumSqOut, Cos, Sin, Pos, QOut, KCache, VCache,
     # X [M, K]; W [N, K] ([2N, K]: gate rows, then up rows, when GATED); Bias [N]; Res, Out [M, N];
@@ -209,6 +210,7 @@ def _small_linear_kernel(
     EARLY: tl.constexpr, ROPE: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, HEAD_DIM: tl.constexpr,
     GEMV: tl.constexpr, K_P2: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    Trace, trace_row, TRACE: tl.constexpr,       # kernels._trace
 ):
     """Nothing but loads feeds tl.dot, so Triton pipelines both operands (an elementwise op on x
     in the loop costs a full memory round trip per k step: bench/fused_linear.py measured 2x).
@@ -246,6 +248,7 @@ def _small_linear_kernel(
     k_start = pid_s * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
 
+    trace_mark(Trace, trace_row, START, TRACE)
     pdl_trigger(USE_PDL, TRIGGER, 0)
     w_ptrs = W + w_row[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
     # The first PRELOAD weight tiles never depend on the previous kernel: they are requested before
@@ -278,6 +281,7 @@ def _small_linear_kernel(
                                                     Sin, Pos, KCache, HAS_BIAS, EMIT_NORM, ROPE, SPLIT, HEAD_DIM,
                                                     HALF_N)
     pdl_wait(USE_PDL, TRIGGER)                   # X, SumSqIn, Res: from the previous kernel
+    trace_mark(Trace, trace_row, WAITED, TRACE)
 
     if SCALE_ROWS:
         # X held norm_weight * h: RMSNorm's per-row scale, from the sums of squares of h that the
@@ -336,6 +340,7 @@ def _small_linear_kernel(
     else:
         _epilogue(acc, acc, acc, cols, offs_m, mask, pid_n, M, bias, Res, next_nw, Out, WeightedOut, SumSqOut,
                   stride_rm, stride_om, False, HAS_BIAS, RESIDUAL, EMIT_NORM)
+    trace_mark(Trace, trace_row, END, TRACE)
 
 
 @triton.jit
@@ -462,16 +467,18 @@ def _emit_norm_inputs(y, cols, offs_m, mask, part, M, next_nw, WeightedOut, SumS
     tl.store(SumSqOut + part * M + offs_m, tl.sum(y32 * y32, 0), mask=offs_m < M)
 
 
-@triton.jit(do_not_specialize=["M"])
+@triton.jit(do_not_specialize=["M", "trace_row"])
 def _reduce_splits_kernel(
     Part, Bias, Res, Out, NextNormW, WeightedOut, SumSqOut,
     # Part [SPLITS, M, N] f32; Bias [N]; Res, Out, WeightedOut [M, N]; SumSqOut [cdiv(N, BLOCK), M] f32
     M, N, stride_rm, stride_om,
     SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr, RESIDUAL: tl.constexpr, EMIT_NORM: tl.constexpr,
     USE_PDL: tl.constexpr, TRIGGER: tl.constexpr, EARLY: tl.constexpr, BLOCK: tl.constexpr,
+    Trace, trace_row, TRACE: tl.constexpr,       # kernels._trace
 ):
     """EARLY: bias, residual and next norm weight are read before griddepcontrol.wait (the residual
     settled: written two or more launches back, kernels._pdl); only the partials wait."""
+    trace_mark(Trace, trace_row, START, TRACE)
     pdl_trigger(USE_PDL, TRIGGER, 0)
     row = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -480,6 +487,7 @@ def _reduce_splits_kernel(
         bias, res, next_nw = _reduce_epilogue_inputs(Bias, Res, NextNormW, row, offs, ok, stride_rm, HAS_BIAS,
                                                      RESIDUAL, EMIT_NORM)
     pdl_wait(USE_PDL, TRIGGER)
+    trace_mark(Trace, trace_row, WAITED, TRACE)
     acc = tl.load(Part + row * N + offs, mask=ok, other=0.0)
     # fixed order: split 0, 1, 2, ...; unrolled, so every partial's load is in flight at once
     for s in tl.static_range(1, SPLITS):
@@ -499,6 +507,7 @@ def _reduce_splits_kernel(
         rows = row + tl.arange(0, 1)
         _emit_norm_inputs(y[:, None], offs, rows, ok[:, None], tl.program_id(1), M, next_nw, WeightedOut, SumSqOut,
                           stride_om)
+    trace_mark(Trace, trace_row, END, TRACE)
 
 
 @triton.jit
@@ -564,6 +573,12 @@ def dot_flags(dtype: torch.dtype) -> tuple[bool, str]:
     bf16 tiles go to float32 first (triton 3.6's interpreter multiplies bf16 tiles as raw integers)."""
     precision = "ieee" if dtype == torch.float32 else "tf32"
     return interpreting() and dtype == torch.bfloat16, precision
+
+
+def _linear_label(N: int, K: int, gated: bool, rope: bool, splits: int, residual: bool) -> str:
+    """How a kernel trace names a small_linear launch: its weight shape and fusions."""
+    kind = " gated" if gated else " rope" if rope else " residual" if residual else ""
+    return f"linear {N}x{K}{kind}" + (f" {splits} splits" if splits > 1 else "")
 
 
 def small_linear_triton(
@@ -639,16 +654,19 @@ def small_linear_triton(
         PRELOAD=config.preload_steps(K), EARLY=early, ROPE=rope is not None, HQ=heads, HKV=kv_heads, HEAD_DIM=head_dim,
         GEMV=config.gemv, K_P2=triton.next_power_of_2(K) if config.gemv else 1,
         BLOCK_M=BLOCK_M, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        **trace_args(_linear_label(N, K, gated, rope is not None, splits, residual is not None), grid, out),
         num_warps=config.num_warps, num_stages=config.num_stages, **launch_options(pdl),
     )
     if rope is not None:
         return q_out
     if splits > 1:
-        _reduce_splits_kernel[(M, triton.cdiv(N, REDUCE_BLOCK))](
+        reduce_grid = (M, triton.cdiv(N, REDUCE_BLOCK))
+        _reduce_splits_kernel[reduce_grid](
             part, bias_arg, res_arg, out, emit_norm_weight if emit else out, weighted, sumsq_out,
             M, N, res_arg.stride(0), out.stride(0),
             SPLITS=splits, HAS_BIAS=bias is not None, RESIDUAL=residual is not None, EMIT_NORM=emit, USE_PDL=pdl,
-            TRIGGER=pdl_trigger_point("reduce"), EARLY=early, BLOCK=REDUCE_BLOCK, num_warps=4, **launch_options(pdl),
+            TRIGGER=pdl_trigger_point("reduce"), EARLY=early, BLOCK=REDUCE_BLOCK,
+            **trace_args(f"reduce {N} of {splits} splits", reduce_grid, out), num_warps=4, **launch_options(pdl),
         )
     return (out, NormInputs(weighted, sumsq_out)) if emit else out
 

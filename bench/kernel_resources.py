@@ -47,8 +47,7 @@ def constexprs(cfg: tk.SmallLinearConfig, K: int, *, gated=False, rope=False, no
         UPCAST_DOT=False, DOT_PRECISION="tf32", SCALE_ROWS=norm, PARTS_P2=triton.next_power_of_2(parts_in) if norm else 1,
         GATED=gated, RESIDUAL=residual, EMIT_NORM=residual, USE_PDL=True, TRIGGER=1, PRELOAD=cfg.preload_steps(K),
         EARLY=True, ROPE=rope, HQ=HQ, HKV=HKV, HEAD_DIM=HEAD_DIM if rope else 2, GEMV=cfg.gemv,
-        K_P2=(cfg.k_chunk or triton.next_power_of_2(K)) if cfg.gemv else 1,
-        GEMV_CHUNKS=triton.cdiv(K, cfg.k_chunk) if cfg.gemv and cfg.k_chunk else 1, BLOCK_M=tk.BLOCK_M, BLOCK_N=cfg.block_n,
+        K_P2=triton.next_power_of_2(K) if cfg.gemv else 1, BLOCK_M=tk.BLOCK_M, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, TRACE=False)
 
 
@@ -81,9 +80,7 @@ def main() -> None:
     cases = [
         ("qkv (table)", table(QKV, H), H, dict(rope=True, norm=True, bias=True)),
         ("qkv as gemv, 8 rows", C(8, 128, 1, gemv=True), H, dict(rope=True, norm=True, bias=True)),
-        ("qkv as gemv, 8 rows, 3 chunks", C(8, 128, 1, gemv=True, k_chunk=512), H, dict(rope=True, norm=True, bias=True)),
         ("o (table)", table(H, H), H, dict(residual=True)),
-        ("o as gemv, 8 rows, 3 chunks", C(8, 128, 1, gemv=True, k_chunk=512), H, dict(residual=True)),
         ("o as tiles 16x128 (before stop 13)", C(16, 128, 1, num_stages=4), H, dict(residual=True)),
         ("o as gemv, 4 rows", C(4, 128, 1, gemv=True), H, dict(residual=True)),
         ("gate_up (table)", table(I, H, gated=True), H, dict(gated=True, norm=True, parts_in=H // 8)),
@@ -98,8 +95,7 @@ def main() -> None:
 
 def describe(cfg: tk.SmallLinearConfig) -> str:
     if cfg.gemv:
-        chunks = f", chunks of {cfg.k_chunk}" if cfg.k_chunk else ""
-        return f"gemv {cfg.block_n} rows, {cfg.num_warps} warps{chunks}"
+        return f"gemv {cfg.block_n} rows, {cfg.num_warps} warps"
     return f"{cfg.block_n}x{cfg.block_k}, {cfg.splits} splits, {cfg.num_stages} stages, preload {cfg.preload}"
 
 

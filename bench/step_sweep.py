@@ -7,8 +7,7 @@ A variant is space-separated settings, "table" for none:
   BATCHD_NAME=VALUE               an environment switch read at capture (BATCHD_PDL_TRIGGER:
                                   where the decode kernels signal their dependents, kernels._pdl)
   N,K=bn,bk,splits,stages[,preload]   replaces small_linear's table entry for that weight shape
-  N,K=gemv,rows[,warps[,chunk]]   the same with a gemv config (rows weight rows per program; chunk:
-                                  its rows held as K / chunk tensors of chunk columns, 0: one padded)
+  N,K=gemv,rows[,warps]           the same with a gemv config (rows weight rows per program)
   preload=D[@MB]                  every table entry preloads D weight tiles (only weights of at
                                   least MB megabytes; the others 0)
   reduce=BLOCK                    columns per program of small_linear's split-K reduce (REDUCE_BLOCK)
@@ -81,10 +80,8 @@ def apply_variant(spec: str, tuned: dict) -> None:
             continue
         n, k = (int(v) for v in shape.split(","))
         if values.startswith("gemv,"):
-            given = [int(v) for v in values.split(",")[1:]]
-            rows, warps, chunk = given + [4, 0][len(given) - 1:]
-            triton_kernel.TUNED[(n, k, 2)] = triton_kernel.SmallLinearConfig(rows, 128, 1, num_warps=warps, gemv=True,
-                                                                             k_chunk=chunk)
+            rows, warps = (*(int(v) for v in values.split(",")[1:]), 4)[:2]
+            triton_kernel.TUNED[(n, k, 2)] = triton_kernel.SmallLinearConfig(rows, 128, 1, num_warps=warps, gemv=True)
             continue
         bn, bk, splits, stages, *preload = (int(v) for v in values.split(","))
         triton_kernel.TUNED[(n, k, 2)] = triton_kernel.SmallLinearConfig(

@@ -62,7 +62,6 @@ class SmallLinearConfig:
     swap: bool = True
     preload: int = 0       # k steps of weight tiles requested before griddepcontrol.wait (0..4)
     gemv: bool = False     # block_n whole weight rows per program on the CUDA cores (see _gemv_rows)
-    k_chunk: int = 0       # gemv: rows held as up to 4 chunks of k_chunk columns (0: one, K padded to 2^n)
 
     def preload_steps(self, K: int) -> int:
         """`preload`, capped by the k steps of the shortest (last) split (0 for a gemv: its rows are
@@ -209,7 +208,7 @@ def _small_linear_kernel(
     SCALE_ROWS: tl.constexpr, PARTS_P2: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr,
     EMIT_NORM: tl.constexpr, USE_PDL: tl.constexpr, TRIGGER: tl.constexpr, PRELOAD: tl.constexpr,
     EARLY: tl.constexpr, ROPE: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, HEAD_DIM: tl.constexpr,
-    GEMV: tl.constexpr, K_P2: tl.constexpr, GEMV_CHUNKS: tl.constexpr,
+    GEMV: tl.constexpr, K_P2: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     Trace, trace_row, TRACE: tl.constexpr,       # kernels._trace
 ):
@@ -226,7 +225,6 @@ def _small_linear_kernel(
     tl.static_assert(PRELOAD <= 4)
     tl.static_assert(not (ROPE and (SPLIT or GATED)))
     tl.static_assert(not (GEMV and (SPLIT or GATED or PRELOAD > 0 or not SWAP)))
-    tl.static_assert(GEMV_CHUNKS <= 4)
     OUT_N: tl.constexpr = BLOCK_N // 2 if GATED else BLOCK_N     # output columns per program
     HALF_N: tl.constexpr = BLOCK_N // 2
     HALF_D: tl.constexpr = HEAD_DIM // 2
@@ -268,23 +266,9 @@ def _small_linear_kernel(
         # the program's BLOCK_N whole weight rows [BLOCK_N, K_P2], requested before the wait (held in
         # registers: the host keeps K_P2 <= 2048; K in chunks without the power-of-2 padding measured
         # slower in whole steps, NOTES.md "Stop 13")
-        # (GEMV_CHUNKS > 1: the rows as chunks of K_P2 columns, each its own tensor: no padding past K)
         offs_kk = tl.arange(0, K_P2)
-        w_rows_ptrs = W + w_row[:, None].to(tl.int64) * stride_wn + offs_kk[None, :]
-        w_rows = tl.load(w_rows_ptrs, mask=n_ok[:, None] & (offs_kk < K)[None, :], other=0.0,
-                         eviction_policy="evict_first")
-        w_c1 = w_rows
-        w_c2 = w_rows
-        w_c3 = w_rows
-        if GEMV_CHUNKS >= 2:
-            w_c1 = tl.load(w_rows_ptrs + K_P2, mask=n_ok[:, None] & (K_P2 + offs_kk < K)[None, :], other=0.0,
-                           eviction_policy="evict_first")
-        if GEMV_CHUNKS >= 3:
-            w_c2 = tl.load(w_rows_ptrs + 2 * K_P2, mask=n_ok[:, None] & (2 * K_P2 + offs_kk < K)[None, :],
-                           other=0.0, eviction_policy="evict_first")
-        if GEMV_CHUNKS >= 4:
-            w_c3 = tl.load(w_rows_ptrs + 3 * K_P2, mask=n_ok[:, None] & (3 * K_P2 + offs_kk < K)[None, :],
-                           other=0.0, eviction_policy="evict_first")
+        w_rows = tl.load(W + w_row[:, None].to(tl.int64) * stride_wn + offs_kk[None, :],
+                         mask=n_ok[:, None] & (offs_kk < K)[None, :], other=0.0, eviction_policy="evict_first")
     if GATED:
         cols = pid_n * OUT_N + tl.arange(0, OUT_N)
     elif ROPE:
@@ -313,11 +297,7 @@ def _small_linear_kernel(
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     if GEMV:
-        if GEMV_CHUNKS == 1:
-            acc = _gemv_rows(acc, w_rows, X, pid_m * BLOCK_M, M, K, stride_xm, K_P2, BLOCK_M)
-        else:
-            acc = _gemv_chunks(acc, w_rows, w_c1, w_c2, w_c3, X, pid_m * BLOCK_M, M, K, stride_xm, K_P2, GEMV_CHUNKS,
-                               BLOCK_M)
+        acc = _gemv_rows(acc, w_rows, X, pid_m * BLOCK_M, M, K, stride_xm, K_P2, BLOCK_M)
     else:
         # k steps in increasing order whether preloaded or not: the same sums, bit for bit
         if PRELOAD >= 1:
@@ -377,29 +357,6 @@ def _gemv_rows(acc, w_rows, X, m0, M, K, stride_xm, K_P2: tl.constexpr, BLOCK_M:
     for r in range(0, tl.minimum(BLOCK_M, M - m0)):
         x = tl.load(X + (m0 + r) * stride_xm + offs_kk, mask=offs_kk < K, other=0.0).to(tl.float32)
         y = tl.sum(w * x[None, :], 1)                                   # [BLOCK_N]
-        acc = tl.where((lane == r)[None, :], y[:, None], acc)
-    return acc
-
-
-@triton.jit
-def _gemv_chunks(acc, w0, w1, w2, w3, X, m0, M, K, stride_xm, CHUNK: tl.constexpr, CHUNKS: tl.constexpr,
-                 BLOCK_M: tl.constexpr):
-    """_gemv_rows with the rows held as CHUNKS (2..4) tensors [BLOCK_N, CHUNK] (w1.. past CHUNKS are
-    unused): a row's sum is its chunks' float32 sums added in k order, the same code whatever M is."""
-    offs = tl.arange(0, CHUNK)
-    lane = tl.arange(0, BLOCK_M)
-    for r in range(0, tl.minimum(BLOCK_M, M - m0)):
-        x_row = X + (m0 + r) * stride_xm + offs
-        x = tl.load(x_row, mask=offs < K, other=0.0).to(tl.float32)
-        y = tl.sum(w0.to(tl.float32) * x[None, :], 1)                            # [BLOCK_N]
-        x = tl.load(x_row + CHUNK, mask=CHUNK + offs < K, other=0.0).to(tl.float32)
-        y += tl.sum(w1.to(tl.float32) * x[None, :], 1)
-        if CHUNKS >= 3:
-            x = tl.load(x_row + 2 * CHUNK, mask=2 * CHUNK + offs < K, other=0.0).to(tl.float32)
-            y += tl.sum(w2.to(tl.float32) * x[None, :], 1)
-        if CHUNKS >= 4:
-            x = tl.load(x_row + 3 * CHUNK, mask=3 * CHUNK + offs < K, other=0.0).to(tl.float32)
-            y += tl.sum(w3.to(tl.float32) * x[None, :], 1)
         acc = tl.where((lane == r)[None, :], y[:, None], acc)
     return acc
 
@@ -655,10 +612,8 @@ def small_linear_triton(
     if gated and (splits > 1 or config.block_n % 32 or config.gemv):
         raise ValueError(f"a gated projection needs no k split, no gemv and block_n % 32 == 0 (config {config})")
     out_n = config.block_n // 2 if gated else config.block_n
-    if config.gemv and (K > 2048 if not config.k_chunk else K > 4 * config.k_chunk or config.k_chunk & (config.k_chunk - 1)):
-        # (a gemv never splits: SmallLinearConfig.k_per_split)
-        raise ValueError(f"a gemv config holds whole weight rows in registers: K <= 2048, or at most 4 chunks of a "
-                         f"power-of-2 k_chunk (K = {K}, config {config})")
+    if config.gemv and K > 2048:          # (a gemv never splits: SmallLinearConfig.k_per_split)
+        raise ValueError(f"a gemv config holds whole weight rows of K <= 2048 in registers (K = {K}, config {config})")
     grid = (triton.cdiv(M, BLOCK_M), triton.cdiv(N, out_n), splits)
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     part = torch.empty(splits, M, N, dtype=torch.float32, device=x.device) if splits > 1 else out
@@ -697,8 +652,7 @@ def small_linear_triton(
         SCALE_ROWS=row_sumsq is not None, PARTS_P2=triton.next_power_of_2(parts_in), GATED=gated,
         RESIDUAL=residual is not None, EMIT_NORM=emit and splits == 1, USE_PDL=pdl, TRIGGER=pdl_trigger_point("linear"),
         PRELOAD=config.preload_steps(K), EARLY=early, ROPE=rope is not None, HQ=heads, HKV=kv_heads, HEAD_DIM=head_dim,
-        GEMV=config.gemv, K_P2=(config.k_chunk or triton.next_power_of_2(K)) if config.gemv else 1,
-        GEMV_CHUNKS=triton.cdiv(K, config.k_chunk) if config.gemv and config.k_chunk else 1,
+        GEMV=config.gemv, K_P2=triton.next_power_of_2(K) if config.gemv else 1,
         BLOCK_M=BLOCK_M, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         **trace_args(_linear_label(N, K, gated, rope is not None, splits, residual is not None), grid, out),
         num_warps=config.num_warps, num_stages=config.num_stages, **launch_options(pdl),

@@ -27,15 +27,14 @@ def make(M, N, K, dtype, bias=False, seed=0):
     return x, w, b
 
 
-def config(block_n, block_k, splits, swap=True, preload=0, gemv=False, k_chunk=0):
+def config(block_n, block_k, splits, swap=True, preload=0, gemv=False):
     from kernels.small_matmul.triton_kernel import SmallLinearConfig
 
     return SmallLinearConfig(block_n, block_k, splits, num_warps=4, num_stages=2, swap=swap, preload=preload,
-                             gemv=gemv, k_chunk=k_chunk)
+                             gemv=gemv)
 
 
 GEMV4 = (4, 32, 1, True, 0, True)      # whole weight rows, 4 per program, on the CUDA cores
-GEMV4_CHUNKS = (*GEMV4, 32)            # the same rows held as chunks of 32 columns (K = 72: 32, 32, 8)
 
 
 def run_triton(x, w, b, cfg):
@@ -67,8 +66,6 @@ CASES = [
     pytest.param(17, 72, 96, (64, 32, 3, False), id="m17-n72-k96-split3-noswap"),
     pytest.param(32, 48, 80, (32, 64, 1, True), id="m32-n48-k80-nosplit"),
     pytest.param(17, 42, 72, GEMV4, id="m17-n42-k72-gemv4-ragged"),
-    pytest.param(17, 42, 72, GEMV4_CHUNKS, id="m17-n42-k72-gemv4-chunks32-ragged"),
-    pytest.param(3, 40, 64, (*GEMV4, 16), id="m3-n40-k64-gemv4-four-chunks16"),
 ]
 
 
@@ -92,7 +89,6 @@ INVARIANCE = [
     pytest.param(torch.float32, (32, 32, 3, False), True, id="f32-split3-noswap-bias"),
     pytest.param(torch.bfloat16, GEMV4, True, id="bf16-gemv4-bias"),
     pytest.param(torch.float32, (8, 32, 1, True, 0, True), False, id="f32-gemv8"),
-    pytest.param(torch.bfloat16, GEMV4_CHUNKS, True, id="bf16-gemv4-chunks32-bias"),
 ]
 
 
@@ -248,7 +244,6 @@ FUSED = [  # (kind, cfg)
     pytest.param("residual-emit", (32, 32, 3, False), id="residual-emit-split3-noswap"),
     pytest.param("norm", GEMV4, id="norm-bias-gemv4"),
     pytest.param("residual-emit", GEMV4, id="residual-emit-gemv4"),
-    pytest.param("residual-emit", GEMV4_CHUNKS, id="residual-emit-gemv4-chunks32"),
 ]
 
 
@@ -351,12 +346,11 @@ def test_fusion_inputs_are_checked():
 
 # ---- rope and the cache write in the q/k/v projection's epilogue ----
 
-QKV_ROPE = [  # (block_n, splits, bias, T, gemv: False, True or its k chunk): tiles of 8 and 4 rope pairs, one and three rows
+QKV_ROPE = [  # (block_n, splits, bias, T, gemv): tiles of 8 and 4 rope pairs, one and three rows
     pytest.param(16, 1, True, 3, False, id="pairs8-bias-t3"),
     pytest.param(8, 1, False, 1, False, id="pairs4-t1"),
     pytest.param(16, 1, False, 17, False, id="pairs8-t17"),
     pytest.param(4, 1, True, 3, True, id="gemv-pairs2-bias-t3"),
-    pytest.param(4, 1, True, 3, 16, id="gemv-chunks16-pairs2-bias-t3"),
 ]
 
 
@@ -378,7 +372,7 @@ def test_qkv_rope_epilogue_equals_projection_then_rope_kernel(block_n, splits, b
     angles = torch.randn(T, D // 2, generator=g)
     cos, sin = torch.cat([angles.cos()] * 2, -1).to(DEVICE), torch.cat([angles.sin()] * 2, -1).to(DEVICE)
     positions = torch.arange(start, start + T, device=DEVICE)
-    cfg = config(block_n, 16, splits, gemv=bool(gemv), k_chunk=0 if isinstance(gemv, bool) else gemv)
+    cfg = config(block_n, 16, splits, gemv=gemv)
     assert rope_fits(cfg, N, K, D)
     caches = [torch.randn(1, Hkv, S, D, generator=g).to(dtype).to(DEVICE) for _ in range(2)]
     fused_k, fused_v = caches[0].clone(), caches[1].clone()
@@ -506,10 +500,6 @@ def test_gemv_configs_refuse_what_they_cannot_hold():
     x = torch.zeros(1, 4096)
     with pytest.raises(ValueError, match="K <= 2048"):
         small_linear_triton(x, torch.zeros(8, 4096), None, config=config(*GEMV4))
-    with pytest.raises(ValueError, match="at most 4 chunks"):
-        small_linear_triton(x, torch.zeros(8, 4096), None, config=config(*GEMV4, 512))
-    with pytest.raises(ValueError, match="power-of-2 k_chunk"):
-        small_linear_triton(x[:, :96], torch.zeros(8, 96), None, config=config(*GEMV4, 48))
     with pytest.raises(ValueError, match="no gemv"):
         small_linear_triton(x[:, :64], torch.zeros(16, 64), None, gated=True, config=config(*GEMV4))
     assert config(*GEMV4[:4], preload=3, gemv=True).preload_steps(72) == 0

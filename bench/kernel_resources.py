@@ -39,16 +39,13 @@ DIVISIBLE = set(POINTERS) | {"N", "K", "k_per_split", "stride_xm", "stride_wn", 
 HQ, HKV, HEAD_DIM = 12, 2, 128          # Qwen2.5-1.5B
 
 
-def constexprs(cfg: tk.SmallLinearConfig, K: int, *, gated=False, rope=False, norm=False, residual=False,
+def constexprs(cfg: tk.SmallLinearConfig, N: int, K: int, *, gated=False, rope=False, norm=False, residual=False,
                bias=False, parts_in=2) -> dict:
-    """The constexpr arguments small_linear_triton passes for this call (bf16, PDL, settled)."""
-    return dict(
-        HAS_BIAS=bias, SPLIT=cfg.effective_splits(K) > 1, SWAP=cfg.swap, EVEN_N=True, EVEN_K=K % cfg.block_k == 0,
-        UPCAST_DOT=False, DOT_PRECISION="tf32", SCALE_ROWS=norm, PARTS_P2=triton.next_power_of_2(parts_in) if norm else 1,
-        GATED=gated, RESIDUAL=residual, EMIT_NORM=residual, USE_PDL=True, TRIGGER=1, PRELOAD=cfg.preload_steps(K),
-        EARLY=True, ROPE=rope, HQ=HQ, HKV=HKV, HEAD_DIM=HEAD_DIM if rope else 2, GEMV=cfg.gemv,
-        K_P2=triton.next_power_of_2(K) if cfg.gemv else 1, BLOCK_M=tk.BLOCK_M, BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k, TRACE=False)
+    """The constexpr arguments small_linear_triton passes for this call of N outputs (bf16, PDL,
+    settled; a residual comes with the next norm's inputs, as in a decode layer), marks compiled out."""
+    return dict(tk.linear_constexprs(cfg, N, K, torch.bfloat16, bias=bias, norm_parts=parts_in if norm else 0,
+                                     gated=gated, residual=residual, emit=residual, pdl=True, early=True,
+                                     rope_heads=(HQ, HKV, HEAD_DIM) if rope else None), TRACE=False)
 
 
 def resources(cfg: tk.SmallLinearConfig, consts: dict) -> dict:
@@ -88,7 +85,8 @@ def main() -> None:
     ]
     rows = []
     for label, cfg, K, fusion in cases:
-        rows.append(dict(kernel=label, config=describe(cfg), **resources(cfg, constexprs(cfg, K, **fusion))))
+        N = I if fusion.get("gated") else QKV if fusion.get("rope") else H
+        rows.append(dict(kernel=label, config=describe(cfg), **resources(cfg, constexprs(cfg, N, K, **fusion))))
         print(rows[-1], flush=True)
     print_table(rows)
 

@@ -581,6 +581,27 @@ def _linear_label(N: int, K: int, gated: bool, rope: bool, splits: int, residual
     return f"linear {N}x{K}{kind}" + (f" {splits} splits" if splits > 1 else "")
 
 
+def linear_constexprs(config: SmallLinearConfig, N: int, K: int, dtype: torch.dtype, *, bias: bool, norm_parts: int,
+                      gated: bool, residual: bool, emit: bool, pdl: bool, early: bool,
+                      rope_heads: tuple[int, int, int] | None) -> dict:
+    """The constexpr arguments of `_small_linear_kernel` for a call: N outputs (gated: of a [2N, K]
+    weight), a bias, a folded norm whose sums of squares come in `norm_parts` parts (0: none), the
+    residual and emitted norm inputs, rope into (Hq, Hkv, head_dim) heads. small_linear_triton
+    launches with these, and bench/kernel_resources.py compiles the kernel with them on any machine."""
+    upcast, precision = dot_flags(dtype)
+    split = config.effective_splits(K) > 1
+    out_n = config.block_n // 2 if gated else config.block_n
+    heads, kv_heads, head_dim = rope_heads or (1, 1, 2)
+    return dict(
+        HAS_BIAS=bias, SPLIT=split, SWAP=config.swap, EVEN_N=N % out_n == 0, EVEN_K=K % config.block_k == 0,
+        UPCAST_DOT=upcast, DOT_PRECISION=precision, SCALE_ROWS=norm_parts > 0,
+        PARTS_P2=triton.next_power_of_2(max(1, norm_parts)), GATED=gated, RESIDUAL=residual,
+        EMIT_NORM=emit and not split, USE_PDL=pdl, TRIGGER=pdl_trigger_point("linear"),
+        PRELOAD=config.preload_steps(K), EARLY=early, ROPE=rope_heads is not None, HQ=heads, HKV=kv_heads,
+        HEAD_DIM=head_dim, GEMV=config.gemv, K_P2=triton.next_power_of_2(K) if config.gemv else 1,
+        BLOCK_M=BLOCK_M, BLOCK_N=config.block_n, BLOCK_K=config.block_k)
+
+
 def small_linear_triton(
     x: torch.Tensor,                     # [M, K], M = 1..32, stride(1) == 1
     weight: torch.Tensor,                # [N, K] ([2N, K] when gated), stride(1) == 1
@@ -624,7 +645,6 @@ def small_linear_triton(
         sumsq_out = torch.empty(emit_parts, M, dtype=torch.float32, device=x.device)
     else:
         weighted, sumsq_out = out, part
-    upcast, precision = dot_flags(x.dtype)
     pdl = pdl_enabled(x.device)
     bias_arg = bias if bias is not None else out
     res_arg = residual if residual is not None else out
@@ -646,14 +666,10 @@ def small_linear_triton(
         M, N, K, eps, parts_in, T,
         x.stride(0), weight.stride(0), res_arg.stride(0), out.stride(0), *rope_strides,
         k_per_split,
-        HAS_BIAS=bias is not None, SPLIT=splits > 1, SWAP=config.swap,
-        EVEN_N=N % out_n == 0, EVEN_K=K % config.block_k == 0,
-        UPCAST_DOT=upcast, DOT_PRECISION=precision,
-        SCALE_ROWS=row_sumsq is not None, PARTS_P2=triton.next_power_of_2(parts_in), GATED=gated,
-        RESIDUAL=residual is not None, EMIT_NORM=emit and splits == 1, USE_PDL=pdl, TRIGGER=pdl_trigger_point("linear"),
-        PRELOAD=config.preload_steps(K), EARLY=early, ROPE=rope is not None, HQ=heads, HKV=kv_heads, HEAD_DIM=head_dim,
-        GEMV=config.gemv, K_P2=triton.next_power_of_2(K) if config.gemv else 1,
-        BLOCK_M=BLOCK_M, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        **linear_constexprs(config, N, K, x.dtype, bias=bias is not None,
+                            norm_parts=parts_in if row_sumsq is not None else 0, gated=gated,
+                            residual=residual is not None, emit=emit, pdl=pdl, early=early,
+                            rope_heads=(heads, kv_heads, head_dim) if rope is not None else None),
         **trace_args(_linear_label(N, K, gated, rope is not None, splits, residual is not None), grid, out),
         num_warps=config.num_warps, num_stages=config.num_stages, **launch_options(pdl),
     )

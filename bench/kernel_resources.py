@@ -77,6 +77,8 @@ def main() -> None:
     cases = [
         ("qkv (table)", table(QKV, H), H, dict(rope=True, norm=True, bias=True)),
         ("qkv as gemv, 8 rows", C(8, 128, 1, gemv=True), H, dict(rope=True, norm=True, bias=True)),
+        ("qkv, 2 k chains", C(16, 128, 1, num_stages=4, k_chains=2), H, dict(rope=True, norm=True, bias=True)),
+        ("qkv, 4 k chains", C(16, 128, 1, num_stages=4, k_chains=4), H, dict(rope=True, norm=True, bias=True)),
         ("o (table)", table(H, H), H, dict(residual=True)),
         ("o as tiles 16x128 (before stop 13)", C(16, 128, 1, num_stages=4), H, dict(residual=True)),
         ("o as gemv, 4 rows", C(4, 128, 1, gemv=True), H, dict(residual=True)),
@@ -94,7 +96,8 @@ def main() -> None:
 def describe(cfg: tk.SmallLinearConfig) -> str:
     if cfg.gemv:
         return f"gemv {cfg.block_n} rows, {cfg.num_warps} warps"
-    return f"{cfg.block_n}x{cfg.block_k}, {cfg.splits} splits, {cfg.num_stages} stages, preload {cfg.preload}"
+    chains = f", {cfg.k_chains} k chains" if cfg.k_chains > 1 else ""
+    return f"{cfg.block_n}x{cfg.block_k}, {cfg.splits} splits, {cfg.num_stages} stages, preload {cfg.preload}{chains}"
 
 
 if __name__ == "__main__":

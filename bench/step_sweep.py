@@ -6,7 +6,8 @@ order of a sum and may move the ids of random weights (a "False" there is not a 
 A variant is space-separated settings, "table" for none:
   BATCHD_NAME=VALUE               an environment switch read at capture (BATCHD_PDL_TRIGGER:
                                   where the decode kernels signal their dependents, kernels._pdl)
-  N,K=bn,bk,splits,stages[,preload]   replaces small_linear's table entry for that weight shape
+  N,K=bn,bk,splits,stages[,preload[,chains]]   replaces small_linear's table entry for that weight
+                                  shape (chains: SmallLinearConfig.k_chains)
   N,K=gemv,rows[,warps]           the same with a gemv config (rows weight rows per program)
   preload=D[@MB]                  every table entry preloads D weight tiles (only weights of at
                                   least MB megabytes; the others 0)
@@ -83,9 +84,10 @@ def apply_variant(spec: str, tuned: dict) -> None:
             rows, warps = (*(int(v) for v in values.split(",")[1:]), 4)[:2]
             triton_kernel.TUNED[(n, k, 2)] = triton_kernel.SmallLinearConfig(rows, 128, 1, num_warps=warps, gemv=True)
             continue
-        bn, bk, splits, stages, *preload = (int(v) for v in values.split(","))
+        bn, bk, splits, stages, *extra = (int(v) for v in values.split(","))
+        preload, chains = (extra + [0, 1][len(extra):])[:2]
         triton_kernel.TUNED[(n, k, 2)] = triton_kernel.SmallLinearConfig(
-            bn, bk, splits, num_warps=4, num_stages=stages, swap=True, preload=preload[0] if preload else 0)
+            bn, bk, splits, num_warps=4, num_stages=stages, swap=True, preload=preload, k_chains=chains)
 
 
 def main() -> None:

@@ -27,14 +27,15 @@ def make(M, N, K, dtype, bias=False, seed=0):
     return x, w, b
 
 
-def config(block_n, block_k, splits, swap=True, preload=0, gemv=False):
+def config(block_n, block_k, splits, swap=True, preload=0, gemv=False, k_chains=1):
     from kernels.small_matmul.triton_kernel import SmallLinearConfig
 
     return SmallLinearConfig(block_n, block_k, splits, num_warps=4, num_stages=2, swap=swap, preload=preload,
-                             gemv=gemv)
+                             gemv=gemv, k_chains=k_chains)
 
 
 GEMV4 = (4, 32, 1, True, 0, True)      # whole weight rows, 4 per program, on the CUDA cores
+CHAINS3 = (16, 32, 1, True, 0, False, 3)   # 16-row tiles, 3 accumulators over K = 72's 3 k steps
 
 
 def run_triton(x, w, b, cfg):
@@ -66,6 +67,9 @@ CASES = [
     pytest.param(17, 72, 96, (64, 32, 3, False), id="m17-n72-k96-split3-noswap"),
     pytest.param(32, 48, 80, (32, 64, 1, True), id="m32-n48-k80-nosplit"),
     pytest.param(17, 42, 72, GEMV4, id="m17-n42-k72-gemv4-ragged"),
+    pytest.param(17, 40, 128, (16, 32, 1, True, 0, False, 4), id="m17-n40-k128-chains4"),
+    pytest.param(5, 40, 128, (32, 32, 2, False, 0, False, 2), id="m5-n40-k128-split2-chains2-noswap"),
+    pytest.param(3, 40, 72, CHAINS3, id="m3-n40-k72-chains3-ragged"),
 ]
 
 
@@ -89,6 +93,7 @@ INVARIANCE = [
     pytest.param(torch.float32, (32, 32, 3, False), True, id="f32-split3-noswap-bias"),
     pytest.param(torch.bfloat16, GEMV4, True, id="bf16-gemv4-bias"),
     pytest.param(torch.float32, (8, 32, 1, True, 0, True), False, id="f32-gemv8"),
+    pytest.param(torch.bfloat16, CHAINS3, True, id="bf16-chains3-bias"),
 ]
 
 
@@ -244,6 +249,8 @@ FUSED = [  # (kind, cfg)
     pytest.param("residual-emit", (32, 32, 3, False), id="residual-emit-split3-noswap"),
     pytest.param("norm", GEMV4, id="norm-bias-gemv4"),
     pytest.param("residual-emit", GEMV4, id="residual-emit-gemv4"),
+    pytest.param("norm", CHAINS3, id="norm-bias-chains3"),
+    pytest.param("residual-emit", CHAINS3, id="residual-emit-chains3"),
 ]
 
 
@@ -346,11 +353,12 @@ def test_fusion_inputs_are_checked():
 
 # ---- rope and the cache write in the q/k/v projection's epilogue ----
 
-QKV_ROPE = [  # (block_n, splits, bias, T, gemv): tiles of 8 and 4 rope pairs, one and three rows
+QKV_ROPE = [  # (block_n, splits, bias, T, gemv, or an int: that many k chains): tiles of 8 and 4 rope pairs, one and three rows
     pytest.param(16, 1, True, 3, False, id="pairs8-bias-t3"),
     pytest.param(8, 1, False, 1, False, id="pairs4-t1"),
     pytest.param(16, 1, False, 17, False, id="pairs8-t17"),
     pytest.param(4, 1, True, 3, True, id="gemv-pairs2-bias-t3"),
+    pytest.param(16, 1, True, 3, 3, id="chains3-pairs8-bias-t3"),
 ]
 
 
@@ -372,7 +380,8 @@ def test_qkv_rope_epilogue_equals_projection_then_rope_kernel(block_n, splits, b
     angles = torch.randn(T, D // 2, generator=g)
     cos, sin = torch.cat([angles.cos()] * 2, -1).to(DEVICE), torch.cat([angles.sin()] * 2, -1).to(DEVICE)
     positions = torch.arange(start, start + T, device=DEVICE)
-    cfg = config(block_n, 16, splits, gemv=gemv)
+    chains = 1 if isinstance(gemv, bool) else gemv
+    cfg = config(block_n, 16, splits, gemv=gemv is True, k_chains=chains)
     assert rope_fits(cfg, N, K, D)
     caches = [torch.randn(1, Hkv, S, D, generator=g).to(dtype).to(DEVICE) for _ in range(2)]
     fused_k, fused_v = caches[0].clone(), caches[1].clone()
@@ -504,3 +513,18 @@ def test_gemv_configs_refuse_what_they_cannot_hold():
         small_linear_triton(x[:, :64], torch.zeros(16, 64), None, gated=True, config=config(*GEMV4))
     assert config(*GEMV4[:4], preload=3, gemv=True).preload_steps(72) == 0
     assert config(4, 32, 3, gemv=True).effective_splits(4096) == 1
+
+
+def test_k_chains_need_whole_turns_in_every_split():
+    """k_chains accumulators take turns over a split's k steps: every split must hold a multiple of
+    them (72 columns in steps of 32 are 3 steps), and they do not combine with preload or a gemv."""
+    from kernels.small_matmul.triton_kernel import small_linear_triton
+
+    x, w = torch.zeros(1, 72), torch.zeros(16, 72)
+    with pytest.raises(ValueError, match=r"k steps \(3, 3\) a multiple"):
+        small_linear_triton(x, w, None, config=config(16, 32, 1, k_chains=2))
+    with pytest.raises(ValueError, match="without preload"):
+        small_linear_triton(x, w, None, config=config(16, 32, 1, preload=1, k_chains=3))
+    with pytest.raises(ValueError, match="k_chains"):
+        small_linear_triton(x, w, None, config=config(4, 32, 1, gemv=True, k_chains=3))
+    assert config(32, 32, 2).split_k_steps(128) == (2, 2) and config(16, 32, 3).split_k_steps(224) == (3, 1)

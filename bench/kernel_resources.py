@@ -1,7 +1,11 @@
 """Registers, spills and shared memory of small_linear's decode kernels, compiled for the H200
 (sm_90) on any machine: no GPU needed, so a config can be checked before device time is spent.
 
-    python bench/kernel_resources.py
+    python bench/kernel_resources.py [--sass DIR]
+
+--sass DIR also writes each kernel's SASS (addresses and encodings stripped) to DIR/<kernel>.sass:
+run it at two commits and `diff -r` the folders to see whether a change moved any instruction of
+the kernels it should not have touched (stop 14: k_chains left every table kernel the same).
 
 Each row compiles `_small_linear_kernel` as a Qwen2.5-1.5B decode layer launches it (the fusions on,
 pointer and stride arguments 16-divisible as the JIT specializes them) and reads the cubin's
@@ -13,6 +17,7 @@ programs share a multiprocessor; q/k/v as a gemv spills; kernels/small_matmul/NO
 """
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import subprocess
@@ -48,7 +53,22 @@ def constexprs(cfg: tk.SmallLinearConfig, N: int, K: int, *, gated=False, rope=F
                                      rope_heads=(HQ, HKV, HEAD_DIM) if rope else None), TRACE=False)
 
 
-def resources(cfg: tk.SmallLinearConfig, consts: dict) -> dict:
+def cuobjdump(cubin_bytes: bytes, flag: str) -> str:
+    """Triton's bundled cuobjdump run with `flag` (-res-usage, -sass) on a cubin."""
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile("wb", suffix=".cubin") as cubin:
+        cubin.write(cubin_bytes)
+        cubin.flush()
+        return subprocess.run([str(tool), flag, cubin.name], capture_output=True, text=True, check=True).stdout
+
+
+def sass_lines(cubin_bytes: bytes) -> list[str]:
+    """The kernel's instructions, one per line, without addresses or encodings."""
+    return [re.sub(r"/\*[0-9a-f]{4,}\*/", "", line).split(";")[0].strip()
+            for line in cuobjdump(cubin_bytes, "-sass").splitlines() if re.search(r"/\*[0-9a-f]{4}\*/", line)]
+
+
+def resources(cfg: tk.SmallLinearConfig, consts: dict, sass_path: Path | None = None) -> dict:
     fn = tk._small_linear_kernel
     signature = {name: "constexpr" if name in consts else POINTERS.get(name, "fp32" if name == "eps" else "i32")
                  for name in fn.arg_names}
@@ -56,12 +76,9 @@ def resources(cfg: tk.SmallLinearConfig, consts: dict) -> dict:
     kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=consts, attrs=attrs),
                             target=GPUTarget("cuda", 90, 32),
                             options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
-    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    with tempfile.NamedTemporaryFile("wb", suffix=".cubin") as cubin:
-        cubin.write(kernel.asm["cubin"])
-        cubin.flush()
-        usage = subprocess.run([str(cuobjdump), "-res-usage", cubin.name], capture_output=True, text=True,
-                               check=True).stdout
+    usage = cuobjdump(kernel.asm["cubin"], "-res-usage")
+    if sass_path is not None:
+        sass_path.write_text("\n".join(sass_lines(kernel.asm["cubin"])) + "\n")
     regs = int(re.search(r"REG:(\d+)", usage).group(1))
     stack = int(re.search(r"STACK:(\d+)", usage).group(1))
     shared = kernel.metadata.shared
@@ -71,6 +88,11 @@ def resources(cfg: tk.SmallLinearConfig, consts: dict) -> dict:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sass", type=Path, help="also write each kernel's SASS to this folder")
+    args = parser.parse_args()
+    if args.sass:
+        args.sass.mkdir(parents=True, exist_ok=True)
     C = tk.SmallLinearConfig
     table = lambda n, k, gated=False: tk.choose_config(n, k, torch.bfloat16, torch.device("cuda"), gated=gated)  # noqa: E731
     H, I, QKV = 1536, 8960, (HQ + 2 * HKV) * HEAD_DIM
@@ -88,7 +110,8 @@ def main() -> None:
     rows = []
     for label, cfg, K, fusion in cases:
         N = I if fusion.get("gated") else QKV if fusion.get("rope") else H
-        rows.append(dict(kernel=label, config=describe(cfg), **resources(cfg, constexprs(cfg, N, K, **fusion))))
+        sass = args.sass / (re.sub(r"[^a-z0-9]+", "_", label.lower()).strip("_") + ".sass") if args.sass else None
+        rows.append(dict(kernel=label, config=describe(cfg), **resources(cfg, constexprs(cfg, N, K, **fusion), sass)))
         print(rows[-1], flush=True)
     print_table(rows)
 

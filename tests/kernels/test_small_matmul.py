@@ -528,3 +528,48 @@ def test_k_chains_need_whole_turns_in_every_split():
     with pytest.raises(ValueError, match="k_chains"):
         small_linear_triton(x, w, None, config=config(4, 32, 1, gemv=True, k_chains=3))
     assert config(32, 32, 2).split_k_steps(128) == (2, 2) and config(16, 32, 3).split_k_steps(224) == (3, 1)
+
+
+def compile_decode_kernels_for_hopper() -> dict:
+    """Compile (not run) small_linear as Qwen2.5-1.5B's decode layer launches it, for sm_90, with
+    bench/kernel_resources.py: the table's configs, the k_chains tiles and the traced kernel (paths
+    the CPU interpreter never compiles). Needs TRITON_INTERPRET unset, no GPU. -> {case: resources}"""
+    import torch
+    from bench import kernel_resources as kr
+    from kernels.small_matmul import triton_kernel as tk
+
+    table = lambda n, k, gated=False: tk.choose_config(n, k, torch.bfloat16, torch.device("cuda"), gated=gated)  # noqa: E731
+    C = tk.SmallLinearConfig
+    qkv = dict(rope=True, norm=True, bias=True)
+    cases = {
+        "qkv": (table(2048, 1536), 2048, 1536, qkv, {}),
+        "o": (table(1536, 1536), 1536, 1536, dict(residual=True), {}),
+        "gate_up": (table(8960, 1536, gated=True), 8960, 1536, dict(gated=True, norm=True, parts_in=192), {}),
+        "down": (table(1536, 8960), 1536, 8960, dict(residual=True), {}),
+        "qkv, 2 k chains": (C(16, 128, 1, num_stages=4, k_chains=2), 2048, 1536, qkv, {}),
+        "qkv, 4 k chains": (C(16, 128, 1, num_stages=4, k_chains=4), 2048, 1536, qkv, {}),
+        "qkv, traced": (table(2048, 1536), 2048, 1536, qkv, dict(TRACE=True)),
+    }
+    return {name: kr.resources(cfg, {**kr.constexprs(cfg, N, K, **fusion), **extra})
+            for name, (cfg, N, K, fusion, extra) in cases.items()}
+
+
+def test_decode_kernels_compile_for_hopper_without_spills():
+    """The H200's compiler sees what the interpreter does not (types, registers): every table config
+    of the 1.5B decode layer, the k_chains tiles and the traced kernel compile for sm_90, and none
+    of them spills registers to local memory (a spill there costs every decode step)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = ("import json; from tests.kernels.test_small_matmul import compile_decode_kernels_for_hopper as c; "
+            "print(json.dumps(c()))")
+    done = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[2],
+                          env={**os.environ, "TRITON_INTERPRET": "0"}, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    resources = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(resources) == 7
+    for name, used in resources.items():
+        assert used["spill_stack_bytes"] == 0, f"{name} spills: {used}"

@@ -25,7 +25,7 @@ import triton.language as tl
 
 # the row's columns (constexpr: the kernels name them)
 START, WAITED, END, SM = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2), tl.constexpr(3)
-COLUMNS = 4
+COLUMNS = tl.constexpr(4)
 
 
 @dataclass(frozen=True)
@@ -38,7 +38,7 @@ class Launch:
 
 class Recorder:
     def __init__(self, device: torch.device, capacity: int):
-        self.rows = torch.zeros(capacity, COLUMNS, dtype=torch.int64, device=device)
+        self.rows = torch.zeros(capacity, COLUMNS.value, dtype=torch.int64, device=device)
         self.launches: list[Launch] = []
         self._next = 0
 
@@ -91,11 +91,11 @@ def trace_mark(Trace, trace_row, COLUMN: tl.constexpr, TRACE: tl.constexpr):
     if TRACE:
         program = (tl.program_id(0) + tl.program_id(1) * tl.num_programs(0)
                    + tl.program_id(2) * tl.num_programs(0) * tl.num_programs(1))
-        row = Trace + (trace_row + program).to(tl.int64) * 4
+        row = Trace + (trace_row + program).to(tl.int64) * COLUMNS
         tl.store(row + COLUMN, _globaltimer())
-        if COLUMN == 0:
+        if COLUMN == START:
             sm = tl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=tl.int32, is_pure=True, pack=1)
-            tl.store(row + 3, sm.to(tl.int64))
+            tl.store(row + SM, sm.to(tl.int64))
 
 
 __all__ = ["Recorder", "Launch", "recording", "trace_args", "trace_mark", "START", "WAITED", "END", "SM"]

@@ -44,10 +44,6 @@ def transformers_smollm2(smollm2_gguf):
     """transformers' own reading of the SmolLM2 GGUF: (model in float32, eval mode; tokenizer).
     Loaded once for the session: dequantising and converting the tokenizer take about 25 s on 2
     cores, and two test modules compare against it."""
-    import os
-
-    import torch
-
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("accelerate")          # transformers needs it to read GGUF
     os.environ["HF_HUB_OFFLINE"] = "1"

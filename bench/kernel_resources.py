@@ -5,7 +5,7 @@
 
 --sass DIR also writes each kernel's SASS (addresses and encodings stripped) to DIR/<kernel>.sass:
 run it at two commits and `diff -r` the folders to see whether a change moved any instruction of
-the kernels it should not have touched (stop 14: k_chains left every table kernel the same).
+the kernels it should not have touched (stop 15: removing k_chains left every table kernel the same).
 
 Each row compiles `_small_linear_kernel` as a Qwen2.5-1.5B decode layer launches it (the fusions on,
 pointer and stride arguments 16-divisible as the JIT specializes them) and reads the cubin's
@@ -99,8 +99,6 @@ def main() -> None:
     cases = [
         ("qkv (table)", table(QKV, H), H, dict(rope=True, norm=True, bias=True)),
         ("qkv as gemv, 8 rows", C(8, 128, 1, gemv=True), H, dict(rope=True, norm=True, bias=True)),
-        ("qkv, 2 k chains", C(16, 128, 1, num_stages=4, k_chains=2), H, dict(rope=True, norm=True, bias=True)),
-        ("qkv, 4 k chains", C(16, 128, 1, num_stages=4, k_chains=4), H, dict(rope=True, norm=True, bias=True)),
         ("o (table)", table(H, H), H, dict(residual=True)),
         ("o as tiles 16x128 (before stop 13)", C(16, 128, 1, num_stages=4), H, dict(residual=True)),
         ("o as gemv, 4 rows", C(4, 128, 1, gemv=True), H, dict(residual=True)),
@@ -119,8 +117,7 @@ def main() -> None:
 def describe(cfg: tk.SmallLinearConfig) -> str:
     if cfg.gemv:
         return f"gemv {cfg.block_n} rows, {cfg.num_warps} warps"
-    chains = f", {cfg.k_chains} k chains" if cfg.k_chains > 1 else ""
-    return f"{cfg.block_n}x{cfg.block_k}, {cfg.splits} splits, {cfg.num_stages} stages, preload {cfg.preload}{chains}"
+    return f"{cfg.block_n}x{cfg.block_k}, {cfg.splits} splits, {cfg.num_stages} stages, preload {cfg.preload}"
 
 
 if __name__ == "__main__":

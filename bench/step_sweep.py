@@ -6,8 +6,8 @@ order of a sum and may move the ids of random weights (a "False" there is not a 
 A variant is space-separated settings, "table" for none:
   BATCHD_NAME=VALUE               an environment switch read at capture (BATCHD_PDL_TRIGGER:
                                   where the decode kernels signal their dependents, kernels._pdl)
-  N,K=bn,bk,splits,stages[,preload[,chains]]   replaces small_linear's table entry for that weight
-                                  shape (chains: SmallLinearConfig.k_chains)
+  N,K=bn,bk,splits,stages[,preload][,field:value...]   replaces small_linear's table entry for that
+                                  weight shape (field: any SmallLinearConfig field, num_warps:8)
   N,K=gemv,rows[,warps]           the same with a gemv config (rows weight rows per program)
   preload=D[@MB]                  every table entry preloads D weight tiles (only weights of at
                                   least MB megabytes; the others 0)
@@ -33,7 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import copy_bandwidth, print_table  # noqa: E402
+from bench.common import copy_bandwidth, linear_config, print_table  # noqa: E402
 from bench.decode import kv_bytes_per_token, time_ours, weight_bytes_per_token  # noqa: E402
 from engine.presets import preset  # noqa: E402
 from engine.runtime import Engine, build_model  # noqa: E402
@@ -80,14 +80,7 @@ def apply_variant(spec: str, tuned: dict) -> None:
             attention_kernel.TUNED_TILES[int(shape[4:])] = attention_kernel.DecodeTile(bn, warps or None, stages, bool(fit))
             continue
         n, k = (int(v) for v in shape.split(","))
-        if values.startswith("gemv,"):
-            rows, warps = (*(int(v) for v in values.split(",")[1:]), 4)[:2]
-            triton_kernel.TUNED[(n, k, 2)] = triton_kernel.SmallLinearConfig(rows, 128, 1, num_warps=warps, gemv=True)
-            continue
-        bn, bk, splits, stages, *extra = (int(v) for v in values.split(","))
-        preload, chains = (extra + [0, 1][len(extra):])[:2]
-        triton_kernel.TUNED[(n, k, 2)] = triton_kernel.SmallLinearConfig(
-            bn, bk, splits, num_warps=4, num_stages=stages, swap=True, preload=preload, k_chains=chains)
+        triton_kernel.TUNED[(n, k, 2)] = linear_config(values)
 
 
 def main() -> None:

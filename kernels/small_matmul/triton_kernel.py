@@ -24,12 +24,6 @@ block_n whole weight rows per program, loaded before the wait into registers and
 CUDA cores, one row of x after the other: more programs for a small weight (Qwen2.5-1.5B's o: 192
 instead of 96), same epilogues, the same code for every row whatever M is.
 
-`k_chains` (2..4) gives a tile's k loop that many accumulators taking turns over the k steps, added
-in a fixed order at the end (the same code for every row whatever M is). A 16-row tile multiplies on
-mma.sync, and in one accumulator each HMMA waits for the one before: the compiled loop is one
-dependent chain of 8 HMMA per 128-column k step, and with two chains the two interleave (SASS,
-NOTES.md "Stop 14"). Not in the table: not yet measured on a GPU.
-
 SWAP computes out^T = W x^T (the weight as the MMA's A operand, BLOCK_N its M side), which lets
 Hopper use wgmma with the 16 rows of x as its narrow N side; SWAP=False computes x W^T.
 
@@ -68,7 +62,6 @@ class SmallLinearConfig:
     swap: bool = True
     preload: int = 0       # k steps of weight tiles requested before griddepcontrol.wait (0..4)
     gemv: bool = False     # block_n whole weight rows per program on the CUDA cores (see _gemv_rows)
-    k_chains: int = 1      # tiles: independent accumulators taking turns over the k steps (1..4)
 
     def preload_steps(self, K: int) -> int:
         """`preload`, capped by the k steps of the shortest (last) split (0 for a gemv: its rows are
@@ -200,39 +193,6 @@ def _accumulate(acc, w, x_ptrs, k0, K, m_ok, offs_k, EVEN_K: tl.constexpr, SWAP:
     return acc
 
 
-@triton.jit
-def _accumulate_chains(acc, w_ptrs, x_ptrs, k_start, k_end, K, n_ok, m_ok, offs_k, EVEN_N: tl.constexpr,
-                       EVEN_K: tl.constexpr, SWAP: tl.constexpr, UPCAST_DOT: tl.constexpr,
-                       DOT_PRECISION: tl.constexpr, CHAINS: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The k loop with CHAINS (2..4) accumulators taking turns: chain c takes k steps c, c + CHAINS,
-    ...; at the end acc = ((chain 0 + chain 1) + chain 2) + chain 3. A 16-row tile runs on mma.sync,
-    whose instructions into one accumulator wait for each other (8 per 128-column k step, about
-    80 cycles each: bench/gemv_chain.py's 0.3 us per k step); independent chains overlap. The host
-    keeps every split's k steps a multiple of CHAINS. The same code whatever M is."""
-    acc1 = tl.zeros_like(acc)
-    acc2 = tl.zeros_like(acc)
-    acc3 = tl.zeros_like(acc)
-    for k0 in range(k_start, k_end, CHAINS * BLOCK_K):
-        w = _load_weight_tile(w_ptrs, k0, K, n_ok, offs_k, EVEN_N, EVEN_K)
-        acc = _accumulate(acc, w, x_ptrs, k0, K, m_ok, offs_k, EVEN_K, SWAP, UPCAST_DOT, DOT_PRECISION)
-        w = _load_weight_tile(w_ptrs, k0 + BLOCK_K, K, n_ok, offs_k, EVEN_N, EVEN_K)
-        acc1 = _accumulate(acc1, w, x_ptrs, k0 + BLOCK_K, K, m_ok, offs_k, EVEN_K, SWAP, UPCAST_DOT, DOT_PRECISION)
-        if CHAINS >= 3:
-            w = _load_weight_tile(w_ptrs, k0 + 2 * BLOCK_K, K, n_ok, offs_k, EVEN_N, EVEN_K)
-            acc2 = _accumulate(acc2, w, x_ptrs, k0 + 2 * BLOCK_K, K, m_ok, offs_k, EVEN_K, SWAP, UPCAST_DOT,
-                               DOT_PRECISION)
-        if CHAINS >= 4:
-            w = _load_weight_tile(w_ptrs, k0 + 3 * BLOCK_K, K, n_ok, offs_k, EVEN_N, EVEN_K)
-            acc3 = _accumulate(acc3, w, x_ptrs, k0 + 3 * BLOCK_K, K, m_ok, offs_k, EVEN_K, SWAP, UPCAST_DOT,
-                               DOT_PRECISION)
-    acc = acc + acc1
-    if CHAINS >= 3:
-        acc = acc + acc2
-    if CHAINS >= 4:
-        acc = acc + acc3
-    return acc
-
-
 @triton.jit(do_not_specialize=["M", "trace_row"])
 def _small_linear_kernel(
     X, W, Bias, Res, Out, Part, SumSqIn, NextNormW, WeightedOut, SumSqOut, Cos, Sin, Pos, QOut, KCache, VCache,
@@ -250,7 +210,7 @@ def _small_linear_kernel(
     SCALE_ROWS: tl.constexpr, PARTS_P2: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr,
     EMIT_NORM: tl.constexpr, USE_PDL: tl.constexpr, TRIGGER: tl.constexpr, PRELOAD: tl.constexpr,
     EARLY: tl.constexpr, ROPE: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, HEAD_DIM: tl.constexpr,
-    GEMV: tl.constexpr, K_P2: tl.constexpr, CHAINS: tl.constexpr,
+    GEMV: tl.constexpr, K_P2: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     Trace, trace_row, TRACE: tl.constexpr,       # kernels._trace
 ):
@@ -267,7 +227,6 @@ def _small_linear_kernel(
     tl.static_assert(PRELOAD <= 4)
     tl.static_assert(not (ROPE and (SPLIT or GATED)))
     tl.static_assert(not (GEMV and (SPLIT or GATED or PRELOAD > 0 or not SWAP)))
-    tl.static_assert(CHAINS == 1 or (CHAINS <= 4 and PRELOAD == 0 and not GEMV))
     OUT_N: tl.constexpr = BLOCK_N // 2 if GATED else BLOCK_N     # output columns per program
     HALF_N: tl.constexpr = BLOCK_N // 2
     HALF_D: tl.constexpr = HEAD_DIM // 2
@@ -354,13 +313,9 @@ def _small_linear_kernel(
         if PRELOAD >= 4:
             acc = _accumulate(acc, w3, x_ptrs, k_start + 3 * BLOCK_K, K, m_ok, offs_k, EVEN_K, SWAP, UPCAST_DOT,
                               DOT_PRECISION)
-        if CHAINS == 1:
-            for k0 in range(k_start + PRELOAD * BLOCK_K, k_end, BLOCK_K):
-                w = _load_weight_tile(w_ptrs, k0, K, n_ok, offs_k, EVEN_N, EVEN_K)
-                acc = _accumulate(acc, w, x_ptrs, k0, K, m_ok, offs_k, EVEN_K, SWAP, UPCAST_DOT, DOT_PRECISION)
-        else:
-            acc = _accumulate_chains(acc, w_ptrs, x_ptrs, k_start, k_end, K, n_ok, m_ok, offs_k, EVEN_N, EVEN_K, SWAP,
-                                     UPCAST_DOT, DOT_PRECISION, CHAINS, BLOCK_K)
+        for k0 in range(k_start + PRELOAD * BLOCK_K, k_end, BLOCK_K):
+            w = _load_weight_tile(w_ptrs, k0, K, n_ok, offs_k, EVEN_N, EVEN_K)
+            acc = _accumulate(acc, w, x_ptrs, k0, K, m_ok, offs_k, EVEN_K, SWAP, UPCAST_DOT, DOT_PRECISION)
     pdl_trigger(USE_PDL, TRIGGER, 2)
     if not SWAP:
         acc = tl.trans(acc)                           # [BLOCK_N, BLOCK_M] from here on
@@ -646,7 +601,6 @@ def linear_constexprs(config: SmallLinearConfig, N: int, K: int, dtype: torch.dt
         EMIT_NORM=emit and not split, USE_PDL=pdl, TRIGGER=pdl_trigger_point("linear"),
         PRELOAD=config.preload_steps(K), EARLY=early, ROPE=rope_heads is not None, HQ=heads, HKV=kv_heads,
         HEAD_DIM=head_dim, GEMV=config.gemv, K_P2=triton.next_power_of_2(K) if config.gemv else 1,
-        CHAINS=config.k_chains,
         BLOCK_M=BLOCK_M, BLOCK_N=config.block_n, BLOCK_K=config.block_k)
 
 
@@ -683,10 +637,6 @@ def small_linear_triton(
     out_n = config.block_n // 2 if gated else config.block_n
     if config.gemv and K > 2048:          # (a gemv never splits: SmallLinearConfig.k_per_split)
         raise ValueError(f"a gemv config holds whole weight rows of K <= 2048 in registers (K = {K}, config {config})")
-    if config.k_chains != 1 and (config.gemv or config.preload or not 2 <= config.k_chains <= 4
-                                 or any(steps % config.k_chains for steps in config.split_k_steps(K))):
-        raise ValueError(f"k_chains (2..4) needs tiles without preload and every split's k steps "
-                         f"{config.split_k_steps(K)} a multiple of it (K = {K}, config {config})")
     grid = (triton.cdiv(M, BLOCK_M), triton.cdiv(N, out_n), splits)
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     part = torch.empty(splits, M, N, dtype=torch.float32, device=x.device) if splits > 1 else out

@@ -27,15 +27,14 @@ def make(M, N, K, dtype, bias=False, seed=0):
     return x, w, b
 
 
-def config(block_n, block_k, splits, swap=True, preload=0, gemv=False, k_chains=1):
+def config(block_n, block_k, splits, swap=True, preload=0, gemv=False):
     from kernels.small_matmul.triton_kernel import SmallLinearConfig
 
     return SmallLinearConfig(block_n, block_k, splits, num_warps=4, num_stages=2, swap=swap, preload=preload,
-                             gemv=gemv, k_chains=k_chains)
+                             gemv=gemv)
 
 
 GEMV4 = (4, 32, 1, True, 0, True)      # whole weight rows, 4 per program, on the CUDA cores
-CHAINS3 = (16, 32, 1, True, 0, False, 3)   # 16-row tiles, 3 accumulators over K = 72's 3 k steps
 
 
 def run_triton(x, w, b, cfg):
@@ -67,9 +66,6 @@ CASES = [
     pytest.param(17, 72, 96, (64, 32, 3, False), id="m17-n72-k96-split3-noswap"),
     pytest.param(32, 48, 80, (32, 64, 1, True), id="m32-n48-k80-nosplit"),
     pytest.param(17, 42, 72, GEMV4, id="m17-n42-k72-gemv4-ragged"),
-    pytest.param(17, 40, 128, (16, 32, 1, True, 0, False, 4), id="m17-n40-k128-chains4"),
-    pytest.param(5, 40, 128, (32, 32, 2, False, 0, False, 2), id="m5-n40-k128-split2-chains2-noswap"),
-    pytest.param(3, 40, 72, CHAINS3, id="m3-n40-k72-chains3-ragged"),
 ]
 
 
@@ -93,7 +89,6 @@ INVARIANCE = [
     pytest.param(torch.float32, (32, 32, 3, False), True, id="f32-split3-noswap-bias"),
     pytest.param(torch.bfloat16, GEMV4, True, id="bf16-gemv4-bias"),
     pytest.param(torch.float32, (8, 32, 1, True, 0, True), False, id="f32-gemv8"),
-    pytest.param(torch.bfloat16, CHAINS3, True, id="bf16-chains3-bias"),
 ]
 
 
@@ -249,8 +244,6 @@ FUSED = [  # (kind, cfg)
     pytest.param("residual-emit", (32, 32, 3, False), id="residual-emit-split3-noswap"),
     pytest.param("norm", GEMV4, id="norm-bias-gemv4"),
     pytest.param("residual-emit", GEMV4, id="residual-emit-gemv4"),
-    pytest.param("norm", CHAINS3, id="norm-bias-chains3"),
-    pytest.param("residual-emit", CHAINS3, id="residual-emit-chains3"),
 ]
 
 
@@ -353,12 +346,11 @@ def test_fusion_inputs_are_checked():
 
 # ---- rope and the cache write in the q/k/v projection's epilogue ----
 
-QKV_ROPE = [  # (block_n, splits, bias, T, gemv, or an int: that many k chains): tiles of 8 and 4 rope pairs, one and three rows
+QKV_ROPE = [  # (block_n, splits, bias, T, gemv): tiles of 8 and 4 rope pairs, one and three rows
     pytest.param(16, 1, True, 3, False, id="pairs8-bias-t3"),
     pytest.param(8, 1, False, 1, False, id="pairs4-t1"),
     pytest.param(16, 1, False, 17, False, id="pairs8-t17"),
     pytest.param(4, 1, True, 3, True, id="gemv-pairs2-bias-t3"),
-    pytest.param(16, 1, True, 3, 3, id="chains3-pairs8-bias-t3"),
 ]
 
 
@@ -380,8 +372,7 @@ def test_qkv_rope_epilogue_equals_projection_then_rope_kernel(block_n, splits, b
     angles = torch.randn(T, D // 2, generator=g)
     cos, sin = torch.cat([angles.cos()] * 2, -1).to(DEVICE), torch.cat([angles.sin()] * 2, -1).to(DEVICE)
     positions = torch.arange(start, start + T, device=DEVICE)
-    chains = 1 if isinstance(gemv, bool) else gemv
-    cfg = config(block_n, 16, splits, gemv=gemv is True, k_chains=chains)
+    cfg = config(block_n, 16, splits, gemv=gemv)
     assert rope_fits(cfg, N, K, D)
     caches = [torch.randn(1, Hkv, S, D, generator=g).to(dtype).to(DEVICE) for _ in range(2)]
     fused_k, fused_v = caches[0].clone(), caches[1].clone()
@@ -515,39 +506,25 @@ def test_gemv_configs_refuse_what_they_cannot_hold():
     assert config(4, 32, 3, gemv=True).effective_splits(4096) == 1
 
 
-def test_k_chains_need_whole_turns_in_every_split():
-    """k_chains accumulators take turns over a split's k steps: every split must hold a multiple of
-    them (72 columns in steps of 32 are 3 steps), and they do not combine with preload or a gemv."""
-    from kernels.small_matmul.triton_kernel import small_linear_triton
-
-    x, w = torch.zeros(1, 72), torch.zeros(16, 72)
-    with pytest.raises(ValueError, match=r"k steps \(3, 3\) a multiple"):
-        small_linear_triton(x, w, None, config=config(16, 32, 1, k_chains=2))
-    with pytest.raises(ValueError, match="without preload"):
-        small_linear_triton(x, w, None, config=config(16, 32, 1, preload=1, k_chains=3))
-    with pytest.raises(ValueError, match="k_chains"):
-        small_linear_triton(x, w, None, config=config(4, 32, 1, gemv=True, k_chains=3))
+def test_split_k_steps_counts_full_and_last_splits():
     assert config(32, 32, 2).split_k_steps(128) == (2, 2) and config(16, 32, 3).split_k_steps(224) == (3, 1)
 
 
 def compile_decode_kernels_for_hopper() -> dict:
     """Compile (not run) small_linear as Qwen2.5-1.5B's decode layer launches it, for sm_90, with
-    bench/kernel_resources.py: the table's configs, the k_chains tiles and the traced kernel (paths
+    bench/kernel_resources.py: the table's configs and the traced kernel (paths
     the CPU interpreter never compiles). Needs TRITON_INTERPRET unset, no GPU. -> {case: resources}"""
     import torch
     from bench import kernel_resources as kr
     from kernels.small_matmul import triton_kernel as tk
 
     table = lambda n, k, gated=False: tk.choose_config(n, k, torch.bfloat16, torch.device("cuda"), gated=gated)  # noqa: E731
-    C = tk.SmallLinearConfig
     qkv = dict(rope=True, norm=True, bias=True)
     cases = {
         "qkv": (table(2048, 1536), 2048, 1536, qkv, {}),
         "o": (table(1536, 1536), 1536, 1536, dict(residual=True), {}),
         "gate_up": (table(8960, 1536, gated=True), 8960, 1536, dict(gated=True, norm=True, parts_in=192), {}),
         "down": (table(1536, 8960), 1536, 8960, dict(residual=True), {}),
-        "qkv, 2 k chains": (C(16, 128, 1, num_stages=4, k_chains=2), 2048, 1536, qkv, {}),
-        "qkv, 4 k chains": (C(16, 128, 1, num_stages=4, k_chains=4), 2048, 1536, qkv, {}),
         "qkv, traced": (table(2048, 1536), 2048, 1536, qkv, dict(TRACE=True)),
     }
     return {name: kr.resources(cfg, {**kr.constexprs(cfg, N, K, **fusion), **extra})
@@ -556,7 +533,7 @@ def compile_decode_kernels_for_hopper() -> dict:
 
 def test_decode_kernels_compile_for_hopper_without_spills():
     """The H200's compiler sees what the interpreter does not (types, registers): every table config
-    of the 1.5B decode layer, the k_chains tiles and the traced kernel compile for sm_90, and none
+    of the 1.5B decode layer and the traced kernel compile for sm_90, and none
     of them spills registers to local memory (a spill there costs every decode step)."""
     import json
     import os
@@ -570,6 +547,21 @@ def test_decode_kernels_compile_for_hopper_without_spills():
                           env={**os.environ, "TRITON_INTERPRET": "0"}, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     resources = json.loads(done.stdout.strip().splitlines()[-1])
-    assert len(resources) == 7
+    assert len(resources) == 5
     for name, used in resources.items():
         assert used["spill_stack_bytes"] == 0, f"{name} spills: {used}"
+
+
+def test_bench_specs_name_the_configs_they_mean():
+    """bench/step_sweep.py and bench/ncu_linear.py read configs through bench.common.linear_config:
+    positional tile fields, then named SmallLinearConfig fields, or a gemv."""
+    from bench.common import linear_config
+    from kernels.small_matmul.triton_kernel import SmallLinearConfig as C
+
+    assert linear_config("16,128,1,4") == C(16, 128, 1, num_warps=4, num_stages=4, swap=True)
+    assert linear_config("64,128,8,3,2") == C(64, 128, 8, num_warps=4, num_stages=3, swap=True, preload=2)
+    assert linear_config("16,128,1,4,num_warps:8") == C(16, 128, 1, num_warps=8, num_stages=4, swap=True)
+    assert linear_config("gemv,8") == C(8, 128, 1, num_warps=4, gemv=True)
+    assert linear_config("gemv,8,8") == C(8, 128, 1, num_warps=8, gemv=True)
+    with pytest.raises(TypeError):
+        linear_config("16,128,1,4,no_such_field:1")

@@ -42,6 +42,7 @@ def last_replay(recorder: _trace.Recorder) -> list[tuple[_trace.Launch, torch.Te
     """The launches of the graph replayed last, in launch order, each with its rows [programs, 4]
     (ns from the step's first start): the captured runs of launches, the one that ended last."""
     rows = recorder.rows.cpu()
+    of = lambda launch: rows[launch.first_row:launch.first_row + launch.programs]  # noqa: E731
     runs, run = [], []
     for launch in recorder.launches:
         if launch.captured:
@@ -51,14 +52,14 @@ def last_replay(recorder: _trace.Recorder) -> list[tuple[_trace.Launch, torch.Te
             run = []
     if run:
         runs.append(run)
-    written = [r for r in runs if all(rows[l.first_row:l.first_row + l.programs, START].ne(0).all() for l in r)]
+    written = [r for r in runs if all(of(launch)[:, START].ne(0).all() for launch in r)]
     if not written:
         raise SystemExit("no captured launch wrote its rows: was a graph replayed with the recorder open?")
-    run = max(written, key=lambda r: int(rows[r[-1].first_row:r[-1].first_row + r[-1].programs, END].max()))
-    t0 = min(int(rows[l.first_row:l.first_row + l.programs, START].min()) for l in run)
+    run = max(written, key=lambda r: int(of(r[-1])[:, END].max()))
+    t0 = min(int(of(launch)[:, START].min()) for launch in run)
     out = []
     for launch in run:
-        block = rows[launch.first_row:launch.first_row + launch.programs].clone()
+        block = of(launch).clone()
         block[:, :3] -= t0
         out.append((launch, block))
     return out

@@ -16,6 +16,7 @@ TRACE=False, which removes every mark (no register, no store), and get a dummy p
 """
 from __future__ import annotations
 
+import math
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -74,10 +75,7 @@ def trace_args(label: str, grid: tuple[int, ...], dummy: torch.Tensor) -> dict:
     recorder, or `dummy` (any tensor of the call) and TRACE=False when there is none."""
     if _ACTIVE is None:
         return dict(Trace=dummy, trace_row=0, TRACE=False)
-    programs = 1
-    for n in grid:
-        programs *= n
-    return dict(Trace=_ACTIVE.rows, trace_row=_ACTIVE.reserve(label, programs), TRACE=True)
+    return dict(Trace=_ACTIVE.rows, trace_row=_ACTIVE.reserve(label, math.prod(grid)), TRACE=True)
 
 
 @triton.jit

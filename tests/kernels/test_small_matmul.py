@@ -565,3 +565,24 @@ def test_bench_specs_name_the_configs_they_mean():
     assert linear_config("gemv,8,8") == C(8, 128, 1, num_warps=8, gemv=True)
     with pytest.raises(TypeError):
         linear_config("16,128,1,4,no_such_field:1")
+
+
+@needs_triton
+def test_tma_probe_loads_the_same_tiles_both_ways():
+    """bench/tma_probe.py's k loop gives the same result with pointer loads (cp.async) and with a
+    tensor descriptor (TMA on sm_90), and the product of x and W^T; float32 on the CPU (the
+    interpreter multiplies bf16 tiles as integers), bf16 compiled on CUDA."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    from bench.tma_probe import _tile_gemv
+
+    dtype = torch.bfloat16 if torch.device(DEVICE).type == "cuda" else torch.float32
+    x, w, _ = make(1, 64, 512, dtype)
+    outs = []
+    for tma in (False, True):
+        out = torch.empty(1, 64, dtype=torch.float32, device=DEVICE)
+        _tile_gemv[(64 // 16,)](x, w, TensorDescriptor.from_tensor(w, [16, 128]), out, 1, 64, K=512, BLOCK_N=16,
+                                BLOCK_K=128, TMA=tma, STAGES=2, USE_PDL=False)
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
+    assert rel_err(outs[0], x.float() @ w.float().T) < REL_ERR[dtype]

@@ -586,3 +586,23 @@ def test_tma_probe_loads_the_same_tiles_both_ways():
         outs.append(out)
     assert torch.equal(outs[0], outs[1])
     assert rel_err(outs[0], x.float() @ w.float().T) < REL_ERR[dtype]
+
+
+@needs_triton
+def test_overlap_probe_staged_tiles_change_no_bits():
+    """bench/overlap_probe.py's gate_up: with the flag already at the epoch its spin ends at once;
+    the first PRE weight tiles loaded before the spin give the same sums as none, and the product
+    of x and W^T (float32 on the CPU, bf16 compiled on CUDA)."""
+    from bench.overlap_probe import _staged_linear
+
+    dtype = torch.bfloat16 if torch.device(DEVICE).type == "cuda" else torch.float32
+    x, w, _ = make(1, 256, 512, dtype)
+    flag = torch.full((1,), 3, dtype=torch.int32, device=DEVICE)
+    epoch = torch.full((1,), 3, dtype=torch.int32, device=DEVICE)
+    outs = []
+    for pre in (0, 4):
+        out = torch.empty(256, dtype=torch.float32, device=DEVICE)
+        _staged_linear[(256 // 128,)](x, w, out, flag, epoch, torch.zeros(1, dtype=torch.int32, device=DEVICE), 256, K=512, BLOCK_N=128, BLOCK_K=64, PRE=pre, STAGES=2)
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
+    assert rel_err(outs[0], (x.float() @ w.float().T).squeeze(0)) < REL_ERR[dtype]

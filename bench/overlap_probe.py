@@ -20,8 +20,8 @@ and fetching during the chain. overlap - serial is what the overlap saves (negat
 PRE = 0 separates the cost of resident spinning programs from the gain of early tiles. The chain
 alone and gate_up alone (serial) are timed too.
 
-A spinning kernel must fit in one wave: programs of it still waiting for a slot hold back the
-chain's launches, and the resident ones then spin forever (tile_preloads). The spin gives up after
+A spinning kernel must fit in one wave: when some of its programs still wait for a slot, the
+chain's launches never run, and the resident ones then spin forever (tile_preloads). The spin gives up after
 MAX_SPINS polls and counts the programs that did, so a variant that deadlocks ends with a count.
 """
 from __future__ import annotations
@@ -103,15 +103,17 @@ CHAIN = [(2048, SmallLinearConfig(16, 128, 1, num_warps=4, num_stages=4)),   # q
          (512, SmallLinearConfig(16, 128, 1, num_warps=4, num_stages=4)),
          (1536, SmallLinearConfig(16, 128, 1, num_warps=4, num_stages=4))]   # o as tiles (56 registers)
 TILES = [(128, 64, 4, 4), (128, 128, 8, 3)]    # gate_up (block_n, block_k, warps, stages)
+COPIES = 8                                     # weight sets cycled by replays: 8 x 70 MB, past the L2
 
 
 def tile_preloads(tile) -> tuple[int, ...]:
-    """PRE values probed for a tile. 128x128 on 8 warps with 4 preloaded tiles needs 147 KB of
-    shared memory, one program per SM: 8 of its 140 programs wait for a slot, and the chain's
-    launches queue behind them, so its resident programs spin until MAX_SPINS (measured: 1152
-    give-ups in one timing; PRE = 2 the same). Only its PRE = 0 is probed."""
+    """PRE values probed for a tile. 128x128 on 8 warps takes 108 KB of shared memory at PRE = 0
+    (two programs per SM, all 140 resident) but 144 KB at PRE = 2 or 4 (compiled for sm_90): one
+    program per SM, so 8 of its 140 programs wait for a slot; the chain's launches then never run
+    (they seem to queue behind those 8), and the resident programs spin until MAX_SPINS (H200: 1152 give-ups in one timing at
+    PRE = 2 and at PRE = 4). Only its PRE = 0 is probed."""
     return (0, 2, 4) if tile[2] == 4 else (0,)
-COPIES = 8                                     # weight sets cycled by replays: 8 x 70 MB, past the L2
+
 
 
 def main() -> None:

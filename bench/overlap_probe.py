@@ -23,6 +23,9 @@ alone and gate_up alone (serial) are timed too.
 A spinning kernel must fit in one wave: when some of its programs still wait for a slot, the
 chain's launches never run, and the resident ones then spin forever (tile_preloads). The spin gives up after
 MAX_SPINS polls and counts the programs that did, so a variant that deadlocks ends with a count.
+
+H200, stop 16: overlap saved at most 0.9 us against the same kernel serial and never beat the
+plain serial kernel (PRE = 0); kernels/small_matmul/NOTES.md, "Stop 16".
 """
 from __future__ import annotations
 

@@ -12,6 +12,9 @@ on its own weight copy so that every call streams from HBM. It prints us per cal
 bytes over that time, and small_linear (its table config, and for qkv a few other tiles) on the
 same chain for reference.
 Both loads give the same tile values, so the same tl.dot gives the same bits (checked per row).
+
+H200, stop 16: TMA 0.5-1.2 us slower per call on Qwen2.5-1.5B's qkv and o (4-8 KB tiles), within
+2% on gate_up (kernels/small_matmul/NOTES.md, "Stop 16"). small_linear keeps cp.async.
 """
 from __future__ import annotations
 

@@ -19,6 +19,10 @@ A variant is space-separated settings, "table" for none:
     python bench/step_sweep.py --shapes qwen2.5-1.5b --variants "table;BATCHD_EARLY_READS=0;table"
     python bench/step_sweep.py --shapes qwen2.5-1.5b --prompt 32768 --variants "table;BATCHD_PDL_TRIGGER=linear:2"
     python bench/step_sweep.py --shapes qwen2.5-1.5b,llama-3-8b --variants "table;preload=0;preload=4@100"
+    python bench/step_sweep.py --shapes qwen2.5-1.5b --variants "table;1536,8960=64,128,10,3,2" --rounds 3
+
+Differences of 1-2% need --rounds 3 or more: the first run of a process reads fast (run_order),
+which is why one warm-up run of the first variant precedes the timed ones by default.
 """
 from __future__ import annotations
 
@@ -83,12 +87,35 @@ def apply_variant(spec: str, tuned: dict) -> None:
         triton_kernel.TUNED[(n, k, 2)] = linear_config(values)
 
 
+def run_order(variants: list[str], rounds: int, warmup: int) -> list[tuple[str, bool]]:
+    """(variant, timed) in run order: `warmup` untimed runs of the first variant, then the whole
+    list `rounds` times over, interleaved (A B C A B C ...). The first run in a process reads about
+    1.5% fast whatever its variant (stop 16: the table's first run 835-842 tok/s, its later runs
+    820-829 in the same call), so a variant compared with that run looks slower than it is."""
+    return [(variants[0], False)] * warmup + [(v, True) for _ in range(rounds) for v in variants]
+
+
+def medians(rows: list[dict]) -> list[dict]:
+    """One row per (shape, variant): the median decode tok/s over its timed runs, in first-seen order."""
+    groups: dict[tuple[str, str], list[dict]] = {}
+    for row in rows:
+        groups.setdefault((row["shape"], row["variant"]), []).append(row)
+    out = []
+    for (shape, variant), runs in groups.items():
+        speeds = sorted(r["decode tok/s"] for r in runs)
+        out.append({"shape": shape, "variant": variant, "runs": len(runs), "median tok/s": speeds[len(speeds) // 2],
+                    "min": speeds[0], "max": speeds[-1]})
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", default="qwen2.5-1.5b")
     parser.add_argument("--variants", default="table", help="variants separated by ';'")
     parser.add_argument("--prompt", type=int, default=512)
     parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--rounds", type=int, default=1, help="run the variant list this many times, interleaved")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed runs of the first variant first (run_order)")
     args = parser.parse_args()
     bandwidth = copy_bandwidth()
     tuned = dict(triton_kernel.TUNED)
@@ -99,22 +126,27 @@ def main() -> None:
         prompt = torch.randint(0, config.vocab_size, (args.prompt,), generator=torch.Generator().manual_seed(0)).tolist()
         roofline = bandwidth / (weight_bytes_per_token(model) + kv_bytes_per_token(config, args.prompt + args.new_tokens / 2))
         base_ids = None
-        for spec in args.variants.split(";"):
+        for spec, timed in run_order(args.variants.split(";"), args.rounds, args.warmup):
             apply_variant(spec, tuned)
             engine = Engine(model, None, max_context=args.prompt + args.new_tokens + 16, eos_ids=set())
             out, tok_s = time_ours(engine, prompt, args.new_tokens)
+            del engine
+            gc.collect()
+            if not timed:
+                print(f"warm-up run of {spec!r}: {tok_s:.0f} tok/s, not reported", flush=True)
+                continue
             base_ids = base_ids or out.token_ids
             rows.append({"shape": name, "context": args.prompt, "variant": spec, "decode tok/s": tok_s,
                          "of roofline": tok_s / roofline, "same ids": out.token_ids == base_ids})
             print(rows[-1], flush=True)
-            del engine
-            gc.collect()
         del model
         gc.collect()
         torch.cuda.empty_cache()
     apply_variant("table", tuned)
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s")
     print_table(rows)
+    if args.rounds > 1:
+        print_table(medians(rows))
 
 
 if __name__ == "__main__":

@@ -95,14 +95,15 @@ class SmallLinearConfig:
 # entries and Llama-3-8B's down were then re-chosen on whole decode steps, where launches overlap
 # (`bench/step_sweep.py` N,K= specs): a kernel's best config alone is not its best in a step (1.5B
 # down: 11 splits alone, 8 with preload in steps, 703 -> 747 tok/s). Every variant tried and its
-# tok/s: NOTES.md, "Stop 10". Qwen2.5-1.5B's qkv moved to 16x256 tiles in stop 16 (interleaved whole
-# steps, 828 against 820 tok/s; NOTES.md "Stop 16"). Key: (N, K, element size in bytes).
+# tok/s: NOTES.md, "Stop 10". Stop 16 re-measured on interleaved whole steps (the first run of a
+# process reads fast, which had hidden both): Qwen2.5-1.5B's qkv in 16x256 tiles (828 against 820
+# tok/s) and its down in 10 splits (840 against 829); NOTES.md "Stop 16". Key: (N, K, element size).
 TUNED: dict[tuple[int, int, int], SmallLinearConfig] = {
     # Qwen2.5-1.5B
     (2048, 1536, 2): SmallLinearConfig(16, 256, 1, num_warps=4, num_stages=4, swap=True),      # qkv (stop 16)
     (1536, 1536, 2): SmallLinearConfig(8, 128, 1, num_warps=4, gemv=True),                     # o (stop 13)
     (17920, 1536, 2): SmallLinearConfig(128, 128, 1, num_warps=4, num_stages=3, swap=True),    # gate_up
-    (1536, 8960, 2): SmallLinearConfig(64, 128, 8, num_warps=4, num_stages=3, swap=True, preload=2),    # down
+    (1536, 8960, 2): SmallLinearConfig(64, 128, 10, num_warps=4, num_stages=3, swap=True, preload=2),   # down (stop 16)
     (151936, 1536, 2): SmallLinearConfig(64, 128, 1, num_warps=4, num_stages=3, swap=True),    # lm_head
     # Llama-3-8B
     (6144, 4096, 2): SmallLinearConfig(64, 128, 1, num_warps=4, num_stages=4, swap=True),      # qkv

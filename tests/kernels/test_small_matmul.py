@@ -606,3 +606,16 @@ def test_overlap_probe_staged_tiles_change_no_bits():
         outs.append(out)
     assert torch.equal(outs[0], outs[1])
     assert rel_err(outs[0], (x.float() @ w.float().T).squeeze(0)) < REL_ERR[dtype]
+
+
+def test_step_sweep_runs_variants_interleaved_after_a_warmup():
+    """bench/step_sweep.py: one untimed run of the first variant (a process's first run reads fast),
+    then the list `rounds` times over, interleaved; the medians table groups the timed runs."""
+    from bench.step_sweep import medians, run_order
+
+    assert run_order(["table", "x"], 2, 1) == [("table", False), ("table", True), ("x", True), ("table", True),
+                                               ("x", True)]
+    assert run_order(["table"], 1, 0) == [("table", True)]
+    rows = [dict(shape="s", variant=v, **{"decode tok/s": t}) for v, t in (("a", 3), ("b", 1), ("a", 5), ("a", 4))]
+    assert medians(rows) == [dict(shape="s", variant="a", runs=3, **{"median tok/s": 4, "min": 3, "max": 5}),
+                             dict(shape="s", variant="b", runs=1, **{"median tok/s": 1, "min": 1, "max": 1})]

@@ -78,20 +78,11 @@ def time_transformers(hf, prompt: list[int], new_tokens: int) -> float:
     return (new_tokens - 1) / (time.perf_counter() - start - prefill)
 
 
-def bench_shape(name: str, args, bandwidth: float, warmup: bool = False) -> list[dict]:
+def bench_shape(name: str, args, bandwidth: float) -> list[dict]:
     config = preset(name)
     hf = reference_model(config) if args.hf else None
     tensors = dict(hf.state_dict()) if hf is not None else None
     model = build_model(config, "cuda", torch.bfloat16, tensors=tensors)
-    if warmup:
-        # The first engine timed in a process reads about 1.5% fast (bench/step_sweep.py, run_order):
-        # one untimed engine at the first context takes that run.
-        engine = Engine(model, None, max_context=args.prompt + args.new_tokens + 16, eos_ids=set())
-        prompt = torch.randint(0, config.vocab_size, (args.prompt,), generator=torch.Generator().manual_seed(0)).tolist()
-        time_ours(engine, prompt, args.new_tokens)
-        del engine
-        gc.collect()
-        torch.cuda.empty_cache()
     rows = []
     contexts = [args.prompt] + ([args.long] if args.long else [])
     for prompt_len in contexts:
@@ -139,8 +130,6 @@ def main() -> None:
     parser.add_argument("--no-hf", dest="hf", action="store_false")
     parser.add_argument("--no-fusion", dest="fusion", action="store_false")
     parser.add_argument("--compare-pdl", action="store_true", help="also time with BATCHD_PDL=0")
-    parser.add_argument("--no-warmup", dest="warmup", action="store_false",
-                        help="skip the untimed engine run before the first shape")
     args = parser.parse_args()
     torch.manual_seed(0)
     if args.fusion:
@@ -148,8 +137,8 @@ def main() -> None:
     bandwidth = copy_bandwidth()
     print(f"copy bandwidth (read + write): {bandwidth / 1e12:.2f} TB/s", flush=True)
     rows = []
-    for i, name in enumerate(args.shapes.split(",")):
-        rows += bench_shape(name, args, bandwidth, warmup=args.warmup and i == 0)
+    for name in args.shapes.split(","):
+        rows += bench_shape(name, args, bandwidth)
     print_table(rows)
 
 

@@ -661,9 +661,10 @@ def small_linear_triton(
         q_out = torch.empty(B, heads, T, head_dim, dtype=x.dtype, device=x.device)
         rope_args = (rope.cos, rope.sin, rope.positions, q_out, k_cache, rope.v_cache)
         rope_strides = (*q_out.stride()[:3], *k_cache.stride()[:3])
+        rope_heads = (heads, kv_heads, head_dim)
     else:
         rope_args, rope_strides = (out,) * 6, (0,) * 6
-        T, heads, kv_heads, head_dim = 1, 1, 1, 2
+        T, rope_heads = 1, None
     _small_linear_kernel[grid](
         x, weight, bias_arg, res_arg, out, part, row_sumsq if row_sumsq is not None else part,
         emit_norm_weight if emit else out, weighted, sumsq_out, *rope_args,
@@ -673,7 +674,7 @@ def small_linear_triton(
         **linear_constexprs(config, N, K, x.dtype, bias=bias is not None,
                             norm_parts=parts_in if row_sumsq is not None else 0, gated=gated,
                             residual=residual is not None, emit=emit, pdl=pdl, early=early,
-                            rope_heads=(heads, kv_heads, head_dim) if rope is not None else None),
+                            rope_heads=rope_heads),
         **trace_args(_linear_label(N, K, gated, rope is not None, splits, residual is not None), grid, out),
         num_warps=config.num_warps, num_stages=config.num_stages, **launch_options(pdl),
     )

@@ -599,10 +599,12 @@ def test_overlap_probe_staged_tiles_change_no_bits():
     x, w, _ = make(1, 256, 512, dtype)
     flag = torch.full((1,), 3, dtype=torch.int32, device=DEVICE)
     epoch = torch.full((1,), 3, dtype=torch.int32, device=DEVICE)
+    stuck = torch.zeros(1, dtype=torch.int32, device=DEVICE)
     outs = []
     for pre in (0, 4):
         out = torch.empty(256, dtype=torch.float32, device=DEVICE)
-        _staged_linear[(256 // 128,)](x, w, out, flag, epoch, torch.zeros(1, dtype=torch.int32, device=DEVICE), 256, K=512, BLOCK_N=128, BLOCK_K=64, PRE=pre, STAGES=2)
+        _staged_linear[(256 // 128,)](x, w, out, flag, epoch, stuck, 256, K=512, BLOCK_N=128, BLOCK_K=64, PRE=pre,
+                                      STAGES=2)
         outs.append(out)
     assert torch.equal(outs[0], outs[1])
     assert rel_err(outs[0], (x.float() @ w.float().T).squeeze(0)) < REL_ERR[dtype]

@@ -14,12 +14,17 @@ A variant is space-separated settings, "table" for none:
   reduce=BLOCK                    columns per program of small_linear's split-K reduce (REDUCE_BLOCK)
   attnG=bn,warps,stages,fit       replaces decode attention's tile for query-head group size G
                                   (kernels.decode_attention.triton_kernel.DecodeTile; warps 0: auto)
+  skip=merge|reduce               a what-if, not a config: the step runs without that launch (the
+                                  attention merge; small_linear's split-K reduce), its consumer reading
+                                  whatever the buffer holds. The ids are garbage; the tok/s bounds what
+                                  folding that launch into its neighbour could gain at best
 
     python bench/step_sweep.py --shapes qwen2.5-1.5b --variants "table;BATCHD_PDL_TRIGGER=2;2048,1536=16,512,1,4,3"
     python bench/step_sweep.py --shapes qwen2.5-1.5b --variants "table;BATCHD_EARLY_READS=0;table"
     python bench/step_sweep.py --shapes qwen2.5-1.5b --prompt 32768 --variants "table;BATCHD_PDL_TRIGGER=linear:2"
     python bench/step_sweep.py --shapes qwen2.5-1.5b,llama-3-8b --variants "table;preload=0;preload=4@100"
     python bench/step_sweep.py --shapes qwen2.5-1.5b --variants "table;1536,8960=64,128,10,3,2" --rounds 3
+    python bench/step_sweep.py --shapes qwen2.5-1.5b --variants "table;skip=merge;skip=reduce;skip=merge skip=reduce" --rounds 3
 
 Differences of 1-2% need --rounds 3 or more: the first run of a process reads fast (run_order),
 which is why one warm-up run of the first variant precedes the timed ones by default.
@@ -49,6 +54,24 @@ REDUCE_BLOCK = triton_kernel.REDUCE_BLOCK
 
 
 SWITCHES = ("BATCHD_PDL_TRIGGER", "BATCHD_EARLY_READS", "BATCHD_PDL")
+MERGE_SPLITS = attention_kernel.merge_splits
+REDUCE_KERNEL = triton_kernel._reduce_splits_kernel
+
+
+class _SkippedLaunch:
+    """Stands in for a Triton kernel: `kernel[grid](...)` launches nothing (skip=reduce)."""
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: None
+
+
+def skip_launch(name: str) -> None:
+    if name == "merge":
+        attention_kernel.merge_splits = lambda o_part, l_part, out, *args, **kwargs: out
+    elif name == "reduce":
+        triton_kernel._reduce_splits_kernel = _SkippedLaunch()
+    else:
+        raise SystemExit(f"skip={name}: merge or reduce")
 
 
 def apply_variant(spec: str, tuned: dict) -> None:
@@ -60,6 +83,8 @@ def apply_variant(spec: str, tuned: dict) -> None:
     attention_kernel.TUNED_TILES.clear()
     attention_kernel.TUNED_TILES.update(TILES)
     triton_kernel.REDUCE_BLOCK = REDUCE_BLOCK
+    attention_kernel.merge_splits = MERGE_SPLITS
+    triton_kernel._reduce_splits_kernel = REDUCE_KERNEL
     for item in spec.split():
         if item == "table":
             continue
@@ -75,6 +100,9 @@ def apply_variant(spec: str, tuned: dict) -> None:
             triton_kernel.TUNED.update({
                 (n, k, size): dataclasses.replace(cfg, preload=int(depth) if n * k * size >= float(min_mb or 0) * 1e6 else 0)
                 for (n, k, size), cfg in tuned.items()})
+            continue
+        if shape == "skip":
+            skip_launch(values)
             continue
         if shape == "reduce":
             triton_kernel.REDUCE_BLOCK = int(values)

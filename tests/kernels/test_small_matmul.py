@@ -621,3 +621,24 @@ def test_step_sweep_runs_variants_interleaved_after_a_warmup():
     rows = [dict(shape="s", variant=v, **{"decode tok/s": t}) for v, t in (("a", 3), ("b", 1), ("a", 5), ("a", 4))]
     assert medians(rows) == [dict(shape="s", variant="a", runs=3, **{"median tok/s": 4, "min": 3, "max": 5}),
                              dict(shape="s", variant="b", runs=1, **{"median tok/s": 1, "min": 1, "max": 1})]
+
+
+def test_step_sweep_skip_drops_the_launch_until_the_next_variant():
+    """bench/step_sweep.py skip=merge / skip=reduce: the attention merge returns its output buffer
+    untouched and the split-K reduce launches nothing; the next variant puts both back."""
+    from bench import step_sweep
+    from kernels.decode_attention import triton_kernel as attention_kernel
+    from kernels.small_matmul import triton_kernel
+
+    tuned = dict(triton_kernel.TUNED)
+    try:
+        step_sweep.apply_variant("skip=merge skip=reduce", tuned)
+        out = torch.full((2,), 7.0)
+        assert attention_kernel.merge_splits(None, None, out, None, block_n=32, splits_from_seq_len=True) is out
+        assert triton_kernel._reduce_splits_kernel[(1, 1)](out, SPLITS=2) is None
+        with pytest.raises(SystemExit, match="merge or reduce"):
+            step_sweep.apply_variant("skip=split", tuned)
+    finally:
+        step_sweep.apply_variant("table", tuned)
+    assert attention_kernel.merge_splits is step_sweep.MERGE_SPLITS
+    assert triton_kernel._reduce_splits_kernel is step_sweep.REDUCE_KERNEL

@@ -14,6 +14,8 @@ A variant is space-separated settings, "table" for none:
   reduce=BLOCK                    columns per program of small_linear's split-K reduce (REDUCE_BLOCK)
   attnG=bn,warps,stages,fit       replaces decode attention's tile for query-head group size G
                                   (kernels.decode_attention.triton_kernel.DecodeTile; warps 0: auto)
+  attn_splits=N                   at most N key splits per decode attention call (the default caps
+                                  at 128: kernels.decode_attention.triton_kernel.default_num_splits)
   skip=merge|reduce               a what-if, not a config: the step runs without that launch (the
                                   attention merge; small_linear's split-K reduce), its consumer reading
                                   whatever the buffer holds. The ids are garbage; the tok/s bounds what
@@ -39,6 +41,7 @@ import sys
 from pathlib import Path
 
 import torch
+import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -55,6 +58,7 @@ REDUCE_BLOCK = triton_kernel.REDUCE_BLOCK
 
 SWITCHES = ("BATCHD_PDL_TRIGGER", "BATCHD_EARLY_READS", "BATCHD_PDL")
 MERGE_SPLITS = attention_kernel.merge_splits
+DEFAULT_NUM_SPLITS = attention_kernel.default_num_splits
 REDUCE_KERNEL = triton_kernel._reduce_splits_kernel
 
 
@@ -84,6 +88,7 @@ def apply_variant(spec: str, tuned: dict) -> None:
     attention_kernel.TUNED_TILES.update(TILES)
     triton_kernel.REDUCE_BLOCK = REDUCE_BLOCK
     attention_kernel.merge_splits = MERGE_SPLITS
+    attention_kernel.default_num_splits = DEFAULT_NUM_SPLITS
     triton_kernel._reduce_splits_kernel = REDUCE_KERNEL
     for item in spec.split():
         if item == "table":
@@ -100,6 +105,11 @@ def apply_variant(spec: str, tuned: dict) -> None:
             triton_kernel.TUNED.update({
                 (n, k, size): dataclasses.replace(cfg, preload=int(depth) if n * k * size >= float(min_mb or 0) * 1e6 else 0)
                 for (n, k, size), cfg in tuned.items()})
+            continue
+        if shape == "attn_splits":
+            cap = int(values)
+            attention_kernel.default_num_splits = lambda batch_heads, max_len, block_n, device: max(
+                1, min(cap, triton.cdiv(max_len, block_n)))
             continue
         if shape == "skip":
             skip_launch(values)

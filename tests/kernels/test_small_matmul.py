@@ -625,14 +625,17 @@ def test_step_sweep_runs_variants_interleaved_after_a_warmup():
 
 def test_step_sweep_skip_drops_the_launch_until_the_next_variant():
     """bench/step_sweep.py skip=merge / skip=reduce: the attention merge returns its output buffer
-    untouched and the split-K reduce launches nothing; the next variant puts both back."""
+    untouched and the split-K reduce launches nothing; attn_splits=N caps the attention's splits at
+    N instead of 128; the next variant puts all three back."""
     from bench import step_sweep
     from kernels.decode_attention import triton_kernel as attention_kernel
     from kernels.small_matmul import triton_kernel
 
     tuned = dict(triton_kernel.TUNED)
     try:
-        step_sweep.apply_variant("skip=merge skip=reduce", tuned)
+        step_sweep.apply_variant("skip=merge skip=reduce attn_splits=200", tuned)
+        assert attention_kernel.default_num_splits(2, 32768, 32, None) == 200
+        assert attention_kernel.default_num_splits(2, 784, 32, None) == 25       # never more than key blocks
         out = torch.full((2,), 7.0)
         assert attention_kernel.merge_splits(None, None, out, None, block_n=32, splits_from_seq_len=True) is out
         assert triton_kernel._reduce_splits_kernel[(1, 1)](out, SPLITS=2) is None
@@ -642,3 +645,4 @@ def test_step_sweep_skip_drops_the_launch_until_the_next_variant():
         step_sweep.apply_variant("table", tuned)
     assert attention_kernel.merge_splits is step_sweep.MERGE_SPLITS
     assert triton_kernel._reduce_splits_kernel is step_sweep.REDUCE_KERNEL
+    assert attention_kernel.default_num_splits is step_sweep.DEFAULT_NUM_SPLITS

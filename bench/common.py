@@ -73,15 +73,16 @@ def fmt(v) -> str:
 
 def linear_config(values: str):
     """A kernels.small_matmul config from a bench spec's right-hand side:
-    `bn,bk,splits,stages[,preload]` then any `field:value` of SmallLinearConfig (`num_warps:8`), or
-    `gemv,rows[,warps]`."""
+    `bn,bk,splits,stages[,preload]` or `gemv,rows[,warps]`, then any `field:value` of
+    SmallLinearConfig (`num_warps:8`, `trigger:2`)."""
     from kernels.small_matmul.triton_kernel import SmallLinearConfig
 
     items = values.split(",")
-    if items[0] == "gemv":
-        rows, warps = (*(int(v) for v in items[1:]), 4)[:2]
-        return SmallLinearConfig(rows, 128, 1, num_warps=warps, gemv=True)
     named = dict(item.split(":") for item in items if ":" in item)
+    if items[0] == "gemv":
+        rows, warps = (*(int(v) for v in items[1:] if ":" not in v), 4)[:2]
+        return SmallLinearConfig(rows, 128, 1, num_warps=warps, gemv=True,
+                                 **{name: int(value) for name, value in named.items()})
     bn, bk, splits, stages, *extra = (int(v) for v in items if ":" not in v)
     fields = dict(num_warps=4, num_stages=stages, swap=True, preload=extra[0] if extra else 0)
     fields.update({name: int(value) for name, value in named.items()})

@@ -62,6 +62,8 @@ class SmallLinearConfig:
     swap: bool = True
     preload: int = 0       # k steps of weight tiles requested before griddepcontrol.wait (0..4)
     gemv: bool = False     # block_n whole weight rows per program on the CUDA cores (see _gemv_rows)
+    trigger: int | None = None   # this weight's PDL trigger point, 1 or 2 (kernels._pdl); None: the
+                                 # "linear" knob's (kernels._backend.pdl_trigger_point)
 
     def preload_steps(self, K: int) -> int:
         """`preload`, capped by the k steps of the shortest (last) split (0 for a gemv: its rows are
@@ -596,11 +598,14 @@ def linear_constexprs(config: SmallLinearConfig, N: int, K: int, dtype: torch.dt
     split = config.effective_splits(K) > 1
     out_n = config.block_n // 2 if gated else config.block_n
     heads, kv_heads, head_dim = rope_heads or (1, 1, 2)
+    trigger = pdl_trigger_point("linear") if config.trigger is None else config.trigger
+    if config.trigger not in (None, 1, 2):   # 0 would run launches two deep under the early reads
+        raise ValueError(f"a config's trigger point is 1 or 2 (kernels._pdl), got {config.trigger}")
     return dict(
         HAS_BIAS=bias, SPLIT=split, SWAP=config.swap, EVEN_N=N % out_n == 0, EVEN_K=K % config.block_k == 0,
         UPCAST_DOT=upcast, DOT_PRECISION=precision, SCALE_ROWS=norm_parts > 0,
         PARTS_P2=triton.next_power_of_2(max(1, norm_parts)), GATED=gated, RESIDUAL=residual,
-        EMIT_NORM=emit and not split, USE_PDL=pdl, TRIGGER=pdl_trigger_point("linear"),
+        EMIT_NORM=emit and not split, USE_PDL=pdl, TRIGGER=trigger,
         PRELOAD=config.preload_steps(K), EARLY=early, ROPE=rope_heads is not None, HQ=heads, HKV=kv_heads,
         HEAD_DIM=head_dim, GEMV=config.gemv, K_P2=triton.next_power_of_2(K) if config.gemv else 1,
         BLOCK_M=BLOCK_M, BLOCK_N=config.block_n, BLOCK_K=config.block_k)

@@ -563,6 +563,8 @@ def test_bench_specs_name_the_configs_they_mean():
     assert linear_config("16,128,1,4,num_warps:8") == C(16, 128, 1, num_warps=8, num_stages=4, swap=True)
     assert linear_config("gemv,8") == C(8, 128, 1, num_warps=4, gemv=True)
     assert linear_config("gemv,8,8") == C(8, 128, 1, num_warps=8, gemv=True)
+    assert linear_config("gemv,8,trigger:2") == C(8, 128, 1, num_warps=4, gemv=True, trigger=2)
+    assert linear_config("16,128,1,4,trigger:2") == C(16, 128, 1, num_warps=4, num_stages=4, swap=True, trigger=2)
     with pytest.raises(TypeError):
         linear_config("16,128,1,4,no_such_field:1")
 
@@ -646,3 +648,23 @@ def test_step_sweep_skip_drops_the_launch_until_the_next_variant():
     assert attention_kernel.merge_splits is step_sweep.MERGE_SPLITS
     assert triton_kernel._reduce_splits_kernel is step_sweep.REDUCE_KERNEL
     assert attention_kernel.default_num_splits is step_sweep.DEFAULT_NUM_SPLITS
+
+
+def test_a_config_trigger_overrides_the_linear_knob_for_that_weight_only(monkeypatch):
+    """SmallLinearConfig.trigger sets one weight's PDL trigger point (kernels._pdl); None keeps the
+    "linear" knob's; 0 is refused, as it would run launches two deep under the early reads."""
+    from kernels.small_matmul.triton_kernel import SmallLinearConfig as C
+    from kernels.small_matmul.triton_kernel import linear_constexprs
+
+    def trigger(config):
+        return linear_constexprs(config, 1536, 1536, torch.bfloat16, bias=False, norm_parts=0, gated=False,
+                                 residual=False, emit=False, pdl=True, early=True, rope_heads=None)["TRIGGER"]
+
+    monkeypatch.delenv("BATCHD_PDL_TRIGGER", raising=False)
+    assert trigger(C(8, 128, 1, gemv=True)) == 1
+    assert trigger(C(8, 128, 1, gemv=True, trigger=2)) == 2
+    monkeypatch.setenv("BATCHD_PDL_TRIGGER", "linear:2")
+    assert trigger(C(8, 128, 1, gemv=True)) == 2
+    assert trigger(C(8, 128, 1, gemv=True, trigger=1)) == 1
+    with pytest.raises(ValueError, match="1 or 2"):
+        trigger(C(8, 128, 1, gemv=True, trigger=0))

@@ -16,6 +16,9 @@ A variant is space-separated settings, "table" for none:
                                   (kernels.decode_attention.triton_kernel.DecodeTile; warps 0: auto)
   attn_splits=N                   at most N key splits per decode attention call (the default caps
                                   at 128: kernels.decode_attention.triton_kernel.default_num_splits)
+  l2side=COLS,PROGRAMS,STEP_NS     a probe (bench/l2_side_prefetch.py): each layer's gate_up rows'
+                                  first COLS columns asked of the L2 from a second stream during the
+                                  attention half, PROGRAMS programs, one row per thread every STEP_NS
   skip=merge|reduce               a what-if, not a config: the step runs without that launch (the
                                   attention merge; small_linear's split-K reduce), its consumer reading
                                   whatever the buffer holds. The ids are garbage; the tok/s bounds what
@@ -45,6 +48,7 @@ import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench import l2_side_prefetch  # noqa: E402
 from bench.common import copy_bandwidth, linear_config, print_table  # noqa: E402
 from bench.decode import kv_bytes_per_token, time_ours, weight_bytes_per_token  # noqa: E402
 from engine.presets import preset  # noqa: E402
@@ -69,6 +73,9 @@ class _SkippedLaunch:
         return lambda *args, **kwargs: None
 
 
+SIDE_PREFETCH: list[l2_side_prefetch.SidePrefetch] = []     # the installed probe, if any
+
+
 def skip_launch(name: str) -> None:
     if name == "merge":
         attention_kernel.merge_splits = lambda o_part, l_part, out, *args, **kwargs: out
@@ -90,6 +97,8 @@ def apply_variant(spec: str, tuned: dict) -> None:
     attention_kernel.merge_splits = MERGE_SPLITS
     attention_kernel.default_num_splits = DEFAULT_NUM_SPLITS
     triton_kernel._reduce_splits_kernel = REDUCE_KERNEL
+    while SIDE_PREFETCH:
+        SIDE_PREFETCH.pop().uninstall()
     for item in spec.split():
         if item == "table":
             continue
@@ -110,6 +119,10 @@ def apply_variant(spec: str, tuned: dict) -> None:
             cap = int(values)
             attention_kernel.default_num_splits = lambda batch_heads, max_len, block_n, device: max(
                 1, min(cap, triton.cdiv(max_len, block_n)))
+            continue
+        if shape == "l2side":
+            SIDE_PREFETCH.append(l2_side_prefetch.parse(values))
+            SIDE_PREFETCH[-1].install()
             continue
         if shape == "skip":
             skip_launch(values)

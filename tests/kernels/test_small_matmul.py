@@ -628,14 +628,20 @@ def test_step_sweep_runs_variants_interleaved_after_a_warmup():
 def test_step_sweep_skip_drops_the_launch_until_the_next_variant():
     """bench/step_sweep.py skip=merge / skip=reduce: the attention merge returns its output buffer
     untouched and the split-K reduce launches nothing; attn_splits=N caps the attention's splits at
-    N instead of 128; the next variant puts all three back."""
+    N instead of 128; l2side installs bench/l2_side_prefetch.py's patches of engine.model; the next
+    variant puts all four back."""
     from bench import step_sweep
     from kernels.decode_attention import triton_kernel as attention_kernel
+    from engine import model as model_module
     from kernels.small_matmul import triton_kernel
 
     tuned = dict(triton_kernel.TUNED)
+    block_forward, forward_at = model_module.Block.forward, model_module.Transformer.forward_at
     try:
-        step_sweep.apply_variant("skip=merge skip=reduce attn_splits=200", tuned)
+        step_sweep.apply_variant("skip=merge skip=reduce attn_splits=200 l2side=256,16,1000", tuned)
+        probe = step_sweep.SIDE_PREFETCH[0]
+        assert (probe.cols, probe.programs, probe.step_ns) == (256, 16, 1000)
+        assert model_module.Block.forward is not block_forward
         assert attention_kernel.default_num_splits(2, 32768, 32, None) == 200
         assert attention_kernel.default_num_splits(2, 784, 32, None) == 25       # never more than key blocks
         out = torch.full((2,), 7.0)
@@ -648,6 +654,8 @@ def test_step_sweep_skip_drops_the_launch_until_the_next_variant():
     assert attention_kernel.merge_splits is step_sweep.MERGE_SPLITS
     assert triton_kernel._reduce_splits_kernel is step_sweep.REDUCE_KERNEL
     assert attention_kernel.default_num_splits is step_sweep.DEFAULT_NUM_SPLITS
+    assert model_module.Block.forward is block_forward and not step_sweep.SIDE_PREFETCH
+    assert model_module.Transformer.forward_at is forward_at
 
 
 def test_a_config_trigger_overrides_the_linear_knob_for_that_weight_only(monkeypatch):

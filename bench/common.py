@@ -78,12 +78,10 @@ def linear_config(values: str):
     from kernels.small_matmul.triton_kernel import SmallLinearConfig
 
     items = values.split(",")
-    named = dict(item.split(":") for item in items if ":" in item)
+    named = {name: int(value) for name, value in (item.split(":") for item in items if ":" in item)}
     if items[0] == "gemv":
         rows, warps = (*(int(v) for v in items[1:] if ":" not in v), 4)[:2]
-        return SmallLinearConfig(rows, 128, 1, num_warps=warps, gemv=True,
-                                 **{name: int(value) for name, value in named.items()})
+        return SmallLinearConfig(rows, 128, 1, num_warps=warps, gemv=True, **named)
     bn, bk, splits, stages, *extra = (int(v) for v in items if ":" not in v)
     fields = dict(num_warps=4, num_stages=stages, swap=True, preload=extra[0] if extra else 0)
-    fields.update({name: int(value) for name, value in named.items()})
-    return SmallLinearConfig(bn, bk, splits, **fields)
+    return SmallLinearConfig(bn, bk, splits, **{**fields, **named})

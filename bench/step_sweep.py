@@ -14,8 +14,8 @@ A variant is space-separated settings, "table" for none:
   reduce=BLOCK                    columns per program of small_linear's split-K reduce (REDUCE_BLOCK)
   attnG=bn,warps,stages,fit       replaces decode attention's tile for query-head group size G
                                   (kernels.decode_attention.triton_kernel.DecodeTile; warps 0: auto)
-  attn_splits=N                   at most N key splits per decode attention call (the default caps
-                                  at 128: kernels.decode_attention.triton_kernel.default_num_splits)
+  attn_splits=N                   at most N key splits per decode attention call instead of 128
+                                  (kernels.decode_attention.triton_kernel.MAX_SPLITS)
   l2side=COLS,PROGRAMS,STEP_NS     a probe (bench/l2_side_prefetch.py): each layer's gate_up rows'
                                   first COLS columns asked of the L2 from a second stream during the
                                   attention half, PROGRAMS programs, one row per thread every STEP_NS
@@ -44,7 +44,6 @@ import sys
 from pathlib import Path
 
 import torch
-import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -62,7 +61,7 @@ REDUCE_BLOCK = triton_kernel.REDUCE_BLOCK
 
 SWITCHES = ("BATCHD_PDL_TRIGGER", "BATCHD_EARLY_READS", "BATCHD_PDL")
 MERGE_SPLITS = attention_kernel.merge_splits
-DEFAULT_NUM_SPLITS = attention_kernel.default_num_splits
+MAX_SPLITS = attention_kernel.MAX_SPLITS
 REDUCE_KERNEL = triton_kernel._reduce_splits_kernel
 
 
@@ -95,7 +94,7 @@ def apply_variant(spec: str, tuned: dict) -> None:
     attention_kernel.TUNED_TILES.update(TILES)
     triton_kernel.REDUCE_BLOCK = REDUCE_BLOCK
     attention_kernel.merge_splits = MERGE_SPLITS
-    attention_kernel.default_num_splits = DEFAULT_NUM_SPLITS
+    attention_kernel.MAX_SPLITS = MAX_SPLITS
     triton_kernel._reduce_splits_kernel = REDUCE_KERNEL
     while SIDE_PREFETCH:
         SIDE_PREFETCH.pop().uninstall()
@@ -116,9 +115,7 @@ def apply_variant(spec: str, tuned: dict) -> None:
                 for (n, k, size), cfg in tuned.items()})
             continue
         if shape == "attn_splits":
-            cap = int(values)
-            attention_kernel.default_num_splits = lambda batch_heads, max_len, block_n, device: max(
-                1, min(cap, triton.cdiv(max_len, block_n)))
+            attention_kernel.MAX_SPLITS = int(values)
             continue
         if shape == "l2side":
             SIDE_PREFETCH.append(l2_side_prefetch.parse(values))

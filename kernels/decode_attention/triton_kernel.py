@@ -235,10 +235,16 @@ def dot_flags(dtype: torch.dtype) -> tuple[bool, str]:
     return interpreting() and dtype == torch.bfloat16, precision
 
 
+# At most this many key splits a call: at 32K rows of Qwen2.5-1.5B, 64, 96, 192 and 256 were all
+# slower in whole decode steps (NOTES.md "Stop 17"); past 128 the merge's split axis pads to 256.
+MAX_SPLITS = 128
+
+
 def default_num_splits(batch_heads: int, max_len: int, block_n: int, device: torch.device) -> int:
-    """Enough splits for about four programs per multiprocessor, never more than there are key blocks."""
+    """Enough splits for about four programs per multiprocessor, never more than there are key
+    blocks or MAX_SPLITS."""
     sms = multiprocessor_count(device)
-    return max(1, min(128, triton.cdiv(max_len, block_n), triton.cdiv(4 * sms, batch_heads)))
+    return max(1, min(MAX_SPLITS, triton.cdiv(max_len, block_n), triton.cdiv(4 * sms, batch_heads)))
 
 
 def merge_splits(o_part: torch.Tensor, l_part: torch.Tensor, out: torch.Tensor, seq_len: torch.Tensor,

@@ -65,6 +65,10 @@ class SmallLinearConfig:
     trigger: int | None = None   # this weight's PDL trigger point, 1 or 2 (kernels._pdl); None: the
                                  # "linear" knob's (kernels._backend.pdl_trigger_point)
 
+    def __post_init__(self):
+        if self.trigger not in (None, 1, 2):   # 0 would run launches two deep under the early reads
+            raise ValueError(f"a config's trigger point is 1 or 2 (kernels._pdl), got {self.trigger}")
+
     def preload_steps(self, K: int) -> int:
         """`preload`, capped by the k steps of the shortest (last) split (0 for a gemv: its rows are
         all loaded before the wait)."""
@@ -599,8 +603,6 @@ def linear_constexprs(config: SmallLinearConfig, N: int, K: int, dtype: torch.dt
     out_n = config.block_n // 2 if gated else config.block_n
     heads, kv_heads, head_dim = rope_heads or (1, 1, 2)
     trigger = pdl_trigger_point("linear") if config.trigger is None else config.trigger
-    if config.trigger not in (None, 1, 2):   # 0 would run launches two deep under the early reads
-        raise ValueError(f"a config's trigger point is 1 or 2 (kernels._pdl), got {config.trigger}")
     return dict(
         HAS_BIAS=bias, SPLIT=split, SWAP=config.swap, EVEN_N=N % out_n == 0, EVEN_K=K % config.block_k == 0,
         UPCAST_DOT=upcast, DOT_PRECISION=precision, SCALE_ROWS=norm_parts > 0,

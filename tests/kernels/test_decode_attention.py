@@ -171,3 +171,16 @@ def test_cuda_settled_rows_change_no_bits_at_qwen_shape(QR, monkeypatch):
         torch.cuda.synchronize()
         monkeypatch.setenv("BATCHD_EARLY_READS", "0")
         assert torch.equal(early, decode_attention(q, k, v, seq_len, settled=True)), f"seq_len {length}"
+
+
+def test_default_splits_stop_at_max_splits(monkeypatch):
+    """default_num_splits: four programs per multiprocessor, no more splits than key blocks, and
+    never more than MAX_SPLITS (what bench/step_sweep.py attn_splits=N sets)."""
+    from kernels.decode_attention import triton_kernel
+
+    cpu = torch.device("cpu")                      # counts as 4 multiprocessors
+    assert triton_kernel.MAX_SPLITS == 128
+    assert triton_kernel.default_num_splits(1, 32768, 32, cpu) == 16
+    assert triton_kernel.default_num_splits(1, 96, 32, cpu) == 3
+    monkeypatch.setattr(triton_kernel, "MAX_SPLITS", 5)
+    assert triton_kernel.default_num_splits(1, 32768, 32, cpu) == 5

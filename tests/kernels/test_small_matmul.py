@@ -642,8 +642,7 @@ def test_step_sweep_skip_drops_the_launch_until_the_next_variant():
         probe = step_sweep.SIDE_PREFETCH[0]
         assert (probe.cols, probe.programs, probe.step_ns) == (256, 16, 1000)
         assert model_module.Block.forward is not block_forward
-        assert attention_kernel.default_num_splits(2, 32768, 32, None) == 200
-        assert attention_kernel.default_num_splits(2, 784, 32, None) == 25       # never more than key blocks
+        assert attention_kernel.MAX_SPLITS == 200
         out = torch.full((2,), 7.0)
         assert attention_kernel.merge_splits(None, None, out, None, block_n=32, splits_from_seq_len=True) is out
         assert triton_kernel._reduce_splits_kernel[(1, 1)](out, SPLITS=2) is None
@@ -653,7 +652,7 @@ def test_step_sweep_skip_drops_the_launch_until_the_next_variant():
         step_sweep.apply_variant("table", tuned)
     assert attention_kernel.merge_splits is step_sweep.MERGE_SPLITS
     assert triton_kernel._reduce_splits_kernel is step_sweep.REDUCE_KERNEL
-    assert attention_kernel.default_num_splits is step_sweep.DEFAULT_NUM_SPLITS
+    assert attention_kernel.MAX_SPLITS == step_sweep.MAX_SPLITS == 128
     assert model_module.Block.forward is block_forward and not step_sweep.SIDE_PREFETCH
     assert model_module.Transformer.forward_at is forward_at
 

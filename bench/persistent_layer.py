@@ -22,12 +22,14 @@ and pass the stages through counters in global memory instead of kernel boundari
   o          96 programs (the first ones): 16 rows of o, read before any wait; they wait for every
              split, merge all 12 heads themselves (48 KB of partials each, from the L2), and write
              h + o and the next norm's inputs (norm_weight * h, their part of the sum of squares)
-  gate/up    ("layer") every program: 70 act values (gate rows i, up rows 8960 + i) in 9 tiles of
-             8 pairs; the first tile (48 KB) is asked for right after qkv, so it streams while the
-             attention stages run; then one tile in flight while the one before is summed
-  down       ("layer") every program: 12 of the 1536 rows over all 8960 columns (no k split, so no
-             reduce), its first 2 chunks asked for before the wait on gate/up, then 2 chunks of
-             weights and act in flight while 2 are summed; h + down and the next layer's inputs
+  gate/up    ("layer") every program: 70 act values (gate rows i, up rows 8960 + i; 68 or 67
+             with 132 programs) in tiles of 8 pairs, streamed as [8, 2, 512] units (16 KB) through
+             a queue of 4: the first 4 are asked for right after qkv, so they stream while the
+             attention stages run; then unit i + 4 is asked for before unit i is summed
+  down       ("layer") every program: 12 of the 1536 rows (11 or 12 with 132) over all 8960
+             columns (no k split, so no reduce), [16, 512] units of weights and act in a queue of 4,
+             the first 4 weight units asked for before the wait on gate/up; h + down and the next
+             layer's inputs
 
 Between layers the launches stay PDL-chained (griddepcontrol): the next layer's programs start
 as this one's end. The baselines are the engine's own launches on the same weights and caches
@@ -48,8 +50,10 @@ On the CPU (TRITON_INTERPRET=1) the stages run as separate launches, in order, w
 counters. tests/kernels/test_persistent_probe.py checks the maths there against a float32
 reference; `--device cpu` against the engine's own path at the real shape (stop 18, float32: the
 layer's contribution to the stream within 6.4e-07 (half) and 1.4e-06 (layer) relative error).
-`--resources` (stop 18, sm_90): on 8 warps 204 registers (half) and 225 (layer), no spill, one
-program per multiprocessor; on 4 warps both spill.
+`--resources` (stop 18, sm_90): on 8 warps 204 registers (half) and 222 (layer), no spill, one
+program per multiprocessor; on 4 warps both spill. With the trace on, the layer takes 180: the
+trace's timer reads keep the compiler from hoisting the later stages' loads, so the traced replay
+may run differently from the timed one (the table times the untraced one).
 
 Not measured yet: no device was lent in stop 18, which wrote it (NOTES.md, "Stop 18").
 """
@@ -118,6 +122,30 @@ def _dot(a, b, UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr):
 
 
 @triton.jit
+def _gate_up_unit(gu_ptrs, i, pair_lo, pair_hi, UNITS: tl.constexpr, NKC: tl.constexpr, KC: tl.constexpr,
+                  HID: tl.constexpr):
+    """Unit i of a program's gate/up stream: tile i // NKC (8 pairs), columns chunk i % NKC, as
+    [8, 2, KC] in the model dtype (zeros past the program's pairs or past its last unit)."""
+    t = i // NKC
+    pairs = pair_lo + t * 8 + tl.arange(0, 8)
+    ok = (pairs < pair_hi) & (i < UNITS)
+    return tl.load(gu_ptrs + t * 8 * HID + (i % NKC) * KC, mask=ok[:, None, None], other=0.0)
+
+
+@triton.jit
+def _down_unit(d_ptrs, j, d_ok, kd, INTER: tl.constexpr, DKC: tl.constexpr):
+    """Columns chunk j of a program's down rows, [16, DKC] (zeros past its rows or past INTER)."""
+    return tl.load(d_ptrs + j * DKC, mask=d_ok[:, None] & (j * DKC + kd < INTER)[None, :], other=0.0)
+
+
+@triton.jit
+def _act_unit(Act, j, kd, INTER: tl.constexpr, DKC: tl.constexpr):
+    """Chunk j of the act vector in float32 (written by other programs: read from the L2)."""
+    k = j * DKC + kd
+    return tl.load(Act + k, mask=k < INTER, other=0.0, cache_modifier=".cg").to(tl.float32)
+
+
+@triton.jit
 def _persistent_layer(
     X, SumSqIn, n_parts, Res,            # weighted [HID] (norm_w * h), sumsq parts [n_parts] f32, h [HID]
     Wqkv, Bqkv, Wo, ONormW,              # [QKV_ROWS, HID], [QKV_ROWS], [HID, HID], [HID]: the norm o emits for
@@ -135,7 +163,7 @@ def _persistent_layer(
     SPLITS: tl.constexpr, SPLIT_T: tl.constexpr, G_P2: tl.constexpr, PARTS_P2: tl.constexpr,
     O_PARTS_P2: tl.constexpr,            # next_power_of_2(HID // 16): the o programs' sumsq parts
     MLP: tl.constexpr, INTER: tl.constexpr, GU_TILES: tl.constexpr, DKC: tl.constexpr,
-    DOWN_CHUNKS: tl.constexpr,           # MLP: gate/up tiles of 8 pairs per program, down's k chunks (even)
+    DOWN_CHUNKS: tl.constexpr,           # MLP: gate/up tiles of 8 pairs per program, down's k chunks of DKC
     STAGE: tl.constexpr,                 # 0: every stage, synchronised by the counters; 1-5: that stage only
     UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr, TRACE: tl.constexpr,
 ):
@@ -158,12 +186,14 @@ def _persistent_layer(
     d_lo = (pid % (HALF // 8)) * 8 + tl.arange(0, 8)                       # [8] dims in [0, D/2)
     half = tl.arange(0, 2)
     kk = tl.arange(0, KC)
+    QKV_PROGRAMS: tl.constexpr = (HQ + 2 * HKV) * (HALF // 8)
+    is_qkv = pid < QKV_PROGRAMS                     # programs past them only join the MLP stages
     qkv_rows = head * D + d_lo[:, None] + HALF * half[None, :]              # [8, 2]
     w_ptrs = Wqkv + qkv_rows[:, :, None].to(tl.int64) * HID + kk[None, None, :]
-    wq0 = tl.load(w_ptrs)
-    wq1 = tl.load(w_ptrs + KC)
-    wq2 = tl.load(w_ptrs + 2 * KC)
-    bias = tl.load(Bqkv + qkv_rows).to(tl.float32)                          # [8, 2]
+    wq0 = tl.load(w_ptrs, mask=is_qkv, other=0.0)
+    wq1 = tl.load(w_ptrs + KC, mask=is_qkv, other=0.0)
+    wq2 = tl.load(w_ptrs + 2 * KC, mask=is_qkv, other=0.0)
+    bias = tl.load(Bqkv + qkv_rows, mask=is_qkv, other=0.0).to(tl.float32)  # [8, 2]
     cos1, cos2, sin1, sin2 = rope_rows_at(Cos + d_lo, Sin + d_lo, HALF, d_lo < HALF, dtype)
     # o: rows [16 pid, 16 pid + 16) for the first O_PROGRAMS programs
     is_o = pid < O_PROGRAMS
@@ -191,29 +221,30 @@ def _persistent_layer(
 
     # ---- stage 1: q/k/v rows -----------------------------------------------------------------
     if STAGE == 0 or STAGE == 1:
-        x0 = tl.load(X + kk, cache_modifier=".cg").to(tl.float32)
-        x1 = tl.load(X + KC + kk, cache_modifier=".cg").to(tl.float32)
-        x2 = tl.load(X + 2 * KC + kk, cache_modifier=".cg").to(tl.float32)
-        parts = tl.arange(0, PARTS_P2)
-        sumsq = tl.load(SumSqIn + parts, mask=parts < n_parts, other=0.0, cache_modifier=".cg")
-        row_scale = tl.rsqrt(tl.sum(sumsq, 0) / HID + eps)
-        acc = tl.sum(wq0.to(tl.float32) * x0[None, None, :], 2)
-        acc += tl.sum(wq1.to(tl.float32) * x1[None, None, :], 2)
-        acc += tl.sum(wq2.to(tl.float32) * x2[None, None, :], 2)           # [8, 2]
-        y = (acc * row_scale + bias).to(dtype).to(tl.float32)
-        y1, y2 = tl.split(y)                                                 # dims d, d + D/2
-        if head < HQ + HKV:
-            y1, y2 = rotate_with(y1, y2, cos1, cos2, sin1, sin2)
-        if head < HQ:
-            dst = Q + head * D + d_lo
-        elif head < HQ + HKV:
-            dst = KCache + ((head - HQ) * s_max + pos).to(tl.int64) * D + d_lo
-        else:
-            dst = VCache + ((head - HQ - HKV) * s_max + pos).to(tl.int64) * D + d_lo
-        tl.store(dst, y1.to(dtype))
-        tl.store(dst + HALF, y2.to(dtype))
-        group = tl.where(head < HQ, head // GROUP, tl.where(head < HQ + HKV, head - HQ, head - HQ - HKV))
-        _arrive(Counters + group, SYNC)
+        if is_qkv:
+            x0 = tl.load(X + kk, cache_modifier=".cg").to(tl.float32)
+            x1 = tl.load(X + KC + kk, cache_modifier=".cg").to(tl.float32)
+            x2 = tl.load(X + 2 * KC + kk, cache_modifier=".cg").to(tl.float32)
+            parts = tl.arange(0, PARTS_P2)
+            sumsq = tl.load(SumSqIn + parts, mask=parts < n_parts, other=0.0, cache_modifier=".cg")
+            row_scale = tl.rsqrt(tl.sum(sumsq, 0) / HID + eps)
+            acc = tl.sum(wq0.to(tl.float32) * x0[None, None, :], 2)
+            acc += tl.sum(wq1.to(tl.float32) * x1[None, None, :], 2)
+            acc += tl.sum(wq2.to(tl.float32) * x2[None, None, :], 2)           # [8, 2]
+            y = (acc * row_scale + bias).to(dtype).to(tl.float32)
+            y1, y2 = tl.split(y)                                                 # dims d, d + D/2
+            if head < HQ + HKV:
+                y1, y2 = rotate_with(y1, y2, cos1, cos2, sin1, sin2)
+            if head < HQ:
+                dst = Q + head * D + d_lo
+            elif head < HQ + HKV:
+                dst = KCache + ((head - HQ) * s_max + pos).to(tl.int64) * D + d_lo
+            else:
+                dst = VCache + ((head - HQ - HKV) * s_max + pos).to(tl.int64) * D + d_lo
+            tl.store(dst, y1.to(dtype))
+            tl.store(dst + HALF, y2.to(dtype))
+            group = tl.where(head < HQ, head // GROUP, tl.where(head < HQ + HKV, head - HQ, head - HQ - HKV))
+            _arrive(Counters + group, SYNC)
     _mark(Trace, trace_row, QKV_DONE, TRACE)
 
     # ---- stage 2: one split of one kv head's attention, for its GROUP q heads -----------------
@@ -286,17 +317,20 @@ def _persistent_layer(
 
     if MLP:
         # ---- stage 4: gate/up (the post-attention norm folded in), silu(gate) * up -------------
-        # this program's act indices [pair_lo, pair_hi): gate row i and up row INTER + i each
+        # this program's act indices [pair_lo, pair_hi): gate row i and up row INTER + i each, in
+        # tiles of 8 pairs; the weights stream as units of one tile's KC columns ([8, 2, KC], 16 KB)
+        # through a queue of 4: unit i + 4 is asked for before unit i is summed (64 KB in flight)
         pair_lo = pid * INTER // nprog
         pair_hi = (pid + 1) * INTER // nprog
         i8 = tl.arange(0, 8)
         gu_rows = pair_lo + i8[:, None] + INTER * half[None, :]                  # [8, 2] of tile 0
         gu_ptrs = Wgu + gu_rows[:, :, None].to(tl.int64) * HID + kk[None, None, :]
-        gu_ok = (pair_lo + i8 < pair_hi)[:, None, None]
-        # the first tile is asked for now, while the attention stages run (it depends on no stage)
-        g0 = tl.load(gu_ptrs, mask=gu_ok, other=0.0)
-        g1 = tl.load(gu_ptrs + KC, mask=gu_ok, other=0.0)
-        g2 = tl.load(gu_ptrs + 2 * KC, mask=gu_ok, other=0.0)
+        GU_UNITS: tl.constexpr = GU_TILES * NKC
+        # the first 4 units are asked for now, while the attention stages run (they depend on none)
+        u0 = _gate_up_unit(gu_ptrs, 0, pair_lo, pair_hi, GU_UNITS, NKC, KC, HID)
+        u1 = _gate_up_unit(gu_ptrs, 1, pair_lo, pair_hi, GU_UNITS, NKC, KC, HID)
+        u2 = _gate_up_unit(gu_ptrs, 2, pair_lo, pair_hi, GU_UNITS, NKC, KC, HID)
+        u3 = _gate_up_unit(gu_ptrs, 3, pair_lo, pair_hi, GU_UNITS, NKC, KC, HID)
         if STAGE == 0 or STAGE == 4:
             _wait_count(Counters + HKV + 1, O_PROGRAMS, Stuck, SYNC)
             _mark(Trace, trace_row, GU_WAITED, TRACE)
@@ -306,55 +340,54 @@ def _persistent_layer(
             oparts = tl.arange(0, O_PARTS_P2)
             mid_sumsq = tl.load(SumSqMid + oparts, mask=oparts < O_PROGRAMS, other=0.0, cache_modifier=".cg")
             mid_scale = tl.rsqrt(tl.sum(mid_sumsq, 0) / HID + eps)
-            for t in range(GU_TILES):
-                # tile t + 1 requested before tile t is summed: two tiles (96 KB) in flight per program
-                n_ok = (pair_lo + (t + 1) * 8 + i8 < pair_hi)[:, None, None]
-                n_ptrs = gu_ptrs + (t + 1) * 8 * HID
-                n0 = tl.load(n_ptrs, mask=n_ok, other=0.0)
-                n1 = tl.load(n_ptrs + KC, mask=n_ok, other=0.0)
-                n2 = tl.load(n_ptrs + 2 * KC, mask=n_ok, other=0.0)
-                acc = tl.sum(g0.to(tl.float32) * x0[None, None, :], 2)
-                acc += tl.sum(g1.to(tl.float32) * x1[None, None, :], 2)
-                acc += tl.sum(g2.to(tl.float32) * x2[None, None, :], 2)        # [8, 2]
+            acc = tl.zeros([8, 2], dtype=tl.float32)
+            for i in range(GU_UNITS):
+                u4 = _gate_up_unit(gu_ptrs, i + 4, pair_lo, pair_hi, GU_UNITS, NKC, KC, HID)
+                c = i % NKC
+                x = tl.where(c == 0, x0, tl.where(c == 1, x1, x2))
+                acc += tl.sum(u0.to(tl.float32) * x[None, None, :], 2)           # [8, 2]
+                # after a tile's last unit: small_linear's gated epilogue (gate, up and silu(gate)
+                # each rounded to the model dtype), stored; the sums start again
                 gate, up = tl.split(acc * mid_scale)
-                # small_linear's gated epilogue: gate, up and silu(gate) each rounded to the model dtype
                 gt = gate.to(dtype).to(tl.float32)
                 silu = (gt / (1.0 + tl.exp(-gt))).to(dtype).to(tl.float32)
                 act = (silu * up.to(dtype).to(tl.float32)).to(dtype)
-                pairs = pair_lo + t * 8 + i8
-                tl.store(Act + pairs, act, mask=pairs < pair_hi)
-                g0, g1, g2 = n0, n1, n2
+                pairs = pair_lo + (i // NKC) * 8 + i8
+                tl.store(Act + pairs, act, mask=(pairs < pair_hi) & (c == NKC - 1))
+                acc = tl.where(c == NKC - 1, 0.0, acc)
+                u0, u1, u2, u3 = u1, u2, u3, u4
             _arrive(Counters + HKV + 2, SYNC)
         _mark(Trace, trace_row, GU_DONE, TRACE)
 
         # ---- stage 5: down + residual, the next layer's norm inputs ----------------------------
+        # rows [row_lo, row_hi) (12 at 1.5B) over all INTER columns, no k split; the weights and
+        # the act stream as [16, DKC] and [DKC] units through a queue of 4, as in stage 4
         row_lo = pid * HID // nprog
         row_hi = (pid + 1) * HID // nprog
         d_rows = row_lo + tl.arange(0, 16)
         d_ok = d_rows < row_hi
         kd = tl.arange(0, DKC)
         d_ptrs = Wdown + d_rows[:, None].to(tl.int64) * INTER + kd[None, :]
-        d0 = tl.load(d_ptrs, mask=d_ok[:, None] & (kd < INTER)[None, :], other=0.0)
-        d1 = tl.load(d_ptrs + DKC, mask=d_ok[:, None] & (DKC + kd < INTER)[None, :], other=0.0)
+        v0 = _down_unit(d_ptrs, 0, d_ok, kd, INTER, DKC)
+        v1 = _down_unit(d_ptrs, 1, d_ok, kd, INTER, DKC)
+        v2 = _down_unit(d_ptrs, 2, d_ok, kd, INTER, DKC)
+        v3 = _down_unit(d_ptrs, 3, d_ok, kd, INTER, DKC)
         if STAGE == 0 or STAGE == 5:
             res2 = tl.load(HMid + d_rows, mask=d_ok, other=0.0, cache_modifier=".cg").to(tl.float32)
             down_nw = tl.load(DownNormW + d_rows, mask=d_ok, other=0.0).to(tl.float32)
             _wait_count(Counters + HKV + 2, nprog, Stuck, SYNC)
             _mark(Trace, trace_row, DOWN_WAITED, TRACE)
-            a0 = tl.load(Act + kd, mask=kd < INTER, other=0.0, cache_modifier=".cg").to(tl.float32)
-            a1 = tl.load(Act + DKC + kd, mask=DKC + kd < INTER, other=0.0, cache_modifier=".cg").to(tl.float32)
+            a0 = _act_unit(Act, 0, kd, INTER, DKC)
+            a1 = _act_unit(Act, 1, kd, INTER, DKC)
+            a2 = _act_unit(Act, 2, kd, INTER, DKC)
+            a3 = _act_unit(Act, 3, kd, INTER, DKC)
             acc_d = tl.zeros([16], dtype=tl.float32)
-            for c in range(0, DOWN_CHUNKS, 2):
-                # chunks c + 2 and c + 3 (weights and act) requested before chunks c, c + 1 are summed
-                k2 = (c + 2) * DKC + kd
-                k3 = (c + 3) * DKC + kd
-                n0 = tl.load(d_ptrs + (c + 2) * DKC, mask=d_ok[:, None] & (k2 < INTER)[None, :], other=0.0)
-                n1 = tl.load(d_ptrs + (c + 3) * DKC, mask=d_ok[:, None] & (k3 < INTER)[None, :], other=0.0)
-                na0 = tl.load(Act + k2, mask=k2 < INTER, other=0.0, cache_modifier=".cg").to(tl.float32)
-                na1 = tl.load(Act + k3, mask=k3 < INTER, other=0.0, cache_modifier=".cg").to(tl.float32)
-                acc_d += tl.sum(d0.to(tl.float32) * a0[None, :], 1)
-                acc_d += tl.sum(d1.to(tl.float32) * a1[None, :], 1)
-                d0, d1, a0, a1 = n0, n1, na0, na1
+            for j in range(DOWN_CHUNKS):
+                v4 = _down_unit(d_ptrs, j + 4, d_ok, kd, INTER, DKC)
+                a4 = _act_unit(Act, j + 4, kd, INTER, DKC)
+                acc_d += tl.sum(v0.to(tl.float32) * a0[None, :], 1)
+                v0, v1, v2, v3 = v1, v2, v3, v4
+                a0, a1, a2, a3 = a1, a2, a3, a4
             h2 = (acc_d.to(dtype).to(tl.float32) + res2).to(dtype)
             tl.store(Out + d_rows, h2, mask=d_ok)
             h2_32 = tl.where(d_ok, h2.to(tl.float32), 0.0)
@@ -376,7 +409,7 @@ class PersistentLayer:
     layer's input norm weight [H])."""
 
     def __init__(self, qkv_w, qkv_b, o_w, emit_norm_w, k_cache, v_cache, counters, *, num_heads, num_kv_heads,
-                 eps, context, mlp=None, split_t=64, kc=512, dkc=512, num_warps=8):
+                 eps, context, mlp=None, programs=None, split_t=64, kc=512, dkc=512, num_warps=8):
         self.qkv_w, self.qkv_b, self.o_w, self.emit_norm_w = qkv_w, qkv_b, o_w, emit_norm_w
         self.k_cache, self.v_cache, self.counters = k_cache, v_cache, counters   # caches [HKV, S_MAX, D]
         self.hq, self.hkv = num_heads, num_kv_heads
@@ -388,7 +421,11 @@ class PersistentLayer:
                              f"got {context}")
         self.context, self.splits = context, splits
         self.g_p2 = max(16, triton.next_power_of_2(num_heads // num_kv_heads))
-        self.programs = (num_heads + 2 * num_kv_heads) * (self.d // 16)        # the qkv stage's
+        qkv_programs = (num_heads + 2 * num_kv_heads) * (self.d // 16)
+        # the qkv stage's programs; with mlp more may join the MLP stages (132: every H200 multiprocessor)
+        self.programs = programs or qkv_programs
+        if self.programs < qkv_programs or (self.programs > qkv_programs and mlp is None):
+            raise ValueError(f"{qkv_programs} programs, or more with mlp, got {self.programs}")
         if self.hid // O_ROWS + num_kv_heads * splits > self.programs:
             raise ValueError("the o programs and the attention programs would overlap")
         dev, dt = o_w.device, o_w.dtype
@@ -415,9 +452,9 @@ class PersistentLayer:
             self.act = torch.empty(self.inter, device=dev, dtype=dt)
             self.sumsq_mid = torch.zeros(self.hid // O_ROWS, device=dev, dtype=torch.float32)
             self.sumsq = torch.zeros(self.programs, device=dev, dtype=torch.float32)
-        pairs = triton.cdiv(self.inter, self.programs)
+        pairs = triton.cdiv(self.inter, self.programs)           # the most pairs a program takes
         self.gu_tiles = triton.cdiv(pairs, 8)
-        self.down_chunks = 2 * triton.cdiv(self.inter, 2 * dkc)
+        self.down_chunks = triton.cdiv(self.inter, dkc)
 
     def run(self, x, sumsq, h, cos, sin, stuck, *, stages=(0,), pdl=True, trace=None):
         """x = norm_weight * h [HID], sumsq [P] f32 parts of h's sum of squares, h [HID]; cos, sin
@@ -483,7 +520,7 @@ def reference_layer(x, sumsq, h, qkv_w, qkv_b, o_w, emit_norm_w, k_cache, v_cach
 
 
 def main() -> None:
-    from bench.common import graph_replay_time, print_table
+    from bench.common import copy_bandwidth, graph_replay_time, print_table
     from engine import fused
     from engine.kv_cache import KVCache
     from engine.linear import enable_invariant_kernel
@@ -498,6 +535,8 @@ def main() -> None:
     parser.add_argument("--warps", default="8,4", help="num_warps of the persistent kernel to try")
     parser.add_argument("--split-t", default="64,32", help="cache rows per attention split to try")
     parser.add_argument("--modes", default="half,layer", help="half (attention half) and/or layer (whole layer)")
+    parser.add_argument("--programs", default="128,132",
+                        help="programs of a whole layer (128 run qkv; more join the MLP stages only)")
     parser.add_argument("--device", default="cuda",
                         help="cpu: a check of the plumbing, no timing (TRITON_INTERPRET=1, stages one by one)")
     parser.add_argument("--dtype", default="bfloat16", help="bfloat16, or float32 for an exact check on the CPU")
@@ -509,6 +548,7 @@ def main() -> None:
         print_table([h200_resources(int(w), args.context, int(t), mode == "layer", trace)
                      for mode in args.modes.split(",") for t in args.split_t.split(",")
                      for w in args.warps.split(",") for trace in (False, True)])
+        print("(the programs' count changes no constexpr: the same kernel at 128 and 132)")
         return
 
     dev = torch.device(args.device)
@@ -550,7 +590,7 @@ def main() -> None:
     counters = torch.zeros(L, config.num_kv_heads + 3, device=dev, dtype=torch.int32)
     stuck = torch.zeros(1, device=dev, dtype=torch.int32)
 
-    def layers_for(mode, split_t, warps):
+    def layers_for(mode, split_t, warps, programs):
         out = []
         for i, layer in enumerate(model.layers):
             att, nxt = layer.self_attn, model.layers[(i + 1) % L].input_layernorm.weight
@@ -559,7 +599,8 @@ def main() -> None:
                 att.qkv_proj.weight, att.qkv_proj.bias, att.o_proj.weight,
                 layer.post_attention_layernorm.weight if mlp else nxt, cache.keys[i][0], cache.values[i][0],
                 counters[i], num_heads=config.num_heads, num_kv_heads=config.num_kv_heads,
-                eps=layer.input_layernorm.eps, context=pos, mlp=mlp, split_t=split_t, num_warps=warps))
+                eps=layer.input_layernorm.eps, context=pos, mlp=mlp, programs=programs if mlp else None,
+                split_t=split_t, num_warps=warps))
         return out
 
     def persistent(kernels, layers, trace=None):
@@ -571,36 +612,53 @@ def main() -> None:
                                          trace=None if trace is None else trace[i])
         return h
 
+    bandwidth = copy_bandwidth() if on_gpu else float("nan")
+
+    def floor_us(mode) -> float:
+        """The layer's (or half's) weight and KV bytes at the copy bandwidth measured in this run."""
+        layer = model.layers[0]
+        weights = [layer.self_attn.qkv_proj.weight, layer.self_attn.qkv_proj.bias, layer.self_attn.o_proj.weight]
+        if mode == "layer":
+            weights += [layer.mlp.gate_up_proj.weight, layer.mlp.down_proj.weight]
+        kv = 2 * (pos + 1) * cache.keys[0][0, :, 0].numel() * cache.keys[0].element_size()
+        return (sum(w.numel() * w.element_size() for w in weights) + kv) / bandwidth * 1e6
+
     h_in = hidden0.view(-1).float()
     rows = []
     for mode in args.modes.split(","):
         # one layer each way on the same inputs: what the layer adds to the stream agrees to rounding
         ref_delta = chain([0], mode).view(-1).float() - h_in
         t_chain = graph_replay_time(lambda: chain(range(L), mode)) / L if on_gpu else float("nan")
+        floor = floor_us(mode)
         rows.append({"path": f"engine chain, {MODES[mode]}", "us per layer": round(t_chain * 1e6, 2),
+                     "floor us": round(floor, 2), "% of floor": round(100 * floor / (t_chain * 1e6), 1),
                      "x chain": 1.0})
-        for split_t in (int(v) for v in args.split_t.split(",")):
-            for warps in (int(w) for w in args.warps.split(",")):
-                kernels = layers_for(mode, split_t, warps)
-                got_delta = persistent(kernels, [0]).float() - h_in
-                err = ((got_delta - ref_delta).norm() / ref_delta.norm()).item()
-                label = f"persistent {mode}, {pos // split_t} splits, {warps} warps"
-                if not on_gpu:
-                    print(f"{label}: the layer's delta against the engine's, rel err {err:.1e}")
-                    continue
-                stuck.zero_()
-                t = graph_replay_time(lambda: persistent(kernels, range(L))) / L
-                trace = torch.zeros(L, kernels[0].programs, TRACE_COLUMNS, device=dev, dtype=torch.int64)
-                graph_replay_time(lambda: persistent(kernels, range(L), trace), repeats=3)
-                rows.append({"path": label, "us per layer": round(t * 1e6, 2), "x chain": round(t_chain / t, 3),
-                             "delta rel err": f"{err:.1e}", "gave up": int(stuck.item()),
-                             **stage_medians(trace.cpu())})
-                print(rows[-1], file=sys.stderr, flush=True)
+        programs_tried = [int(p) for p in args.programs.split(",")] if mode == "layer" else [None]
+        variants = [(t, w, p) for t in (int(v) for v in args.split_t.split(","))
+                    for w in (int(v) for v in args.warps.split(",")) for p in programs_tried]
+        for split_t, warps, programs in variants:
+            kernels = layers_for(mode, split_t, warps, programs)
+            got_delta = persistent(kernels, [0]).float() - h_in
+            err = ((got_delta - ref_delta).norm() / ref_delta.norm()).item()
+            label = (f"persistent {mode}, {pos // split_t} splits, {warps} warps"
+                     + (f", {kernels[0].programs} programs" if programs else ""))
+            if not on_gpu:
+                print(f"{label}: the layer's delta against the engine's, rel err {err:.1e}")
+                continue
+            stuck.zero_()
+            t = graph_replay_time(lambda: persistent(kernels, range(L))) / L
+            trace = torch.zeros(L, kernels[0].programs, TRACE_COLUMNS, device=dev, dtype=torch.int64)
+            graph_replay_time(lambda: persistent(kernels, range(L), trace), repeats=3)
+            rows.append({"path": label, "us per layer": round(t * 1e6, 2), "floor us": round(floor, 2),
+                         "% of floor": round(100 * floor / (t * 1e6), 1), "x chain": round(t_chain / t, 3),
+                         "delta rel err": f"{err:.1e}", "gave up": int(stuck.item()),
+                         **stage_medians(trace.cpu())})
+            print(rows[-1], file=sys.stderr, flush=True)
     if not on_gpu:
         return
     columns = {key: None for row in rows for key in row}
-    print(f"qwen2.5-1.5b decode, {L} layers, context {pos}, batch 1; stage columns: us from the previous "
-          "layer's last program end")
+    print(f"qwen2.5-1.5b decode, {L} layers, context {pos}, batch 1, copy bandwidth {bandwidth / 1e12:.2f} TB/s "
+          "(floor: weight + KV bytes at that rate); stage columns: us from the previous layer's last program end")
     print_table([{**columns, **row} for row in rows])
 
 

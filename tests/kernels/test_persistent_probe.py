@@ -35,9 +35,10 @@ def layer_inputs(dtype, mlp: bool):
     return inputs
 
 
-@pytest.mark.parametrize("mlp", [False, True], ids=["attention half", "whole layer"])
+@pytest.mark.parametrize("mlp, programs", [(False, None), (True, None), (True, 23)],
+                         ids=["attention half", "whole layer", "whole layer, 3 programs for the MLP only"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_staged_layer_matches_reference(dtype, mlp):
+def test_staged_layer_matches_reference(dtype, mlp, programs):
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("needs the Triton interpreter (TRITON_INTERPRET=1)")
     i = layer_inputs(dtype, mlp)
@@ -48,9 +49,9 @@ def test_staged_layer_matches_reference(dtype, mlp):
 
     counters = torch.zeros(HKV + 3, dtype=torch.int32)
     layer = PersistentLayer(i["qkv_w"], i["qkv_b"], i["o_w"], i["emit_norm_w"], i["k_cache"], i["v_cache"], counters,
-                            num_heads=HQ, num_kv_heads=HKV, eps=1e-6, context=CONTEXT, mlp=i["mlp"], split_t=16,
-                            kc=64, dkc=64, num_warps=4)
-    assert layer.programs == 20 and layer.splits == 4
+                            num_heads=HQ, num_kv_heads=HKV, eps=1e-6, context=CONTEXT, mlp=i["mlp"],
+                            programs=programs, split_t=16, kc=64, dkc=64, num_warps=4)
+    assert layer.programs == (programs or 20) and layer.splits == 4
     got_h, got_weighted, got_sumsq = layer.run(i["x"], i["sumsq"], i["h"], i["cos"], i["sin"],
                                                torch.zeros(1, dtype=torch.int32),
                                                stages=(1, 2, 3, 4, 5) if mlp else (1, 2, 3))
@@ -72,9 +73,12 @@ def test_staged_layer_matches_reference(dtype, mlp):
     assert counters.eq(0).all()
 
 
-def test_probe_refuses_a_context_it_cannot_split():
+@pytest.mark.parametrize("change, message", [(dict(context=48), "power-of-two count"),
+                                             (dict(programs=19), "20 programs"),
+                                             (dict(programs=21), "or more with mlp")])
+def test_probe_refuses_what_it_cannot_run(change, message):
     i = layer_inputs(torch.float32, False)
-    with pytest.raises(ValueError, match="power-of-two count"):
+    args = dict(num_heads=HQ, num_kv_heads=HKV, eps=1e-6, context=CONTEXT, split_t=16, kc=64) | change
+    with pytest.raises(ValueError, match=message):
         PersistentLayer(i["qkv_w"], i["qkv_b"], i["o_w"], i["emit_norm_w"], i["k_cache"], i["v_cache"],
-                        torch.zeros(HKV + 3, dtype=torch.int32), num_heads=HQ, num_kv_heads=HKV, eps=1e-6,
-                        context=48, split_t=16, kc=64)
+                        torch.zeros(HKV + 3, dtype=torch.int32), **args)

@@ -50,10 +50,10 @@ On the CPU (TRITON_INTERPRET=1) the stages run as separate launches, in order, w
 counters. tests/kernels/test_persistent_probe.py checks the maths there against a float32
 reference; `--device cpu` against the engine's own path at the real shape (stop 18, float32: the
 layer's contribution to the stream within 6.4e-07 (half) and 1.4e-06 (layer) relative error).
-`--resources` (stop 18, sm_90): on 8 warps 204 registers (half) and 222 (layer), no spill, one
-program per multiprocessor; on 4 warps both spill. With the trace on, the layer takes 180: the
-trace's timer reads keep the compiler from hoisting the later stages' loads, so the traced replay
-may run differently from the timed one (the table times the untraced one).
+`--resources` (stop 18, sm_90, 8 splits): on 8 warps 204 registers (half) and 218 (layer; 226 with
+the trace), no spill, one program per multiprocessor; on 4 warps both spill. The trace's timer
+reads are ordered, so they may also move the compiler's schedule: the table times the untraced
+kernel and takes the stage columns from a second, traced replay.
 
 Not measured yet: no device was lent in stop 18, which wrote it (NOTES.md, "Stop 18").
 """

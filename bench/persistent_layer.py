@@ -50,7 +50,7 @@ On the CPU (TRITON_INTERPRET=1) the stages run as separate launches, in order, w
 counters. tests/kernels/test_persistent_probe.py checks the maths there against a float32
 reference; `--device cpu` against the engine's own path at the real shape (stop 18, float32: the
 layer's contribution to the stream within 6.4e-07 (half) and 1.4e-06 (layer) relative error).
-`--resources` (stop 18, sm_90, 8 splits): on 8 warps 204 registers (half) and 218 (layer; 226 with
+`--resources` (stop 18, sm_90, 8 splits): on 8 warps 205 registers (half) and 218 (layer; 226 with
 the trace), no spill, one program per multiprocessor; on 4 warps both spill. The trace's timer
 reads are ordered, so they may also move the compiler's schedule: the table times the untraced
 kernel and takes the stage columns from a second, traced replay.
@@ -119,6 +119,18 @@ def _dot(a, b, UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr):
     if UPCAST_DOT:       # the interpreter multiplies bf16 tiles as raw integers (decode_attention.dot_flags)
         return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision=DOT_PRECISION)
     return tl.dot(a, b, input_precision=DOT_PRECISION)
+
+
+@triton.jit
+def _normed_input(X, SumSq, n_parts, kk, KC: tl.constexpr, HID: tl.constexpr, PARTS_P2: tl.constexpr, eps):
+    """A folded RMSNorm's inputs, written by other programs (read from the L2): x = norm_weight * h
+    as three float32 [KC] chunks, and the rows' scale rsqrt(mean(h^2) + eps) from n_parts sums."""
+    x0 = tl.load(X + kk, cache_modifier=".cg").to(tl.float32)
+    x1 = tl.load(X + KC + kk, cache_modifier=".cg").to(tl.float32)
+    x2 = tl.load(X + 2 * KC + kk, cache_modifier=".cg").to(tl.float32)
+    parts = tl.arange(0, PARTS_P2)
+    sumsq = tl.load(SumSq + parts, mask=parts < n_parts, other=0.0, cache_modifier=".cg")
+    return x0, x1, x2, tl.rsqrt(tl.sum(sumsq, 0) / HID + eps)
 
 
 @triton.jit
@@ -222,12 +234,7 @@ def _persistent_layer(
     # ---- stage 1: q/k/v rows -----------------------------------------------------------------
     if STAGE == 0 or STAGE == 1:
         if is_qkv:
-            x0 = tl.load(X + kk, cache_modifier=".cg").to(tl.float32)
-            x1 = tl.load(X + KC + kk, cache_modifier=".cg").to(tl.float32)
-            x2 = tl.load(X + 2 * KC + kk, cache_modifier=".cg").to(tl.float32)
-            parts = tl.arange(0, PARTS_P2)
-            sumsq = tl.load(SumSqIn + parts, mask=parts < n_parts, other=0.0, cache_modifier=".cg")
-            row_scale = tl.rsqrt(tl.sum(sumsq, 0) / HID + eps)
+            x0, x1, x2, row_scale = _normed_input(X, SumSqIn, n_parts, kk, KC, HID, PARTS_P2, eps)
             acc = tl.sum(wq0.to(tl.float32) * x0[None, None, :], 2)
             acc += tl.sum(wq1.to(tl.float32) * x1[None, None, :], 2)
             acc += tl.sum(wq2.to(tl.float32) * x2[None, None, :], 2)           # [8, 2]
@@ -334,12 +341,7 @@ def _persistent_layer(
         if STAGE == 0 or STAGE == 4:
             _wait_count(Counters + HKV + 1, O_PROGRAMS, Stuck, SYNC)
             _mark(Trace, trace_row, GU_WAITED, TRACE)
-            x0 = tl.load(XMid + kk, cache_modifier=".cg").to(tl.float32)
-            x1 = tl.load(XMid + KC + kk, cache_modifier=".cg").to(tl.float32)
-            x2 = tl.load(XMid + 2 * KC + kk, cache_modifier=".cg").to(tl.float32)
-            oparts = tl.arange(0, O_PARTS_P2)
-            mid_sumsq = tl.load(SumSqMid + oparts, mask=oparts < O_PROGRAMS, other=0.0, cache_modifier=".cg")
-            mid_scale = tl.rsqrt(tl.sum(mid_sumsq, 0) / HID + eps)
+            x0, x1, x2, mid_scale = _normed_input(XMid, SumSqMid, O_PROGRAMS, kk, KC, HID, O_PARTS_P2, eps)
             acc = tl.zeros([8, 2], dtype=tl.float32)
             for i in range(GU_UNITS):
                 u4 = _gate_up_unit(gu_ptrs, i + 4, pair_lo, pair_hi, GU_UNITS, NKC, KC, HID)

@@ -59,7 +59,7 @@ def time_ours(engine: Engine, prompt: list[int], new_tokens: int):
     request = GenerationRequest(sampling=SamplingParams(max_new_tokens=new_tokens, ignore_eos=True))
     engine.generate_ids(prompt, request)  # warm-up: compile, capture graphs, autotune
     out = engine.generate_ids(prompt, request)
-    return out, len(out.token_ids) / out.decode_s
+    return out, out.decode_tokens_per_s
 
 
 @torch.no_grad()

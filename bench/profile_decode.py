@@ -35,7 +35,7 @@ def main() -> None:
     engine.generate_ids(prompt, request)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         out = engine.generate_ids(prompt, request)
-    print(f"{args.shape}: {len(out.token_ids) / out.decode_s:.0f} tok/s")
+    print(f"{args.shape}: {out.decode_tokens_per_s:.0f} tok/s")
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=70))
     kernels = sorted((e for e in prof.events() if e.device_type.name == "CUDA"), key=lambda e: e.time_range.start)
     busy = sum(e.time_range.elapsed_us() for e in kernels)

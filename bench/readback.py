@@ -51,7 +51,7 @@ def main() -> None:
                 stopper = StopChecker(set(), args.new_tokens, ignore_eos=True)
                 out = generate_plain(engine.runner, prompt, Sampler(sampling, engine.device), stopper,
                                      sync_every=every, read_lag=lag)
-                speeds[(every, lag)].append(len(out.token_ids) / out.decode_s)
+                speeds[(every, lag)].append(out.decode_tokens_per_s)
                 ids[(every, lag)] = out.token_ids
         first = ids[settings[0]]
         for (every, lag), runs in speeds.items():

@@ -191,7 +191,7 @@ def bench_cuda(args, device: str = "cuda") -> None:
                 (f"self q={q}", SpeculationOptions("draft", drafter_path="self", width=q)) for q in (4, 8)]:
             run(engine, prompt, spec, 32)  # warm-up: graphs of every width
             out, t = run(engine, prompt, spec, args.new_tokens)
-            rate = len(out.token_ids) / out.decode_s
+            rate = out.decode_tokens_per_s
             if plain_rate is None:
                 plain_rate, plain_ids = rate, out.token_ids
                 row["plain tok/s"] = rate

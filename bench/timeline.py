@@ -142,7 +142,7 @@ def trace_step(model, config, context: int, csv_path: str | None) -> None:
         torch.cuda.synchronize()
     step = last_replay(recorder)
     span = max(float(b[:, END].max()) for _, b in step) / 1e3
-    print(f"context {context}: {len(out.token_ids) / out.decode_s:.0f} tok/s with the marks; "
+    print(f"context {context}: {out.decode_tokens_per_s:.0f} tok/s with the marks; "
           f"{len(step)} traced launches over {span:.1f} us of the last step")
     if csv_path:
         write_csv(step, csv_path, config.num_layers)

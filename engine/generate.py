@@ -21,8 +21,17 @@ from engine.stopping import StopChecker
 class TokenOutput:
     token_ids: list[int]
     finish_reason: str
-    prefill_s: float
-    decode_s: float
+    prefill_s: float       # the prompt's forward and the first token's sampling (time to first token)
+    decode_s: float        # everything after: the steps that produce the other tokens
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """Tokens the decode phase produced per second of it: the first generated token comes from
+        the prefill's logits, so the decode steps made the other len - 1 (as time per output token
+        is usually counted, and as bench/decode.py counts transformers' generate); 0.0 when they
+        made none (a one-token answer)."""
+        made = len(self.token_ids) - 1
+        return made / self.decode_s if made > 0 and self.decode_s > 0 else 0.0
 
 
 def synchronize(device: torch.device) -> None:

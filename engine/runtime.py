@@ -153,7 +153,7 @@ class Engine:
             raise DeviceOutOfMemoryError(f"out of device memory during generation: {exc}") from None
         telemetry.prefill_s, telemetry.decode_s = out.prefill_s, out.decode_s
         telemetry.prefill_tokens_per_s = len(prompt_ids) / out.prefill_s if out.prefill_s else 0.0
-        telemetry.decode_tokens_per_s = len(out.token_ids) / out.decode_s if out.decode_s else 0.0
+        telemetry.decode_tokens_per_s = out.decode_tokens_per_s
         if self.device.type == "cuda":
             telemetry.peak_device_memory_bytes = max(telemetry.peak_device_memory_bytes or 0,
                                                      torch.cuda.max_memory_allocated(self.device))

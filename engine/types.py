@@ -72,7 +72,7 @@ class Telemetry:
     decode_s: float = 0.0
     total_s: float = 0.0
     prefill_tokens_per_s: float = 0.0
-    decode_tokens_per_s: float = 0.0
+    decode_tokens_per_s: float = 0.0   # generated tokens after the first per decode second (TokenOutput)
     # speculation (zeros when off)
     spec_method: str = "none"
     spec_steps: int = 0

@@ -6,7 +6,8 @@ import torch
 
 from engine.errors import BadInputError, PromptTooLongError
 from engine.runtime import Engine
-from engine.types import GenerationRequest, SamplingParams
+from engine.generate import TokenOutput
+from engine.types import GenerationRequest, SamplingParams, Telemetry
 from tests.engine.tiny_models import ARCHITECTURES, hf_model, ours_from_hf
 
 pytest.importorskip("transformers")
@@ -72,6 +73,19 @@ def test_max_new_tokens_respected():
     _, engine = tiny_engine("llama")
     for n in (1, 2, 17):
         assert len(run(engine, PROMPT, max_new_tokens=n, ignore_eos=True).token_ids) == n
+
+
+def test_decode_rate_counts_the_tokens_the_decode_steps_made():
+    """The first token is sampled from the prefill's logits (time to first token): a decode phase
+    of d seconds after n tokens made n - 1 of them, and a one-token answer has no rate."""
+    assert TokenOutput([5, 6, 7, 8, 9], "length", prefill_s=1.0, decode_s=2.0).decode_tokens_per_s == 2.0
+    assert TokenOutput([5], "length", prefill_s=1.0, decode_s=1e-4).decode_tokens_per_s == 0.0
+    assert TokenOutput([], "eos", prefill_s=1.0, decode_s=0.0).decode_tokens_per_s == 0.0
+    _, engine = tiny_engine("llama")
+    request = GenerationRequest(sampling=SamplingParams(max_new_tokens=1, ignore_eos=True))
+    telemetry = Telemetry()
+    engine.generate_ids(PROMPT, request, telemetry)
+    assert telemetry.decode_tokens_per_s == 0.0 and telemetry.prefill_tokens_per_s > 0
 
 
 def test_prompt_longer_than_context_is_refused_clearly():

@@ -1,7 +1,8 @@
 """Does a persistent decode layer beat the chain of launches it would replace? A probe, not built
-into the engine (the one lead left for 70% of the roofline at Qwen2.5-1.5B: kernels/small_matmul/NOTES.md).
+into the engine (the last lead for 70% of the roofline at Qwen2.5-1.5B: kernels/small_matmul/NOTES.md).
+Measured in stop 18: no, see the end of this docstring.
 
-    python bench/persistent_layer.py [--layers 28] [--context 512] [--modes half,layer] [--warps 8,4] [--split-t 64,32]
+    python bench/persistent_layer.py [--layers 28] [--context 512] [--modes half,layer,hybrid] [--warps 8,4] [--split-t 64,32]
     python bench/persistent_layer.py --resources          # registers for sm_90, no GPU needed
     TRITON_INTERPRET=1 python bench/persistent_layer.py --device cpu --layers 2 --dtype float32 --split-t 64 --warps 8
 
@@ -9,7 +10,8 @@ At batch 1 a Qwen2.5-1.5B layer is seven launches (qkv with the norm folded in a
 cache write in its epilogue; the attention split and merge; o + residual; gate/up + silu*mul; down
 in 10 k splits; their reduce + residual), 39 us for 22.3 us of weight bytes; the attention half
 alone (the first four) some 12.7 us for 11 MB (NOTES.md, "Read first"). This probe runs the same
-maths as ONE launch per layer ("layer"), or per attention half ("half"). Its 128 programs (one per
+maths as ONE launch per layer ("layer"), or per attention half ("half"; "hybrid" follows each
+half with the engine's own gate_up, down and reduce launches, as the half would run in a step). Its 128 programs (one per
 multiprocessor) ask for the weights of their next stage before they wait for the stage before,
 and pass the stages through counters in global memory instead of kernel boundaries:
 
@@ -55,7 +57,13 @@ the trace), no spill, one program per multiprocessor; on 4 warps both spill. The
 reads are ordered, so they may also move the compiler's schedule: the table times the untraced
 kernel and takes the stage columns from a second, traced replay.
 
-Not measured yet: no device was lent in stop 18, which wrote it (NOTES.md, "Stop 18").
+H200, stop 18 (NOTES.md, "Stop 18"), µs per layer:
+- the whole layer 63.0 against the chain's 39.3: gate_up and down stream at about 1.8 TB/s, the
+  per-program limit of plain loads;
+- the attention half alone 14.2-14.8 against its chain's 16.8;
+- the half followed by the engine's MLP (`--modes hybrid`) 44.2 against 38.4.
+
+Slower as soon as it runs inside a layer, so it was not built into the engine.
 """
 from __future__ import annotations
 
@@ -536,7 +544,9 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=512, help="cache rows before the new token")
     parser.add_argument("--warps", default="8,4", help="num_warps of the persistent kernel to try")
     parser.add_argument("--split-t", default="64,32", help="cache rows per attention split to try")
-    parser.add_argument("--modes", default="half,layer", help="half (attention half) and/or layer (whole layer)")
+    parser.add_argument("--modes", default="half,layer",
+                        help="half (attention half), layer (whole layer), hybrid (the persistent half, then the "
+                             "engine's gate_up, down and reduce launches)")
     parser.add_argument("--programs", default="128,132",
                         help="programs of a whole layer (128 run qkv; more join the MLP stages only)")
     parser.add_argument("--device", default="cuda",
@@ -597,21 +607,30 @@ def main() -> None:
         for i, layer in enumerate(model.layers):
             att, nxt = layer.self_attn, model.layers[(i + 1) % L].input_layernorm.weight
             mlp = (layer.mlp.gate_up_proj.weight, layer.mlp.down_proj.weight, nxt) if mode == "layer" else None
+            emit = layer.post_attention_layernorm.weight if mode != "half" else nxt
             out.append(PersistentLayer(
-                att.qkv_proj.weight, att.qkv_proj.bias, att.o_proj.weight,
-                layer.post_attention_layernorm.weight if mlp else nxt, cache.keys[i][0], cache.values[i][0],
+                att.qkv_proj.weight, att.qkv_proj.bias, att.o_proj.weight, emit, cache.keys[i][0], cache.values[i][0],
                 counters[i], num_heads=config.num_heads, num_kv_heads=config.num_kv_heads,
                 eps=layer.input_layernorm.eps, context=pos, mlp=mlp, programs=programs if mlp else None,
                 split_t=split_t, num_warps=warps))
         return out
 
-    def persistent(kernels, layers, trace=None):
+    def persistent(kernels, layers, trace=None, hybrid=False):
         counters.zero_()
         x, sumsq, h = normed0.weighted.view(-1), normed0.sumsq.view(-1), hidden0.view(-1)
         for i in layers:
             stages = (0,) if on_gpu else (1, 2, 3, 4, 5) if kernels[i].mlp else (1, 2, 3)
             h, x, sumsq = kernels[i].run(x, sumsq, h, cos, sin, stuck, stages=stages,
                                          trace=None if trace is None else trace[i])
+            if hybrid:   # the engine's own MLP launches after the persistent attention half
+                layer, nxt = model.layers[i], model.layers[(i + 1) % L].input_layernorm
+                hidden = h.view(hidden0.shape)
+                post = type(normed0)(x.view(hidden0.shape), sumsq.view(-1, 1))
+                act = fused_project(post.weighted, layer.mlp.gate_up_proj, norm_inputs=post,
+                                    eps=layer.post_attention_layernorm.eps, gated=True)
+                hidden, normed = fused_project(act, layer.mlp.down_proj, residual=hidden, emit_norm=nxt,
+                                               settled=True)
+                h, x, sumsq = hidden.view(-1), normed.weighted.view(-1), normed.sumsq.view(-1)
         return h
 
     bandwidth = copy_bandwidth() if on_gpu else float("nan")
@@ -629,9 +648,11 @@ def main() -> None:
     rows = []
     for mode in args.modes.split(","):
         # one layer each way on the same inputs: what the layer adds to the stream agrees to rounding
-        ref_delta = chain([0], mode).view(-1).float() - h_in
-        t_chain = graph_replay_time(lambda: chain(range(L), mode)) / L if on_gpu else float("nan")
-        floor = floor_us(mode)
+        chain_mode = "layer" if mode == "hybrid" else mode
+        hybrid = mode == "hybrid"
+        ref_delta = chain([0], chain_mode).view(-1).float() - h_in
+        t_chain = graph_replay_time(lambda: chain(range(L), chain_mode)) / L if on_gpu else float("nan")
+        floor = floor_us(chain_mode)
         rows.append({"path": f"engine chain, {MODES[mode]}", "us per layer": round(t_chain * 1e6, 2),
                      "floor us": round(floor, 2), "% of floor": round(100 * floor / (t_chain * 1e6), 1),
                      "x chain": 1.0})
@@ -641,7 +662,7 @@ def main() -> None:
         for split_t, warps, programs in variants:
             kernels = layers_for(mode, split_t, warps, programs)
             stuck.zero_()
-            got_delta = persistent(kernels, [0]).float() - h_in
+            got_delta = persistent(kernels, [0], hybrid=hybrid).float() - h_in
             err = ((got_delta - ref_delta).norm() / ref_delta.norm()).item()
             label = (f"persistent {mode}, {pos // split_t} splits, {warps} warps"
                      + (f", {kernels[0].programs} programs" if programs else ""))
@@ -652,9 +673,9 @@ def main() -> None:
                 rows.append({"path": label, "delta rel err": f"{err:.1e}", "gave up": int(stuck.item())})
                 print(rows[-1], file=sys.stderr, flush=True)
                 continue
-            t = graph_replay_time(lambda: persistent(kernels, range(L))) / L
+            t = graph_replay_time(lambda: persistent(kernels, range(L), hybrid=hybrid)) / L
             trace = torch.zeros(L, kernels[0].programs, TRACE_COLUMNS, device=dev, dtype=torch.int64)
-            graph_replay_time(lambda: persistent(kernels, range(L), trace), repeats=3)
+            graph_replay_time(lambda: persistent(kernels, range(L), trace, hybrid=hybrid), repeats=3)
             rows.append({"path": label, "us per layer": round(t * 1e6, 2), "floor us": round(floor, 2),
                          "% of floor": round(100 * floor / (t * 1e6), 1), "x chain": round(t_chain / t, 3),
                          "delta rel err": f"{err:.1e}", "gave up": int(stuck.item()),
@@ -668,7 +689,8 @@ def main() -> None:
     print_table([{**columns, **row} for row in rows])
 
 
-MODES = {"half": "attention half (qkv, split, merge, o)", "layer": "whole layer (+ gate_up, down, reduce)"}
+MODES = {"half": "attention half (qkv, split, merge, o)", "layer": "whole layer (+ gate_up, down, reduce)",
+         "hybrid": "whole layer (+ gate_up, down, reduce)"}
 
 
 def h200_resources(num_warps: int, context: int = 512, split_t: int = 64, mlp: bool = False,

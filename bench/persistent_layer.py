@@ -83,11 +83,12 @@ import triton.language as tl  # noqa: E402
 
 from kernels._backend import interpreting, launch_options  # noqa: E402
 from kernels._trace import _globaltimer  # noqa: E402
+from engine.fused import rotate  # noqa: E402
+from kernels.decode_attention.reference import decode_attention_reference  # noqa: E402
 from kernels.decode_attention.triton_kernel import dot_flags  # noqa: E402
 from kernels.rope_cache.triton_kernel import rope_rows_at, rotate_with  # noqa: E402
 
-PAIRS = 8          # rope pairs (rows d and d + D/2) per program in the qkv stage: 16 weight rows
-O_ROWS = 16        # o weight rows per program
+O_ROWS = 16        # o weight rows per program (the qkv stage: 8 rope pairs, rows d and d + D/2)
 MAX_SPINS = tl.constexpr(1 << 16)   # polls before a wait gives up (some 50 ms; a healthy wait takes a few)
 # per program: START, WAITED (griddepcontrol), then each stage's wait return and end, END, its role
 COLUMN_NAMES = ("start", "waited", "qkv done", "attn waited", "attn done", "o waited", "o done", "gate_up waited",
@@ -201,7 +202,7 @@ def _persistent_layer(
     _mark(Trace, trace_row, START, TRACE)
 
     # ---- what depends on no earlier launch: weights, rope rows, settled cache rows ----------
-    # qkv: this program's 8 rope pairs of one head, as [PAIRS, 2, KC] tiles (rows d and d + D/2)
+    # qkv: this program's 8 rope pairs of one head, as [8, 2, KC] tiles (rows d and d + D/2)
     head = pid // (HALF // 8)
     d_lo = (pid % (HALF // 8)) * 8 + tl.arange(0, 8)                       # [8] dims in [0, D/2)
     half = tl.arange(0, 2)
@@ -500,20 +501,13 @@ def reference_layer(x, sumsq, h, qkv_w, qkv_b, o_w, emit_norm_w, k_cache, v_cach
     y = (qkv_w.float() @ x.float()) * scale + qkv_b.float()
     y = y.to(dt).float()
     q, k, v = y.split([num_heads * d, num_kv_heads * d, num_kv_heads * d])
-    c, s_ = cos[0].to(dt).float(), sin[0].to(dt).float()
-
-    def rope(t):
-        t = t.view(-1, d)
-        t1, t2 = t[:, : d // 2], t[:, d // 2:]
-        return torch.cat([t1 * c[: d // 2] - t2 * s_[: d // 2], t2 * c[d // 2:] + t1 * s_[d // 2:]], 1)
-
-    q, k = rope(q).to(dt), rope(k).to(dt)
+    # the eager rope in float32 with tables rounded to the model dtype, as the kernel rotates
+    rounded = cos.to(dt).float(), sin.to(dt).float()
+    q, k = (rotate(t.view(1, -1, 1, d), *rounded).view(-1, d).to(dt) for t in (q, k))
     k_cache[:, pos] = k
     v_cache[:, pos] = v.view(-1, d).to(dt)
-    keys, values = k_cache[:, : pos + 1].float(), v_cache[:, : pos + 1].float()
-    group = num_heads // num_kv_heads
-    qh = q.float().view(num_kv_heads, group, d)
-    att = torch.softmax(qh @ keys.transpose(1, 2) / math.sqrt(d), -1) @ values       # [HKV, G, D]
+    att = decode_attention_reference(q.float().view(1, num_heads, 1, d), k_cache[None], v_cache[None],
+                                     torch.tensor([pos + 1]))                    # [1, Hq, 1, D] float32
     att = att.reshape(-1).to(dt).float()
     h_new = ((o_w.float() @ att).to(dt).float() + h.float()).to(dt)
     if mlp is not None:
@@ -623,13 +617,9 @@ def main() -> None:
             h, x, sumsq = kernels[i].run(x, sumsq, h, cos, sin, stuck, stages=stages,
                                          trace=None if trace is None else trace[i])
             if hybrid:   # the engine's own MLP launches after the persistent attention half
-                layer, nxt = model.layers[i], model.layers[(i + 1) % L].input_layernorm
-                hidden = h.view(hidden0.shape)
                 post = type(normed0)(x.view(hidden0.shape), sumsq.view(-1, 1))
-                act = fused_project(post.weighted, layer.mlp.gate_up_proj, norm_inputs=post,
-                                    eps=layer.post_attention_layernorm.eps, gated=True)
-                hidden, normed = fused_project(act, layer.mlp.down_proj, residual=hidden, emit_norm=nxt,
-                                               settled=True)
+                hidden, normed = model.layers[i].fused_mlp(h.view(hidden0.shape), post,
+                                                           model.layers[(i + 1) % L].input_layernorm)
                 h, x, sumsq = hidden.view(-1), normed.weighted.view(-1), normed.sumsq.view(-1)
         return h
 

@@ -151,8 +151,15 @@ class Block(nn.Module):
         # may read them before waiting on the launch just before (kernels._pdl, "Settled inputs").
         hidden, post_inputs = fused_project(attn, self.self_attn.o_proj, residual=hidden, emit_norm=post,
                                             settled=True)
+        return self.fused_mlp(hidden, post_inputs, next_norm)
+
+    def fused_mlp(self, hidden, post_inputs, next_norm: Optional[RMSNorm]):
+        """The fused path's MLP half: the stream after attention [B, T, H] and its post-attention
+        norm inputs -> (the stream after the layer, its NormInputs for `next_norm` or None): gate/up
+        with the norm folded in and silu*mul, then down + residual (written two launches back)."""
+        mlp = self.mlp
         act = fused_project(post_inputs.weighted.view(hidden.shape), mlp.gate_up_proj, norm_inputs=post_inputs,
-                            eps=post.eps, gated=True)
+                            eps=self.post_attention_layernorm.eps, gated=True)
         if next_norm is None:
             return fused_project(act, mlp.down_proj, residual=hidden, settled=True), None
         return fused_project(act, mlp.down_proj, residual=hidden, emit_norm=next_norm, settled=True)

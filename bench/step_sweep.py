@@ -19,6 +19,8 @@ A variant is space-separated settings, "table" for none:
   l2side=COLS,PROGRAMS,STEP_NS     a probe (bench/l2_side_prefetch.py): each layer's gate_up rows'
                                   first COLS columns asked of the L2 from a second stream during the
                                   attention half, PROGRAMS programs, one row per thread every STEP_NS
+  mlp=I,H,programs,bk,bn,warps,stages[,preload]   kernels.fused_mlp's config for that MLP shape
+                                  (programs 0: one per multiprocessor; BATCHD_FUSED_MLP=0: the chain)
   skip=merge|reduce               a what-if, not a config: the step runs without that launch (the
                                   attention merge; small_linear's split-K reduce), its consumer reading
                                   whatever the buffer holds. The ids are garbage; the tok/s bounds what
@@ -53,13 +55,15 @@ from bench.decode import kv_bytes_per_token, time_ours, weight_bytes_per_token  
 from engine.presets import preset  # noqa: E402
 from engine.runtime import Engine, build_model  # noqa: E402
 from kernels.decode_attention import triton_kernel as attention_kernel  # noqa: E402
+from kernels.fused_mlp import triton_kernel as mlp_kernel  # noqa: E402
 from kernels.small_matmul import triton_kernel  # noqa: E402
 
 TILES = dict(attention_kernel.TUNED_TILES)
 REDUCE_BLOCK = triton_kernel.REDUCE_BLOCK
 
 
-SWITCHES = ("BATCHD_PDL_TRIGGER", "BATCHD_EARLY_READS", "BATCHD_PDL")
+SWITCHES = ("BATCHD_PDL_TRIGGER", "BATCHD_EARLY_READS", "BATCHD_PDL", "BATCHD_FUSED_MLP")
+MLP_TUNED = dict(mlp_kernel.TUNED)
 MERGE_SPLITS = attention_kernel.merge_splits
 MAX_SPLITS = attention_kernel.MAX_SPLITS
 REDUCE_KERNEL = triton_kernel._reduce_splits_kernel
@@ -90,6 +94,8 @@ def apply_variant(spec: str, tuned: dict) -> None:
         os.environ.pop(name, None)
     triton_kernel.TUNED.clear()
     triton_kernel.TUNED.update(tuned)
+    mlp_kernel.TUNED.clear()
+    mlp_kernel.TUNED.update(MLP_TUNED)
     attention_kernel.TUNED_TILES.clear()
     attention_kernel.TUNED_TILES.update(TILES)
     triton_kernel.REDUCE_BLOCK = REDUCE_BLOCK
@@ -114,6 +120,10 @@ def apply_variant(spec: str, tuned: dict) -> None:
                 (n, k, size): dataclasses.replace(cfg, preload=int(depth) if n * k * size >= float(min_mb or 0) * 1e6 else 0)
                 for (n, k, size), cfg in tuned.items()})
             continue
+        if shape == "mlp":
+            intermediate, hidden, config = mlp_config(values)
+            mlp_kernel.TUNED[(intermediate, hidden, 2)] = config
+            continue
         if shape == "attn_splits":
             attention_kernel.MAX_SPLITS = int(values)
             continue
@@ -133,6 +143,14 @@ def apply_variant(spec: str, tuned: dict) -> None:
             continue
         n, k = (int(v) for v in shape.split(","))
         triton_kernel.TUNED[(n, k, 2)] = linear_config(values)
+
+
+def mlp_config(values: str):
+    """`I,H,programs,block_k,block_n,warps,stages[,preload]` -> (I, H, FusedMlpConfig); programs 0:
+    one per multiprocessor."""
+    intermediate, hidden, programs, block_k, block_n, warps, stages, *preload = (int(v) for v in values.split(","))
+    return intermediate, hidden, mlp_kernel.FusedMlpConfig(programs, block_k, block_n, warps, stages,
+                                                           preload[0] if preload else 0)
 
 
 def run_order(variants: list[str], rounds: int, warmup: int) -> list[tuple[str, bool]]:

@@ -45,6 +45,11 @@ def enable_invariant_kernel() -> bool:
     return True
 
 
+def decode_kernels_enabled() -> bool:
+    """Whether CUDA decode and verify steps run the invariant kernels (`enable_invariant_kernel`)."""
+    return _small_linear is not None
+
+
 def project(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
     """x: [B, T, K] -> [B, T, N] through `layer`'s weight and bias."""
     rows = x.shape[0] * x.shape[1]

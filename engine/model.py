@@ -155,9 +155,25 @@ class Block(nn.Module):
 
     def fused_mlp(self, hidden, post_inputs, next_norm: Optional[RMSNorm]):
         """The fused path's MLP half: the stream after attention [B, T, H] and its post-attention
-        norm inputs -> (the stream after the layer, its NormInputs for `next_norm` or None): gate/up
-        with the norm folded in and silu*mul, then down + residual (written two launches back)."""
+        norm inputs -> (the stream after the layer, its NormInputs for `next_norm` or None).
+
+        With down's weight stored transposed (`Transformer.use_fused_mlp`): kernels.fused_mlp, two
+        launches (gate/up, silu*mul and down per slice of the intermediate axis; the ordered sum of
+        the slices + residual). Otherwise the chain: gate/up with the norm folded in and silu*mul,
+        then down + residual (written two launches back), three launches with down's k split."""
         mlp = self.mlp
+        down_t = mlp.down_proj.weight.t()  # [I, H]
+        if down_t.is_contiguous():
+            from kernels.fused_mlp import fused_mlp
+
+            rows = hidden.shape[0] * hidden.shape[1]
+            result = fused_mlp(post_inputs.weighted.reshape(rows, -1), post_inputs.sumsq, mlp.gate_up_proj.weight,
+                               down_t, residual=hidden.reshape(rows, -1), eps=self.post_attention_layernorm.eps,
+                               emit_norm_weight=None if next_norm is None else next_norm.weight, settled=True)
+            if next_norm is None:
+                return result.view(hidden.shape), None
+            out, inputs = result
+            return out.view(hidden.shape), inputs
         act = fused_project(post_inputs.weighted.view(hidden.shape), mlp.gate_up_proj, norm_inputs=post_inputs,
                             eps=self.post_attention_layernorm.eps, gated=True)
         if next_norm is None:
@@ -260,6 +276,23 @@ class Transformer(nn.Module):
         return logits.float() if float_logits else logits
 
     # ---- weights ---------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def use_fused_mlp(self, enabled: bool = True) -> bool:
+        """Store every layer's down projection weight transposed (shape [H, I], strides (1, H)), which
+        routes the decode and verify MLPs through kernels.fused_mlp: its programs read their slice of
+        the intermediate axis as contiguous rows of weight.t(). Prefill's F.linear takes the strided
+        weight as it is. enabled=False stores it plainly again (the chain of small_linear launches).
+        Idempotent; a restore after parking brings plain weights back, so the engine calls this again
+        then. -> whether the fused MLP is on (False where the kernel does not fit the shape)."""
+        from kernels.fused_mlp import mlp_fits
+
+        enabled = enabled and mlp_fits(self.config.hidden_size, self.config.intermediate_size, self.dtype)
+        for layer in self.layers:
+            weight = layer.mlp.down_proj.weight
+            if weight.t().is_contiguous() != enabled:
+                weight.data = weight.data.t().contiguous().t() if enabled else weight.data.contiguous()
+        return enabled
 
     def load_hf_tensors(self, tensors: dict[str, torch.Tensor], source: str = "checkpoint") -> None:
         """Copy Hugging Face-named tensors in, fusing q/k/v and gate/up. Every parameter must be

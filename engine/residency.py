@@ -326,6 +326,8 @@ class Residency:
                     self.step_hook("unpark", engine)
             else:
                 self._reload(engine, params, parked)
+            if getattr(engine, "fused_mlp", False):
+                engine.model.use_fused_mlp()  # restored weights are contiguous: down transposed again
         cache = engine.cache
         for buffers in (cache.keys, cache.values):
             for i, shape in enumerate(parked.cache_shapes):

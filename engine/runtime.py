@@ -24,7 +24,8 @@ from engine.config import ModelConfig
 from engine.errors import BadInputError, DeviceOutOfMemoryError, PromptTooLongError
 from engine.generate import TokenOutput, generate_plain, synchronize
 from engine.kv_cache import KVCache
-from engine.linear import enable_invariant_kernel
+from engine.linear import decode_kernels_enabled, enable_invariant_kernel
+from kernels.fused_mlp import fused_mlp_switch
 from engine.model import Transformer
 from engine.pflash import compress_for_request, ensure_target_resident
 from engine.sampling import Sampler
@@ -74,6 +75,11 @@ class Engine:
         if self.device.type == "cuda":
             fused.enable_fusion()  # one Triton kernel per norm / rope / silu-mul (engine.fused)
             enable_invariant_kernel()  # decode and verify rows computed alike (engine.linear)
+        # decode and verify MLPs in two launches instead of three (kernels.fused_mlp): down's weight
+        # is stored transposed for it. BATCHD_FUSED_MLP=0 keeps the chain, whose sums of down run
+        # in another order (other bits: a measurement switch, recorded in the fingerprint)
+        self.fused_mlp = model.use_fused_mlp(self.device.type == "cuda" and decode_kernels_enabled()
+                                             and fused_mlp_switch())
         self.notes = check_features(self.config.architecture, self.device.type, attention=attention,
                                     cuda_graphs=cuda_graphs, head_dim=self.config.head_dim)
         self.cache = KVCache(self.config, max_context, self.device, model.dtype)
@@ -217,6 +223,7 @@ class Engine:
             "compress": comp.mode, "keep_ratio": comp.keep_ratio if comp.mode != "off" else None,
             "scoring_window": self._scoring_window_key() if comp.mode != "off" else None,
             "attention": self.attention if self.attention == "dense" else f"sparse-top{self.cache.sparse_top_k}",
+            "decode_mlp": "fused" if self.fused_mlp else "chain",
             # the PFlash drafter's checkpoint hash, where this job's prompt was compressed
             "compress_drafter_sha256": self.compress_drafter_sha256 or None,
             **drafter,

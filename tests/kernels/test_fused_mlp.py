@@ -1,0 +1,138 @@
+"""fused_mlp: the Triton kernels against the reference twin, rows bitwise independent of M, and the
+same act rows as kernels.small_matmul's gated projection.
+
+On CPU the Triton cases run under TRITON_INTERPRET=1 (conftest) with small shapes whose slices are
+ragged (I not a multiple of the program count), with and without preloaded tiles and emitted norm
+inputs, and a second block of 16 rows (M = 17). On CUDA the same tests run compiled, plus the
+model shapes with their tuned configs inside a CUDA graph.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.fused_mlp import check_mlp_inputs, fused_mlp, fused_mlp_reference
+from kernels.small_matmul.reference import norm_inputs_reference
+from tests.kernels.conftest import DEVICE, REL_ERR, needs_triton, rel_err
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def make(M, H, I, dtype, seed=0, device=DEVICE):
+    """(x, row_sumsq, gate_up, down_t, residual, norm weight): a post-attention norm's inputs and weights."""
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(M, H, generator=g).to(dtype)
+    post = norm_inputs_reference(h, (1 + 0.1 * torch.randn(H, generator=g)).to(dtype))
+    gate_up = (torch.randn(2 * I, H, generator=g) / H**0.5).to(dtype)
+    down_t = (torch.randn(I, H, generator=g) / I**0.5).to(dtype)
+    residual = (0.1 * torch.randn(M, H, generator=g)).to(dtype)     # small: the product dominates out
+    next_norm = (1 + 0.1 * torch.randn(H, generator=g)).to(dtype)
+    to = lambda t: t.to(device)  # noqa: E731
+    return to(post.weighted), to(post.sumsq), to(gate_up), to(down_t), to(residual), to(next_norm)
+
+
+def config(programs, preload=0, block=32):
+    from kernels.fused_mlp.triton_kernel import FusedMlpConfig
+
+    return FusedMlpConfig(programs=programs, block_k=block, block_n=block, num_stages=2, preload=preload,
+                          reduce_block=32)
+
+
+def test_reference_is_gated_projection_then_down():
+    x, sumsq, gate_up, down_t, residual, _ = make(3, 32, 40, torch.float32, device="cpu")
+    scale = torch.rsqrt(sumsq.sum(0) / 32 + 1e-6)
+    gate, up = ((x.double() @ gate_up.double().t()) * scale.double()[:, None]).chunk(2, dim=-1)
+    want = residual.double() + (torch.nn.functional.silu(gate) * up) @ down_t.double()
+    assert rel_err(fused_mlp_reference(x, sumsq, gate_up, down_t, residual), want) < 1e-5
+
+
+# (M, H, I, programs, preload): ragged slices (I % programs != 0), a slice wider than 16 rows, a
+# second m block, preloaded gate/up tiles
+CASES = [
+    pytest.param(1, 64, 40, 3, 0, id="m1-h64-i40-p3"),
+    pytest.param(5, 64, 100, 4, 1, id="m5-h64-i100-p4-preload1"),
+    pytest.param(17, 96, 72, 5, 2, id="m17-h96-i72-p5-preload2"),
+]
+
+
+@needs_triton
+@pytest.mark.triton
+@pytest.mark.parametrize("emit", [False, True], ids=["plain", "emit"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])
+@pytest.mark.parametrize("M, H, I, programs, preload", CASES)
+def test_triton_matches_reference(M, H, I, programs, preload, dtype, emit):
+    x, sumsq, gate_up, down_t, residual, next_norm = make(M, H, I, dtype)
+    kwargs = dict(residual=residual, eps=1e-6, emit_norm_weight=next_norm if emit else None)
+    got = fused_mlp(x, sumsq, gate_up, down_t, backend="triton", config=config(programs, preload), **kwargs)
+    want = fused_mlp(x, sumsq, gate_up, down_t, backend="reference", **kwargs)
+    if emit:
+        (got, got_inputs), (want, want_inputs) = got, want
+        assert rel_err(got_inputs.weighted, want_inputs.weighted) < 2 * REL_ERR[dtype]
+        # a sum of squares doubles its terms' relative error
+        assert rel_err(got_inputs.sumsq.sum(0), want_inputs.sumsq.sum(0)) < 4 * REL_ERR[dtype]
+    # twice the bound of one product: act's roundings (gate, up, silu) flip where the sums' order moves
+    assert rel_err(got, want) < 2 * REL_ERR[dtype]
+
+
+@needs_triton
+@pytest.mark.triton
+def test_rows_do_not_depend_on_how_many_are_computed_together():
+    x, sumsq, gate_up, down_t, residual, next_norm = make(17, 64, 100, torch.bfloat16, seed=1)
+    run = lambda rows: fused_mlp(x[rows], sumsq[:, rows].contiguous(), gate_up, down_t,  # noqa: E731
+                                 residual=residual[rows], emit_norm_weight=next_norm, backend="triton",
+                                 config=config(4, 1))
+    full, full_inputs = run(slice(0, 17))
+    for rows in (slice(0, 1), slice(3, 8), slice(16, 17)):
+        out, inputs = run(rows)
+        assert torch.equal(out, full[rows])
+        assert torch.equal(inputs.weighted, full_inputs.weighted[rows])
+
+
+@needs_triton
+@pytest.mark.triton
+@pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter only: compiled, two k-step sizes may sum apart")
+def test_act_rows_match_the_gated_projection():
+    """The slice's silu(gate) * up is the gated small_linear's, bit for bit (the same k steps in the
+    interpreter), so the fused and chained MLPs differ only in how down's sums are ordered: with
+    down = identity rows the outputs agree."""
+    from kernels.small_matmul import small_linear
+
+    M, H = 3, 64
+    x, sumsq, gate_up, _, residual, _ = make(M, H, H, torch.float32, seed=2)
+    down_t = torch.eye(H, device=x.device)        # act Wd^T = act
+    act = small_linear(x, gate_up, row_sumsq=sumsq, eps=1e-6, gated=True, backend="triton")   # one k step
+    out = fused_mlp(x, sumsq, gate_up, down_t, residual=torch.zeros_like(residual), backend="triton",
+                    config=config(4, block=64))
+    assert torch.equal(out, act)
+
+
+def test_bad_operands_name_the_numbers():
+    x, sumsq, gate_up, down_t, residual, _ = make(2, 32, 40, torch.float32, device="cpu")
+    with pytest.raises(ValueError, match=r"down_t must be .* \[40, 32\]"):
+        check_mlp_inputs(x, sumsq, gate_up, down_t.t().contiguous(), residual, None)
+    with pytest.raises(ValueError, match="down_t must be"):
+        check_mlp_inputs(x, sumsq, gate_up, down_t.t().contiguous().t(), residual, None)   # strided view
+    with pytest.raises(ValueError, match="row_sumsq is required"):
+        check_mlp_inputs(x, None, gate_up, down_t, residual, None)
+    with pytest.raises(ValueError, match="residual must be"):
+        check_mlp_inputs(x, sumsq, gate_up, down_t, residual[:1], None)
+
+
+@needs_cuda
+@pytest.mark.parametrize("shape", [(1536, 8960), (4096, 14336), (576, 1536)], ids=["qwen2.5-1.5b", "llama-3-8b",
+                                                                                    "smollm2-135m"])
+def test_cuda_model_shapes_in_a_graph(shape):
+    H, I = shape
+    x, sumsq, gate_up, down_t, residual, next_norm = make(5, H, I, torch.bfloat16)
+    run = lambda: fused_mlp(x, sumsq, gate_up, down_t, residual=residual, emit_norm_weight=next_norm)  # noqa: E731
+    eager, _ = run()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured, _ = run()
+    graph.replay()
+    want = fused_mlp_reference(x, sumsq, gate_up, down_t, residual)
+    assert torch.equal(captured, eager)
+    assert rel_err(eager, want) < 2 * REL_ERR[torch.bfloat16]
+    one, _ = fused_mlp(x[:1], sumsq[:, :1].contiguous(), gate_up, down_t, residual=residual[:1],
+                       emit_norm_weight=next_norm)
+    assert torch.equal(one, eager[:1])

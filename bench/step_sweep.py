@@ -20,7 +20,7 @@ A variant is space-separated settings, "table" for none:
                                   first COLS columns asked of the L2 from a second stream during the
                                   attention half, PROGRAMS programs, one row per thread every STEP_NS
   mlp=I,H,programs,bk,bn,warps,stages[,preload]   kernels.fused_mlp's config for that MLP shape
-                                  (programs 0: one per multiprocessor; BATCHD_FUSED_MLP=0: the chain)
+                                  (programs 0: one per multiprocessor; it sets BATCHD_FUSED_MLP=1)
   skip=merge|reduce               a what-if, not a config: the step runs without that launch (the
                                   attention merge; small_linear's split-K reduce), its consumer reading
                                   whatever the buffer holds. The ids are garbage; the tok/s bounds what
@@ -123,6 +123,7 @@ def apply_variant(spec: str, tuned: dict) -> None:
         if shape == "mlp":
             intermediate, hidden, config = mlp_config(values)
             mlp_kernel.TUNED[(intermediate, hidden, 2)] = config
+            os.environ["BATCHD_FUSED_MLP"] = "1"
             continue
         if shape == "attn_splits":
             attention_kernel.MAX_SPLITS = int(values)
@@ -146,11 +147,13 @@ def apply_variant(spec: str, tuned: dict) -> None:
 
 
 def mlp_config(values: str):
-    """`I,H,programs,block_k,block_n,warps,stages[,preload]` -> (I, H, FusedMlpConfig); programs 0:
-    one per multiprocessor."""
-    intermediate, hidden, programs, block_k, block_n, warps, stages, *preload = (int(v) for v in values.split(","))
+    """`I,H,programs,block_k,block_n,warps,stages[,preload][,field:value...]` -> (I, H, FusedMlpConfig);
+    programs 0: one per multiprocessor (down_swap:0 multiplies act^T by the tile)."""
+    items = values.split(",")
+    named = {name: int(value) for name, value in (item.split(":") for item in items if ":" in item)}
+    intermediate, hidden, programs, block_k, block_n, warps, stages, *preload = (int(v) for v in items if ":" not in v)
     return intermediate, hidden, mlp_kernel.FusedMlpConfig(programs, block_k, block_n, warps, stages,
-                                                           preload[0] if preload else 0)
+                                                           preload[0] if preload else 0, **named)
 
 
 def run_order(variants: list[str], rounds: int, warmup: int) -> list[tuple[str, bool]]:

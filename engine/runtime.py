@@ -75,9 +75,10 @@ class Engine:
         if self.device.type == "cuda":
             fused.enable_fusion()  # one Triton kernel per norm / rope / silu-mul (engine.fused)
             enable_invariant_kernel()  # decode and verify rows computed alike (engine.linear)
-        # decode and verify MLPs in two launches instead of three (kernels.fused_mlp): down's weight
-        # is stored transposed for it. BATCHD_FUSED_MLP=0 keeps the chain, whose sums of down run
-        # in another order (other bits: a measurement switch, recorded in the fingerprint)
+        # BATCHD_FUSED_MLP=1: decode and verify MLPs in two launches instead of three
+        # (kernels.fused_mlp), down's weight stored transposed for it; measured slower than the chain
+        # on the H200, so off by default. Its sums of down run in another order (other bits: a
+        # measurement switch, recorded in the fingerprint)
         self.fused_mlp = model.use_fused_mlp(self.device.type == "cuda" and decode_kernels_enabled()
                                              and fused_mlp_switch())
         self.notes = check_features(self.config.architecture, self.device.type, attention=attention,

@@ -8,7 +8,8 @@
 down_t is the down projection's weight transposed, [I, H] and contiguous: the engine stores that
 weight transposed when it uses this path (engine.model.Transformer.use_fused_mlp), so
 `down_proj.weight.t()` is a free view. On CUDA: kernels/fused_mlp/triton_kernel.py; elsewhere the
-PyTorch twin (reference.py). BATCHD_FUSED_MLP=0 turns the engine's use of it off.
+PyTorch twin (reference.py). The engine uses it only with BATCHD_FUSED_MLP=1: on the H200 the chain
+of small_matmul launches is faster (kernels/small_matmul/NOTES.md, "Stop 19").
 """
 from __future__ import annotations
 
@@ -22,8 +23,10 @@ from kernels.small_matmul import check_fusion_inputs, check_linear_inputs
 
 
 def fused_mlp_switch() -> bool:
-    """Whether the engine runs decode and verify MLPs through this kernel (BATCHD_FUSED_MLP, default on)."""
-    return os.environ.get("BATCHD_FUSED_MLP", "1") != "0"
+    """Whether the engine runs decode and verify MLPs through this kernel: BATCHD_FUSED_MLP=1. Off by
+    default: measured slower than the chain on the H200 at every config tried (kernels/small_matmul/
+    NOTES.md, "Stop 19")."""
+    return os.environ.get("BATCHD_FUSED_MLP", "0") == "1"
 
 
 def mlp_fits(hidden: int, intermediate: int, dtype: torch.dtype) -> bool:

@@ -45,6 +45,7 @@ class FusedMlpConfig:
     num_stages: int = 3
     preload: int = 0         # gate/up k steps requested before griddepcontrol.wait (0..2)
     reduce_block: int = 32   # output columns per reduce program
+    down_swap: bool = True   # down as (down_t tile)^T act (the tile the MMA's A operand); False: act^T tile
 
     def __post_init__(self):
         if not 0 <= self.preload <= 2:
@@ -103,7 +104,7 @@ def _fused_mlp_kernel(
     # DT [I, H] down's weight transposed; Part [P, M, H] f32
     M, H, I, eps, parts_in, programs, stride_xm,
     PARTS_P2: tl.constexpr, USE_PDL: tl.constexpr, TRIGGER: tl.constexpr, PRELOAD: tl.constexpr,
-    UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, DOWN_SWAP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
     Trace, trace_row, TRACE: tl.constexpr,       # kernels._trace
 ):
@@ -160,13 +161,21 @@ def _fused_mlp_kernel(
         act = act.to(tl.float32)
 
     d_ptrs = DT + rows[:, None].to(tl.int64) * H + offs_n[None, :]
-    part_ptrs = Part + (p * M + offs_m[None, :]).to(tl.int64) * H + offs_n[:, None]
+    if DOWN_SWAP:
+        part_ptrs = Part + (p * M + offs_m[None, :]).to(tl.int64) * H + offs_n[:, None]
+    else:
+        act_rows = tl.trans(act)                                                              # [BLOCK_M, BLOCK_T]
+        part_ptrs = Part + (p * M + offs_m[:, None]).to(tl.int64) * H + offs_n[None, :]
     for n0 in range(0, H, BLOCK_N):
         wd = tl.load(d_ptrs + n0, mask=t_ok[:, None], other=0.0, eviction_policy="evict_first")   # [BLOCK_T, BLOCK_N]
         if UPCAST_DOT:
             wd = wd.to(tl.float32)
-        part = tl.dot(tl.trans(wd), act, input_precision=DOT_PRECISION)                       # [BLOCK_N, BLOCK_M]
-        tl.store(part_ptrs + n0, part, mask=m_ok[None, :])
+        if DOWN_SWAP:
+            part = tl.dot(tl.trans(wd), act, input_precision=DOT_PRECISION)                   # [BLOCK_N, BLOCK_M]
+            tl.store(part_ptrs + n0, part, mask=m_ok[None, :])
+        else:
+            part = tl.dot(act_rows, wd, input_precision=DOT_PRECISION)                        # [BLOCK_M, BLOCK_N]
+            tl.store(part_ptrs + n0, part, mask=m_ok[:, None])
     trace_mark(Trace, trace_row, END, TRACE)
 
 
@@ -248,7 +257,7 @@ def fused_mlp_triton(
         x, row_sumsq, gate_up, down_t, part,
         M, H, I, eps, row_sumsq.shape[0], programs, x.stride(0),
         PARTS_P2=triton.next_power_of_2(row_sumsq.shape[0]), USE_PDL=pdl, TRIGGER=pdl_trigger_point("linear"),
-        PRELOAD=config.preload, UPCAST_DOT=upcast, DOT_PRECISION=precision,
+        PRELOAD=config.preload, UPCAST_DOT=upcast, DOT_PRECISION=precision, DOWN_SWAP=config.down_swap,
         BLOCK_M=BLOCK_M, BLOCK_T=block_t, BLOCK_K=config.block_k, BLOCK_N=config.block_n,
         **trace_args(f"mlp {I}x{H} in {programs} slices", grid, part),
         num_warps=config.num_warps, num_stages=config.num_stages, **launch_options(pdl),

@@ -220,6 +220,25 @@ def test_reload_reads_the_folder_into_the_fused_weights(tiny_engine):
         assert torch.equal(p, before[name]), name  # q/k/v biases and gate/up rows included
 
 
+@pytest.mark.parametrize("strategy", ["host", "reload"])
+def test_unpark_stores_down_transposed_again_for_the_fused_mlp(tiny_engine, strategy):
+    """A restore brings plain weights back; an engine on the fused MLP (BATCHD_FUSED_MLP=1 on CUDA,
+    forced here on the CPU) must get down's transposed storage back, or its decode steps would take
+    the chain and its sums' other order."""
+    before = {name: p.detach().clone() for name, p in tiny_engine.model.named_parameters()}
+    tiny_engine.fused_mlp = tiny_engine.model.use_fused_mlp(True)
+    try:
+        residency = Residency(park="always", strategy=strategy)
+        residency.park(tiny_engine)
+        residency.unpark(tiny_engine)
+        for layer in tiny_engine.model.layers:
+            assert layer.mlp.down_proj.weight.t().is_contiguous()
+        for name, p in tiny_engine.model.named_parameters():
+            assert torch.equal(p, before[name]), name
+    finally:
+        tiny_engine.fused_mlp = tiny_engine.model.use_fused_mlp(False)
+
+
 def test_reload_refuses_a_checkpoint_changed_since_the_park(tiny_engine):
     import os
 

@@ -31,11 +31,11 @@ def make(M, H, I, dtype, seed=0, device=DEVICE):
     return to(post.weighted), to(post.sumsq), to(gate_up), to(down_t), to(residual), to(next_norm)
 
 
-def config(programs, preload=0, block=32):
+def config(programs, preload=0, block=32, down_swap=True):
     from kernels.fused_mlp.triton_kernel import FusedMlpConfig
 
     return FusedMlpConfig(programs=programs, block_k=block, block_n=block, num_stages=2, preload=preload,
-                          reduce_block=32)
+                          reduce_block=32, down_swap=down_swap)
 
 
 def test_reference_is_gated_projection_then_down():
@@ -46,12 +46,13 @@ def test_reference_is_gated_projection_then_down():
     assert rel_err(fused_mlp_reference(x, sumsq, gate_up, down_t, residual), want) < 1e-5
 
 
-# (M, H, I, programs, preload): ragged slices (I % programs != 0), a slice wider than 16 rows, a
-# second m block, preloaded gate/up tiles
+# (M, H, I, programs, preload, down_swap): ragged slices (I % programs != 0), a slice wider than 16
+# rows, a second m block, preloaded gate/up tiles, both operand orders of down
 CASES = [
-    pytest.param(1, 64, 40, 3, 0, id="m1-h64-i40-p3"),
-    pytest.param(5, 64, 100, 4, 1, id="m5-h64-i100-p4-preload1"),
-    pytest.param(17, 96, 72, 5, 2, id="m17-h96-i72-p5-preload2"),
+    pytest.param(1, 64, 40, 3, 0, True, id="m1-h64-i40-p3"),
+    pytest.param(5, 64, 100, 4, 1, False, id="m5-h64-i100-p4-preload1-noswap"),
+    pytest.param(17, 96, 72, 5, 2, True, id="m17-h96-i72-p5-preload2"),
+    pytest.param(17, 64, 40, 3, 0, False, id="m17-h64-i40-p3-noswap"),
 ]
 
 
@@ -59,11 +60,12 @@ CASES = [
 @pytest.mark.triton
 @pytest.mark.parametrize("emit", [False, True], ids=["plain", "emit"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])
-@pytest.mark.parametrize("M, H, I, programs, preload", CASES)
-def test_triton_matches_reference(M, H, I, programs, preload, dtype, emit):
+@pytest.mark.parametrize("M, H, I, programs, preload, down_swap", CASES)
+def test_triton_matches_reference(M, H, I, programs, preload, down_swap, dtype, emit):
     x, sumsq, gate_up, down_t, residual, next_norm = make(M, H, I, dtype)
     kwargs = dict(residual=residual, eps=1e-6, emit_norm_weight=next_norm if emit else None)
-    got = fused_mlp(x, sumsq, gate_up, down_t, backend="triton", config=config(programs, preload), **kwargs)
+    got = fused_mlp(x, sumsq, gate_up, down_t, backend="triton", config=config(programs, preload, down_swap=down_swap),
+                    **kwargs)
     want = fused_mlp(x, sumsq, gate_up, down_t, backend="reference", **kwargs)
     if emit:
         (got, got_inputs), (want, want_inputs) = got, want

@@ -1,7 +1,11 @@
 """Registers, spills and shared memory of small_linear's decode kernels, compiled for the H200
 (sm_90) on any machine: no GPU needed, so a config can be checked before device time is spent.
 
-    python bench/kernel_resources.py [--sass DIR]
+    python bench/kernel_resources.py [--sass DIR] [--fused-mlp]
+
+--fused-mlp lists kernels.fused_mlp's kernel instead, in the configs step_sweep's mlp= variants
+tried (stop 19): its shared memory is the gate/up loop's stages (the down loop reuses them), which
+decides whether 140 slices fit two to a multiprocessor or run a second wave.
 
 --sass DIR also writes each kernel's SASS (addresses and encodings stripped) to DIR/<kernel>.sass:
 run it at two commits and `diff -r` the folders to see whether a change moved any instruction of
@@ -34,6 +38,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from bench.common import print_table  # noqa: E402
+from kernels.fused_mlp import triton_kernel as mlp_tk  # noqa: E402
 from kernels.small_matmul import triton_kernel as tk  # noqa: E402
 
 POINTERS = dict(X="*bf16", W="*bf16", Bias="*bf16", Res="*bf16", Out="*bf16", Part="*fp32", SumSqIn="*fp32",
@@ -68,11 +73,11 @@ def sass_lines(cubin_bytes: bytes) -> list[str]:
             for line in cuobjdump(cubin_bytes, "-sass").splitlines() if re.search(r"/\*[0-9a-f]{4}\*/", line)]
 
 
-def resources(cfg: tk.SmallLinearConfig, consts: dict, sass_path: Path | None = None) -> dict:
-    fn = tk._small_linear_kernel
-    signature = {name: "constexpr" if name in consts else POINTERS.get(name, "fp32" if name == "eps" else "i32")
+def resources(cfg, consts: dict, sass_path: Path | None = None, fn=tk._small_linear_kernel, pointers=POINTERS,
+              divisible=DIVISIBLE) -> dict:
+    signature = {name: "constexpr" if name in consts else pointers.get(name, "fp32" if name == "eps" else "i32")
                  for name in fn.arg_names}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names) if name in DIVISIBLE}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names) if name in divisible}
     kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=consts, attrs=attrs),
                             target=GPUTarget("cuda", 90, 32),
                             options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
@@ -87,10 +92,36 @@ def resources(cfg: tk.SmallLinearConfig, consts: dict, sass_path: Path | None = 
     return dict(regs=regs, spill_stack_bytes=stack, shared_kb=round(shared / 1024, 1), ctas_per_sm=per_sm)
 
 
+MLP_POINTERS = dict(X="*bf16", SumSqIn="*fp32", GU="*bf16", DT="*bf16", Part="*fp32", Trace="*i64")
+MLP_DIVISIBLE = set(MLP_POINTERS) | {"H", "I", "stride_xm"}
+
+
+def fused_mlp_rows(intermediate: int = 8960) -> list[dict]:
+    """kernels.fused_mlp's slice kernel at Qwen2.5-1.5B's MLP in the configs measured in stop 19."""
+    C = mlp_tk.FusedMlpConfig
+    rows = []
+    for cfg in (C(0, 64, 64, 4, 3), C(0, 64, 64, 4, 5), C(0, 64, 128, 4, 5), C(140, 64, 64, 4, 6),
+                C(140, 128, 64, 4, 3), C(140, 128, 64, 4, 4), C(264, 64, 64, 4, 4)):
+        programs = cfg.programs or 132
+        consts = dict(PARTS_P2=256, USE_PDL=True, TRIGGER=1, PRELOAD=cfg.preload, UPCAST_DOT=False,
+                      DOT_PRECISION="tf32", DOWN_SWAP=cfg.down_swap, PREFETCH_DOWN=cfg.prefetch_down, BLOCK_M=16,
+                      BLOCK_T=mlp_tk.rows_per_slice(intermediate, programs), BLOCK_K=cfg.block_k,
+                      BLOCK_N=cfg.block_n, TRACE=False)
+        usage = resources(cfg, consts, fn=mlp_tk._fused_mlp_kernel, pointers=MLP_POINTERS, divisible=MLP_DIVISIBLE)
+        rows.append(dict(kernel=f"fused mlp, {programs} slices of {consts['BLOCK_T']} rows",
+                         config=f"k {cfg.block_k}, n {cfg.block_n}, {cfg.num_stages} stages", **usage))
+        print(rows[-1], flush=True)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sass", type=Path, help="also write each kernel's SASS to this folder")
+    parser.add_argument("--fused-mlp", action="store_true", help="kernels.fused_mlp's kernel instead")
     args = parser.parse_args()
+    if args.fused_mlp:
+        print_table(fused_mlp_rows())
+        return
     if args.sass:
         args.sass.mkdir(parents=True, exist_ok=True)
     C = tk.SmallLinearConfig

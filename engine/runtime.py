@@ -25,7 +25,7 @@ from engine.errors import BadInputError, DeviceOutOfMemoryError, PromptTooLongEr
 from engine.generate import TokenOutput, generate_plain, synchronize
 from engine.kv_cache import KVCache
 from engine.linear import decode_kernels_enabled, enable_invariant_kernel
-from kernels.fused_mlp import fused_mlp_switch
+from kernels.fused_mlp import fused_mlp_wanted
 from engine.model import Transformer
 from engine.pflash import compress_for_request, ensure_target_resident
 from engine.sampling import Sampler
@@ -75,12 +75,14 @@ class Engine:
         if self.device.type == "cuda":
             fused.enable_fusion()  # one Triton kernel per norm / rope / silu-mul (engine.fused)
             enable_invariant_kernel()  # decode and verify rows computed alike (engine.linear)
-        # BATCHD_FUSED_MLP=1: decode and verify MLPs in two launches instead of three
-        # (kernels.fused_mlp), down's weight stored transposed for it; measured slower than the chain
-        # on the H200, so off by default. Its sums of down run in another order (other bits: a
-        # measurement switch, recorded in the fingerprint)
-        self.fused_mlp = model.use_fused_mlp(self.device.type == "cuda" and decode_kernels_enabled()
-                                             and fused_mlp_switch())
+        # decode and verify MLPs in two launches instead of three (kernels.fused_mlp) on the shapes
+        # where that measured faster (BATCHD_FUSED_MLP=1 forces it, 0 turns it off); down's weight
+        # is stored transposed for it. Its sums of down run in another order than the chain's, so
+        # the path is recorded in the fingerprint
+        config = model.config
+        self.fused_mlp = model.use_fused_mlp(
+            self.device.type == "cuda" and decode_kernels_enabled()
+            and fused_mlp_wanted(config.hidden_size, config.intermediate_size, model.dtype))
         self.notes = check_features(self.config.architecture, self.device.type, attention=attention,
                                     cuda_graphs=cuda_graphs, head_dim=self.config.head_dim)
         self.cache = KVCache(self.config, max_context, self.device, model.dtype)

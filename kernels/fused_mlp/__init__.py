@@ -8,8 +8,10 @@
 down_t is the down projection's weight transposed, [I, H] and contiguous: the engine stores that
 weight transposed when it uses this path (engine.model.Transformer.use_fused_mlp), so
 `down_proj.weight.t()` is a free view. On CUDA: kernels/fused_mlp/triton_kernel.py; elsewhere the
-PyTorch twin (reference.py). The engine uses it only with BATCHD_FUSED_MLP=1: on the H200 the chain
-of small_matmul launches is faster (kernels/small_matmul/NOTES.md, "Stop 19").
+PyTorch twin (reference.py). The engine uses it on the MLP shapes where it measured faster than the
+chain of small_matmul launches on the H200 (`fused_mlp_wanted`; BATCHD_FUSED_MLP=1 forces it, 0
+turns it off): Qwen2.5-0.5B, +6%; at Qwen2.5-1.5B, Llama-3-8B and SmolLM2-135M the chain is
+faster (kernels/small_matmul/NOTES.md, "Stop 19").
 """
 from __future__ import annotations
 
@@ -22,11 +24,25 @@ from kernels.fused_mlp.reference import fused_mlp_reference
 from kernels.small_matmul import check_fusion_inputs, check_linear_inputs
 
 
-def fused_mlp_switch() -> bool:
-    """Whether the engine runs decode and verify MLPs through this kernel: BATCHD_FUSED_MLP=1. Off by
-    default: measured slower than the chain on the H200 at every config tried (kernels/small_matmul/
-    NOTES.md, "Stop 19")."""
-    return os.environ.get("BATCHD_FUSED_MLP", "0") == "1"
+def fused_mlp_wanted(hidden: int, intermediate: int, dtype: torch.dtype) -> bool:
+    """Whether the engine should run this model's decode and verify MLPs through the kernel (on
+    CUDA). BATCHD_FUSED_MLP=1: wherever it fits; 0: never; unset: on the shapes where it measured
+    faster than the chain (triton_kernel.TUNED: Qwen2.5-0.5B; not 1.5B, 8B or SmolLM2-135M,
+    kernels/small_matmul/NOTES.md "Stop 19")."""
+    switch = os.environ.get("BATCHD_FUSED_MLP", "")
+    if switch not in ("", "0", "1"):
+        raise ValueError(f"BATCHD_FUSED_MLP is 0, 1 or unset, got {switch!r}")
+    if switch == "0" or not mlp_fits(hidden, intermediate, dtype):
+        return False
+    if switch == "1":
+        return True
+    from kernels._backend import triton_available
+
+    if not triton_available():
+        return False
+    from kernels.fused_mlp.triton_kernel import measured_faster
+
+    return measured_faster(intermediate, hidden, dtype)
 
 
 def mlp_fits(hidden: int, intermediate: int, dtype: torch.dtype) -> bool:
@@ -76,4 +92,4 @@ def fused_mlp(
                             settled=settled, config=config)
 
 
-__all__ = ["fused_mlp", "fused_mlp_reference", "fused_mlp_switch", "check_mlp_inputs", "mlp_fits"]
+__all__ = ["fused_mlp", "fused_mlp_reference", "fused_mlp_wanted", "check_mlp_inputs", "mlp_fits"]

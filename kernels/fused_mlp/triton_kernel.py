@@ -46,6 +46,7 @@ class FusedMlpConfig:
     preload: int = 0         # gate/up k steps requested before griddepcontrol.wait (0..2)
     reduce_block: int = 32   # output columns per reduce program
     down_swap: bool = True   # down as (down_t tile)^T act (the tile the MMA's A operand); False: act^T tile
+    prefetch_down: int = 0   # ask the L2 for the slice's down rows: 0 no, 1 before the wait, 2 after it
 
     def __post_init__(self):
         if not 0 <= self.preload <= 2:
@@ -57,9 +58,14 @@ class FusedMlpConfig:
         return max(1, min(programs, intermediate // 8))
 
 
-# Measured on the H200 (bench/step_sweep.py, BATCHD_FUSED_MLP=1 variants): see NOTES.md beside
-# kernels/small_matmul, "Stop 19". Key: (I, H, element size).
-TUNED: dict[tuple[int, int, int], FusedMlpConfig] = {}
+# The MLP shapes where this kernel beat the chain of small_matmul launches in whole decode steps on
+# the H200 (`bench/step_sweep.py` mlp= variants against BATCHD_FUSED_MLP=0, kernels/small_matmul/
+# NOTES.md "Stop 19"); with BATCHD_FUSED_MLP unset the engine takes the kernel for these only.
+# Qwen2.5-1.5B (best 816 against 837 tok/s), Llama-3-8B (236 against 246) and SmolLM2-135M (1626
+# against 1755) keep the chain. Key: (I, H, element size).
+TUNED: dict[tuple[int, int, int], FusedMlpConfig] = {
+    (4864, 896, 2): FusedMlpConfig(76, 64, 64, num_warps=4, num_stages=7),  # Qwen2.5-0.5B: 1581 against 1341
+}
 
 
 def choose_mlp_config(intermediate: int, hidden: int, dtype: torch.dtype) -> FusedMlpConfig:
@@ -69,7 +75,14 @@ def choose_mlp_config(intermediate: int, hidden: int, dtype: torch.dtype) -> Fus
     block = 64 if dtype.itemsize <= 2 else 32    # float32 tiles twice the bytes
     while hidden % block:                         # H a multiple of 16 (kernels.fused_mlp.mlp_fits)
         block //= 2
-    return FusedMlpConfig(block_k=block, block_n=block)
+    # 5 stages: 3 measured 20% slower at Qwen2.5-1.5B (the loops are short of bytes in flight);
+    # shared memory stays under 228 KB for slices up to 128 rows at 64-column steps
+    return FusedMlpConfig(block_k=block, block_n=block, num_stages=5 if dtype.itemsize <= 2 else 3)
+
+
+def measured_faster(intermediate: int, hidden: int, dtype: torch.dtype) -> bool:
+    """Whether the table holds this MLP shape: the kernel beat the chain there."""
+    return (intermediate, hidden, dtype.itemsize) in TUNED
 
 
 def rows_per_slice(intermediate: int, programs: int) -> int:
@@ -97,6 +110,18 @@ def _gate_up_step(acc_g, acc_u, wg, wu, x_ptrs, k0, m_ok, UPCAST_DOT: tl.constex
     return acc_g, acc_u
 
 
+@triton.jit
+def _prefetch_rows_to_l2(W, rows, ok, H):
+    """Ask the L2 for whole rows of the [*, H] weight W (one bulk prefetch per row; the program's
+    down rows are contiguous, so they stream from HBM while the gate/up loop runs)."""
+    row_bytes = H * W.dtype.element_ty.primitive_bitwidth // 8
+    size = tl.where(ok, row_bytes, 0).to(tl.int32)
+    addr = W + rows.to(tl.int64) * H
+    tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+        "=r,l,r", [addr, size], dtype=tl.int32, is_pure=False, pack=1)
+
+
 @triton.jit(do_not_specialize=["M", "trace_row"])
 def _fused_mlp_kernel(
     X, SumSqIn, GU, DT, Part,
@@ -104,7 +129,7 @@ def _fused_mlp_kernel(
     # DT [I, H] down's weight transposed; Part [P, M, H] f32
     M, H, I, eps, parts_in, programs, stride_xm,
     PARTS_P2: tl.constexpr, USE_PDL: tl.constexpr, TRIGGER: tl.constexpr, PRELOAD: tl.constexpr,
-    UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, DOWN_SWAP: tl.constexpr,
+    UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, DOWN_SWAP: tl.constexpr, PREFETCH_DOWN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
     Trace, trace_row, TRACE: tl.constexpr,       # kernels._trace
 ):
@@ -126,6 +151,8 @@ def _fused_mlp_kernel(
 
     trace_mark(Trace, trace_row, START, TRACE)
     pdl_trigger(USE_PDL, TRIGGER, 0)
+    if PREFETCH_DOWN == 1:
+        _prefetch_rows_to_l2(DT, rows, t_ok, H)
     # weights depend on no kernel: the first PRELOAD tiles are requested before the wait
     if PRELOAD >= 1:
         wg0, wu0 = _gate_up_tiles(g_ptrs, 0, t_ok, IH)
@@ -133,6 +160,8 @@ def _fused_mlp_kernel(
         wg1, wu1 = _gate_up_tiles(g_ptrs, BLOCK_K, t_ok, IH)
     pdl_wait(USE_PDL, TRIGGER)                   # X, SumSqIn: from the previous kernel
     trace_mark(Trace, trace_row, WAITED, TRACE)
+    if PREFETCH_DOWN == 2:
+        _prefetch_rows_to_l2(DT, rows, t_ok, H)
 
     parts = tl.arange(0, PARTS_P2)
     sumsq = tl.load(SumSqIn + parts[:, None] * M + offs_m[None, :],
@@ -258,6 +287,7 @@ def fused_mlp_triton(
         M, H, I, eps, row_sumsq.shape[0], programs, x.stride(0),
         PARTS_P2=triton.next_power_of_2(row_sumsq.shape[0]), USE_PDL=pdl, TRIGGER=pdl_trigger_point("linear"),
         PRELOAD=config.preload, UPCAST_DOT=upcast, DOT_PRECISION=precision, DOWN_SWAP=config.down_swap,
+        PREFETCH_DOWN=0 if interpreting() else config.prefetch_down,
         BLOCK_M=BLOCK_M, BLOCK_T=block_t, BLOCK_K=config.block_k, BLOCK_N=config.block_n,
         **trace_args(f"mlp {I}x{H} in {programs} slices", grid, part),
         num_warps=config.num_warps, num_stages=config.num_stages, **launch_options(pdl),
@@ -281,4 +311,4 @@ def fused_mlp_triton(
     return (out, NormInputs(weighted, sumsq_out)) if emit else out
 
 
-__all__ = ["FusedMlpConfig", "TUNED", "choose_mlp_config", "fused_mlp_triton", "rows_per_slice"]
+__all__ = ["FusedMlpConfig", "TUNED", "choose_mlp_config", "fused_mlp_triton", "measured_faster", "rows_per_slice"]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.fused_mlp import check_mlp_inputs, fused_mlp, fused_mlp_reference
+from kernels.fused_mlp import check_mlp_inputs, fused_mlp, fused_mlp_reference, fused_mlp_wanted
 from kernels.small_matmul.reference import norm_inputs_reference
 from tests.kernels.conftest import DEVICE, REL_ERR, needs_triton, rel_err
 
@@ -106,6 +106,21 @@ def test_act_rows_match_the_gated_projection():
     out = fused_mlp(x, sumsq, gate_up, down_t, residual=torch.zeros_like(residual), backend="triton",
                     config=config(4, block=64))
     assert torch.equal(out, act)
+
+
+@needs_triton
+def test_the_engine_takes_the_kernel_where_it_measured_faster(monkeypatch):
+    bf16 = torch.bfloat16
+    monkeypatch.delenv("BATCHD_FUSED_MLP", raising=False)
+    assert fused_mlp_wanted(896, 4864, bf16)              # Qwen2.5-0.5B: in the table
+    assert not fused_mlp_wanted(1536, 8960, bf16)         # Qwen2.5-1.5B: the chain measured faster
+    monkeypatch.setenv("BATCHD_FUSED_MLP", "1")
+    assert fused_mlp_wanted(1536, 8960, bf16) and not fused_mlp_wanted(1000, 8960, bf16)   # H % 16
+    monkeypatch.setenv("BATCHD_FUSED_MLP", "0")
+    assert not fused_mlp_wanted(896, 4864, bf16)
+    monkeypatch.setenv("BATCHD_FUSED_MLP", "yes")
+    with pytest.raises(ValueError, match="BATCHD_FUSED_MLP is 0, 1 or unset"):
+        fused_mlp_wanted(896, 4864, bf16)
 
 
 def test_bad_operands_name_the_numbers():

@@ -30,7 +30,7 @@ from kernels._backend import (early_reads_enabled, interpreting, launch_options,
                               patch_interpreter_index, pdl_enabled, pdl_trigger_point)
 from kernels._pdl import pdl_trigger, pdl_wait
 from kernels._trace import END, START, WAITED, trace_args, trace_mark
-from kernels.small_matmul.triton_kernel import BLOCK_M, _emit_norm_inputs, dot_flags
+from kernels.small_matmul.triton_kernel import BLOCK_M, dot_flags, reduce_epilogue_inputs, store_reduced_row
 
 if interpreting():
     patch_interpreter_index()
@@ -225,7 +225,7 @@ def _mlp_reduce_kernel(
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < H
     if EARLY:
-        res, next_nw = _reduce_inputs(Res, NextNormW, row, offs, ok, stride_rm, EMIT_NORM)
+        _, res, next_nw = reduce_epilogue_inputs(Part, Res, NextNormW, row, offs, ok, stride_rm, False, True, EMIT_NORM)
     pdl_wait(USE_PDL, TRIGGER)
     trace_mark(Trace, trace_row, WAITED, TRACE)
     slices = tl.arange(0, P_P2)
@@ -234,25 +234,12 @@ def _mlp_reduce_kernel(
     acc = tl.sum(parts, 0)                  # one tree order, fixed by the constexprs: the same for any M
     pdl_trigger(USE_PDL, TRIGGER, 2)
     if not EARLY:
-        res, next_nw = _reduce_inputs(Res, NextNormW, row, offs, ok, stride_rm, EMIT_NORM)
+        _, res, next_nw = reduce_epilogue_inputs(Part, Res, NextNormW, row, offs, ok, stride_rm, False, True,
+                                                 EMIT_NORM)
     dtype = Out.dtype.element_ty
     y = (acc.to(dtype).to(tl.float32) + res.to(tl.float32)).to(dtype)
-    tl.store(Out + row * stride_om + offs, y, mask=ok)
-    if EMIT_NORM:
-        rows = row + tl.arange(0, 1)
-        _emit_norm_inputs(y[:, None], offs, rows, ok[:, None], tl.program_id(1), M, next_nw, WeightedOut, SumSqOut,
-                          stride_om)
+    store_reduced_row(y, Out, row, offs, ok, stride_om, M, next_nw, WeightedOut, SumSqOut, EMIT_NORM)
     trace_mark(Trace, trace_row, END, TRACE)
-
-
-@triton.jit
-def _reduce_inputs(Res, NextNormW, row, offs, ok, stride_rm, EMIT_NORM: tl.constexpr):
-    """(residual, next norm weight f32 or 0.0) [BLOCK] of the reduce's row and columns."""
-    res = tl.load(Res + row * stride_rm + offs, mask=ok, other=0.0, cache_modifier=".cg")
-    next_nw = 0.0
-    if EMIT_NORM:
-        next_nw = tl.load(NextNormW + offs, mask=ok, other=0.0).to(tl.float32)
-    return res, next_nw
 
 
 def fused_mlp_triton(

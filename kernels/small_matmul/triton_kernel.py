@@ -494,7 +494,7 @@ def _reduce_splits_kernel(
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < N
     if EARLY:
-        bias, res, next_nw = _reduce_epilogue_inputs(Bias, Res, NextNormW, row, offs, ok, stride_rm, HAS_BIAS,
+        bias, res, next_nw = reduce_epilogue_inputs(Bias, Res, NextNormW, row, offs, ok, stride_rm, HAS_BIAS,
                                                      RESIDUAL, EMIT_NORM)
     pdl_wait(USE_PDL, TRIGGER)
     trace_mark(Trace, trace_row, WAITED, TRACE)
@@ -504,7 +504,7 @@ def _reduce_splits_kernel(
         acc += tl.load(Part + (s * M + row) * N + offs, mask=ok, other=0.0)
     pdl_trigger(USE_PDL, TRIGGER, 2)
     if not EARLY:
-        bias, res, next_nw = _reduce_epilogue_inputs(Bias, Res, NextNormW, row, offs, ok, stride_rm, HAS_BIAS,
+        bias, res, next_nw = reduce_epilogue_inputs(Bias, Res, NextNormW, row, offs, ok, stride_rm, HAS_BIAS,
                                                      RESIDUAL, EMIT_NORM)
     if HAS_BIAS:
         acc += bias
@@ -512,16 +512,23 @@ def _reduce_splits_kernel(
     if RESIDUAL:
         y = (y.to(tl.float32) + res.to(tl.float32))
         y = y.to(Out.dtype.element_ty)
+    store_reduced_row(y, Out, row, offs, ok, stride_om, M, next_nw, WeightedOut, SumSqOut, EMIT_NORM)
+    trace_mark(Trace, trace_row, END, TRACE)
+
+
+@triton.jit
+def store_reduced_row(y, Out, row, offs, ok, stride_om, M, next_nw, WeightedOut, SumSqOut, EMIT_NORM: tl.constexpr):
+    """A reduce program's finished columns y [BLOCK] of row `row` -> Out, and with EMIT_NORM the next
+    norm's inputs (its part of the row's sum of squares is part tl.program_id(1))."""
     tl.store(Out + row * stride_om + offs, y, mask=ok)
     if EMIT_NORM:
         rows = row + tl.arange(0, 1)
         _emit_norm_inputs(y[:, None], offs, rows, ok[:, None], tl.program_id(1), M, next_nw, WeightedOut, SumSqOut,
                           stride_om)
-    trace_mark(Trace, trace_row, END, TRACE)
 
 
 @triton.jit
-def _reduce_epilogue_inputs(Bias, Res, NextNormW, row, offs, ok, stride_rm, HAS_BIAS: tl.constexpr,
+def reduce_epilogue_inputs(Bias, Res, NextNormW, row, offs, ok, stride_rm, HAS_BIAS: tl.constexpr,
                             RESIDUAL: tl.constexpr, EMIT_NORM: tl.constexpr):
     """(bias f32, residual, next norm weight f32) [BLOCK] of the reduce's row and columns; 0.0 for an
     input it does not use."""

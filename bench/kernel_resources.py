@@ -97,18 +97,19 @@ MLP_DIVISIBLE = set(MLP_POINTERS) | {"H", "I", "stride_xm"}
 
 
 def fused_mlp_rows(intermediate: int = 8960) -> list[dict]:
-    """kernels.fused_mlp's slice kernel at Qwen2.5-1.5B's MLP in the configs measured in stop 19."""
+    """kernels.fused_mlp's slice kernel at Qwen2.5-1.5B's MLP in configs measured in stop 19."""
     C = mlp_tk.FusedMlpConfig
     rows = []
-    for cfg in (C(0, 64, 64, 4, 3), C(0, 64, 64, 4, 5), C(0, 64, 128, 4, 5), C(140, 64, 64, 4, 6),
-                C(140, 128, 64, 4, 3), C(140, 128, 64, 4, 4), C(264, 64, 64, 4, 4)):
+    for cfg in (C(0, 64, 64, 4, 3, remainder=False), C(0, 64, 64, 4, 5, remainder=False),
+                C(0, 64, 128, 4, 5, remainder=False), C(140, 64, 64, 4, 6), C(140, 128, 64, 4, 3),
+                C(140, 128, 64, 4, 4), C(0, 64, 64, 4, 5), C(0, 64, 64, 4, 7), C(0, 64, 64, 4, 8)):
         programs = cfg.programs or 132
-        consts = dict(PARTS_P2=256, USE_PDL=True, TRIGGER=1, PRELOAD=cfg.preload, UPCAST_DOT=False,
-                      DOT_PRECISION="tf32", DOWN_SWAP=cfg.down_swap, PREFETCH_DOWN=cfg.prefetch_down, BLOCK_M=16,
-                      BLOCK_T=mlp_tk.rows_per_slice(intermediate, programs), BLOCK_K=cfg.block_k,
-                      BLOCK_N=cfg.block_n, TRACE=False)
+        block_t, block_r = cfg.tiles(intermediate, programs)
+        consts = dict(PARTS_P2=256, USE_PDL=True, TRIGGER=1, UPCAST_DOT=False, DOT_PRECISION="tf32", BLOCK_M=16,
+                      BLOCK_T=block_t, BLOCK_R=block_r, BLOCK_K=cfg.block_k, BLOCK_N=cfg.block_n, TRACE=False)
         usage = resources(cfg, consts, fn=mlp_tk._fused_mlp_kernel, pointers=MLP_POINTERS, divisible=MLP_DIVISIBLE)
-        rows.append(dict(kernel=f"fused mlp, {programs} slices of {consts['BLOCK_T']} rows",
+        tiles = f"{block_t} + {block_r}" if block_r else f"{block_t}"
+        rows.append(dict(kernel=f"fused mlp, {programs} slices in {tiles} rows",
                          config=f"k {cfg.block_k}, n {cfg.block_n}, {cfg.num_stages} stages", **usage))
         print(rows[-1], flush=True)
     return rows

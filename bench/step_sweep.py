@@ -19,7 +19,7 @@ A variant is space-separated settings, "table" for none:
   l2side=COLS,PROGRAMS,STEP_NS     a probe (bench/l2_side_prefetch.py): each layer's gate_up rows'
                                   first COLS columns asked of the L2 from a second stream during the
                                   attention half, PROGRAMS programs, one row per thread every STEP_NS
-  mlp=I,H,programs,bk,bn,warps,stages[,preload]   kernels.fused_mlp's config for that MLP shape
+  mlp=I,H,programs,bk,bn,warps,stages[,field:value]   kernels.fused_mlp's config for that MLP shape
                                   (programs 0: one per multiprocessor; it sets BATCHD_FUSED_MLP=1)
   skip=merge|reduce               a what-if, not a config: the step runs without that launch (the
                                   attention merge; small_linear's split-K reduce), its consumer reading
@@ -147,13 +147,12 @@ def apply_variant(spec: str, tuned: dict) -> None:
 
 
 def mlp_config(values: str):
-    """`I,H,programs,block_k,block_n,warps,stages[,preload][,field:value...]` -> (I, H, FusedMlpConfig);
-    programs 0: one per multiprocessor (down_swap:0 multiplies act^T by the tile)."""
+    """`I,H,programs,block_k,block_n,warps,stages[,field:value...]` -> (I, H, FusedMlpConfig); programs
+    0: one per multiprocessor (`remainder:0` holds a slice in one padded power-of-2 tile)."""
     items = values.split(",")
     named = {name: int(value) for name, value in (item.split(":") for item in items if ":" in item)}
-    intermediate, hidden, programs, block_k, block_n, warps, stages, *preload = (int(v) for v in items if ":" not in v)
-    return intermediate, hidden, mlp_kernel.FusedMlpConfig(programs, block_k, block_n, warps, stages,
-                                                           preload[0] if preload else 0, **named)
+    intermediate, hidden, programs, block_k, block_n, warps, stages = (int(v) for v in items if ":" not in v)
+    return intermediate, hidden, mlp_kernel.FusedMlpConfig(programs, block_k, block_n, warps, stages, **named)
 
 
 def run_order(variants: list[str], rounds: int, warmup: int) -> list[tuple[str, bool]]:

@@ -4,19 +4,22 @@ ordered sum of its partials with the residual.
 The chain (kernels.small_matmul) runs gate/up, then down (a k split), then down's reduce: three
 launches, and down cannot start before the last gate/up program ends, although each of down's k
 columns needs only the act values of its own rows. Here program p owns a slice of the intermediate
-axis, rows [p * I // P, (p + 1) * I // P) (P = one program per multiprocessor by default, so there
-is no second wave): it computes those rows of act = silu(gate) * up, then multiplies them into the
-matching rows of down's transposed weight (down_t [I, H], so the slice is contiguous) and writes a
-float32 partial [M, H]. Weight bytes stream from one k loop into the next with no kernel boundary
-and no wave tail between them. `_mlp_reduce_kernel` sums the P partials of each output column in
-one fixed order (a tile of them, tl.sum), rounds, adds the residual and emits the next norm's
-inputs, as small_matmul's reduce does.
+axis, rows [p * I // P, (p + 1) * I // P): it computes those rows of act = silu(gate) * up, then
+multiplies them into the matching rows of down's transposed weight (down_t [I, H], so the slice is
+contiguous) and writes a float32 partial [M, H]. `_mlp_reduce_kernel` sums the P partials of each
+output column in one fixed order (a tile of them, tl.sum), rounds, adds the residual and emits the
+next norm's inputs, as small_matmul's reduce does.
+
+A slice is held in a main tile of BLOCK_T rows, a power of 2 no larger than the smallest slice, so
+it is always full, plus a remainder tile of BLOCK_R rows (masked; 0: none). Qwen2.5-1.5B's 8960 rows
+in 132 slices of 67-68 are 64 + 16 rows rather than 128 (half of whose shared memory would stay
+empty and cap the pipeline's stages). The remainder's products are added after the main tile's.
 
 Batch invariance: the slices depend on (I, P) only, BLOCK_M is 16 whatever M is, and M enters as
 a mask; a row goes through the same instructions alone or among 17 (tests check it bit for bit).
-
-Weights before the wait (PRELOAD) and settled inputs (EARLY, the residual) follow kernels._pdl, as
-in kernels.small_matmul.
+Settled inputs (EARLY, the residual) follow kernels._pdl, as in kernels.small_matmul. Weights
+requested before the wait, an L2 prefetch of down's slice and act^T as the MMA's A operand were
+measured slower and dropped (commit 410a005 has them; kernels/small_matmul/NOTES.md "Stop 19").
 """
 from __future__ import annotations
 
@@ -42,20 +45,24 @@ class FusedMlpConfig:
     block_k: int = 64        # gate/up columns per k step
     block_n: int = 64        # down's output columns per step
     num_warps: int = 4
-    num_stages: int = 3
-    preload: int = 0         # gate/up k steps requested before griddepcontrol.wait (0..2)
+    num_stages: int = 5
     reduce_block: int = 32   # output columns per reduce program
-    down_swap: bool = True   # down as (down_t tile)^T act (the tile the MMA's A operand); False: act^T tile
-    prefetch_down: int = 0   # ask the L2 for the slice's down rows: 0 no, 1 before the wait, 2 after it
-
-    def __post_init__(self):
-        if not 0 <= self.preload <= 2:
-            raise ValueError(f"preload is 0..2 k steps, got {self.preload}")
+    remainder: bool = True   # a slice as a full tile + a remainder tile; False: one padded power-of-2 tile
 
     def slices(self, intermediate: int, device: torch.device) -> int:
         """P, the number of slices (and programs per 16 rows): never more than I / 8 rows' worth."""
         programs = self.programs or multiprocessor_count(device)
         return max(1, min(programs, intermediate // 8))
+
+    def tiles(self, intermediate: int, programs: int) -> tuple[int, int]:
+        """(BLOCK_T, BLOCK_R): the main tile, full for every slice (at least 16 rows, the MMA's
+        narrowest side, masked only where slices are shorter), and the remainder tile (0: none)."""
+        shortest, longest = intermediate // programs, triton.cdiv(intermediate, programs)
+        if not self.remainder or shortest < 16:
+            return max(16, triton.next_power_of_2(longest)), 0
+        main = 1 << (shortest.bit_length() - 1)          # the largest power of 2 <= shortest
+        rest = longest - main
+        return main, 0 if rest <= 0 else max(16, triton.next_power_of_2(rest))
 
 
 # The MLP shapes where this kernel beat the chain of small_matmul launches in whole decode steps on
@@ -75,8 +82,8 @@ def choose_mlp_config(intermediate: int, hidden: int, dtype: torch.dtype) -> Fus
     block = 64 if dtype.itemsize <= 2 else 32    # float32 tiles twice the bytes
     while hidden % block:                         # H a multiple of 16 (kernels.fused_mlp.mlp_fits)
         block //= 2
-    # 5 stages: 3 measured 20% slower at Qwen2.5-1.5B (the loops are short of bytes in flight);
-    # shared memory stays under 228 KB for slices up to 128 rows at 64-column steps
+    # 5 stages (the default): 3 measured 20% slower at Qwen2.5-1.5B, the loops short of bytes in
+    # flight; shared memory stays under 228 KB for slices up to 128 rows at 64-column steps
     return FusedMlpConfig(block_k=block, block_n=block, num_stages=5 if dtype.itemsize <= 2 else 3)
 
 
@@ -85,41 +92,44 @@ def measured_faster(intermediate: int, hidden: int, dtype: torch.dtype) -> bool:
     return (intermediate, hidden, dtype.itemsize) in TUNED
 
 
-def rows_per_slice(intermediate: int, programs: int) -> int:
-    """BLOCK_T: the power of 2 (>= 16, the MMA's narrowest side) that holds the largest slice."""
-    return max(16, triton.next_power_of_2(triton.cdiv(intermediate, programs)))
-
-
 @triton.jit
-def _gate_up_tiles(g_ptrs, k0, t_ok, IH):
-    """The [BLOCK_T, BLOCK_K] gate and up tiles of the slice at column k0 (streamed once)."""
-    wg = tl.load(g_ptrs + k0, mask=t_ok[:, None], other=0.0, eviction_policy="evict_first")
-    wu = tl.load(g_ptrs + IH + k0, mask=t_ok[:, None], other=0.0, eviction_policy="evict_first")
+def _gate_up_tiles(g_ptrs, k0, ok, IH):
+    """The [rows, BLOCK_K] gate and up tiles of the slice at column k0 (streamed once)."""
+    wg = tl.load(g_ptrs + k0, mask=ok[:, None], other=0.0, eviction_policy="evict_first")
+    wu = tl.load(g_ptrs + IH + k0, mask=ok[:, None], other=0.0, eviction_policy="evict_first")
     return wg, wu
 
 
 @triton.jit
-def _gate_up_step(acc_g, acc_u, wg, wu, x_ptrs, k0, m_ok, UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    x = tl.load(x_ptrs + k0, mask=m_ok[:, None], other=0.0)                 # [BLOCK_M, BLOCK_K]
+def _gate_up_dots(acc_g, acc_u, wg, wu, x, UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """acc += the gate and up tiles [rows, BLOCK_K] times x^T ([BLOCK_M, BLOCK_K] tile of x)."""
     if UPCAST_DOT:
-        x = x.to(tl.float32)
         wg = wg.to(tl.float32)
         wu = wu.to(tl.float32)
-    acc_g = tl.dot(wg, tl.trans(x), acc_g, input_precision=DOT_PRECISION)   # [BLOCK_T, BLOCK_M]
+    acc_g = tl.dot(wg, tl.trans(x), acc_g, input_precision=DOT_PRECISION)   # [rows, BLOCK_M]
     acc_u = tl.dot(wu, tl.trans(x), acc_u, input_precision=DOT_PRECISION)
     return acc_g, acc_u
 
 
 @triton.jit
-def _prefetch_rows_to_l2(W, rows, ok, H):
-    """Ask the L2 for whole rows of the [*, H] weight W (one bulk prefetch per row; the program's
-    down rows are contiguous, so they stream from HBM while the gate/up loop runs)."""
-    row_bytes = H * W.dtype.element_ty.primitive_bitwidth // 8
-    size = tl.where(ok, row_bytes, 0).to(tl.int32)
-    addr = W + rows.to(tl.int64) * H
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.ne.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-        "=r,l,r", [addr, size], dtype=tl.int32, is_pure=False, pack=1)
+def _silu_mul(acc_g, acc_u, row_scale, dtype: tl.constexpr, UPCAST_DOT: tl.constexpr):
+    """silu(gate) * up [rows, BLOCK_M] with the eager rounding (kernels.small_matmul's gated
+    epilogue): gate, up and silu(gate) each in the model dtype. Rows past the slice give 0."""
+    g = (acc_g * row_scale[None, :]).to(dtype).to(tl.float32)
+    silu = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
+    act = (silu * (acc_u * row_scale[None, :]).to(dtype).to(tl.float32)).to(dtype)
+    if UPCAST_DOT:
+        act = act.to(tl.float32)
+    return act
+
+
+@triton.jit
+def _down_dot(acc, d_ptrs, n0, ok, act, UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """acc [BLOCK_N, BLOCK_M] += down_t's [rows, BLOCK_N] tile at column n0, transposed, times act."""
+    wd = tl.load(d_ptrs + n0, mask=ok[:, None], other=0.0, eviction_policy="evict_first")
+    if UPCAST_DOT:
+        wd = wd.to(tl.float32)
+    return tl.dot(tl.trans(wd), act, acc, input_precision=DOT_PRECISION)
 
 
 @triton.jit(do_not_specialize=["M", "trace_row"])
@@ -128,40 +138,36 @@ def _fused_mlp_kernel(
     # X [M, H] norm_weight * h; SumSqIn [parts_in, M] f32; GU [2I, H] gate rows then up rows;
     # DT [I, H] down's weight transposed; Part [P, M, H] f32
     M, H, I, eps, parts_in, programs, stride_xm,
-    PARTS_P2: tl.constexpr, USE_PDL: tl.constexpr, TRIGGER: tl.constexpr, PRELOAD: tl.constexpr,
-    UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, DOWN_SWAP: tl.constexpr, PREFETCH_DOWN: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+    PARTS_P2: tl.constexpr, USE_PDL: tl.constexpr, TRIGGER: tl.constexpr,
+    UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
     Trace, trace_row, TRACE: tl.constexpr,       # kernels._trace
 ):
-    """Program (m block, slice p): act rows of the slice, then their product with down_t's rows ->
-    Part[p]. H is a multiple of BLOCK_K and BLOCK_N (the host checks)."""
-    tl.static_assert(PRELOAD <= 2)
+    """Program (m block, slice p): act rows of the slice (main tile, then remainder), then their
+    product with down_t's rows -> Part[p]. H is a multiple of BLOCK_K and BLOCK_N (the host checks)."""
+    REM: tl.constexpr = BLOCK_R > 0
+    R_ROWS: tl.constexpr = BLOCK_R if BLOCK_R > 0 else 16     # the remainder's shape where it is unused
     pid_m = tl.program_id(0)
     p = tl.program_id(1)
     r0 = p * I // programs
     r1 = (p + 1) * I // programs
     rows = r0 + tl.arange(0, BLOCK_T)
     t_ok = rows < r1
+    rest = r0 + BLOCK_T + tl.arange(0, R_ROWS)
+    r_ok = rest < r1
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_ok = offs_m < M
     offs_k = tl.arange(0, BLOCK_K)
     offs_n = tl.arange(0, BLOCK_N)
     IH = I.to(tl.int64) * H
     g_ptrs = GU + rows[:, None].to(tl.int64) * H + offs_k[None, :]
+    gr_ptrs = GU + rest[:, None].to(tl.int64) * H + offs_k[None, :]
 
     trace_mark(Trace, trace_row, START, TRACE)
     pdl_trigger(USE_PDL, TRIGGER, 0)
-    if PREFETCH_DOWN == 1:
-        _prefetch_rows_to_l2(DT, rows, t_ok, H)
-    # weights depend on no kernel: the first PRELOAD tiles are requested before the wait
-    if PRELOAD >= 1:
-        wg0, wu0 = _gate_up_tiles(g_ptrs, 0, t_ok, IH)
-    if PRELOAD >= 2:
-        wg1, wu1 = _gate_up_tiles(g_ptrs, BLOCK_K, t_ok, IH)
     pdl_wait(USE_PDL, TRIGGER)                   # X, SumSqIn: from the previous kernel
     trace_mark(Trace, trace_row, WAITED, TRACE)
-    if PREFETCH_DOWN == 2:
-        _prefetch_rows_to_l2(DT, rows, t_ok, H)
 
     parts = tl.arange(0, PARTS_P2)
     sumsq = tl.load(SumSqIn + parts[:, None] * M + offs_m[None, :],
@@ -170,41 +176,32 @@ def _fused_mlp_kernel(
     x_ptrs = X + offs_m[:, None] * stride_xm + offs_k[None, :]
     acc_g = tl.zeros([BLOCK_T, BLOCK_M], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_T, BLOCK_M], dtype=tl.float32)
-    # k steps in increasing order whether preloaded or not: the same sums
-    if PRELOAD >= 1:
-        acc_g, acc_u = _gate_up_step(acc_g, acc_u, wg0, wu0, x_ptrs, 0, m_ok, UPCAST_DOT, DOT_PRECISION)
-    if PRELOAD >= 2:
-        acc_g, acc_u = _gate_up_step(acc_g, acc_u, wg1, wu1, x_ptrs, BLOCK_K, m_ok, UPCAST_DOT, DOT_PRECISION)
-    for k0 in range(PRELOAD * BLOCK_K, H, BLOCK_K):
+    rem_g = tl.zeros([R_ROWS, BLOCK_M], dtype=tl.float32)
+    rem_u = tl.zeros([R_ROWS, BLOCK_M], dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
         wg, wu = _gate_up_tiles(g_ptrs, k0, t_ok, IH)
-        acc_g, acc_u = _gate_up_step(acc_g, acc_u, wg, wu, x_ptrs, k0, m_ok, UPCAST_DOT, DOT_PRECISION)
+        if REM:
+            rg, ru = _gate_up_tiles(gr_ptrs, k0, r_ok, IH)
+        x = tl.load(x_ptrs + k0, mask=m_ok[:, None], other=0.0)     # [BLOCK_M, BLOCK_K]
+        if UPCAST_DOT:
+            x = x.to(tl.float32)
+        acc_g, acc_u = _gate_up_dots(acc_g, acc_u, wg, wu, x, UPCAST_DOT, DOT_PRECISION)
+        if REM:
+            rem_g, rem_u = _gate_up_dots(rem_g, rem_u, rg, ru, x, UPCAST_DOT, DOT_PRECISION)
     pdl_trigger(USE_PDL, TRIGGER, 2)
 
-    # silu(gate) * up with the eager rounding (kernels.small_matmul's gated epilogue): gate, up and
-    # silu(gate) each in the model dtype. Rows past the slice and columns past M are 0.
     dtype = X.dtype.element_ty
-    g = (acc_g * row_scale[None, :]).to(dtype).to(tl.float32)
-    silu = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
-    act = (silu * (acc_u * row_scale[None, :]).to(dtype).to(tl.float32)).to(dtype)    # [BLOCK_T, BLOCK_M]
-    if UPCAST_DOT:
-        act = act.to(tl.float32)
-
+    act = _silu_mul(acc_g, acc_u, row_scale, dtype, UPCAST_DOT)                      # [BLOCK_T, BLOCK_M]
+    act_rem = _silu_mul(rem_g, rem_u, row_scale, dtype, UPCAST_DOT)                  # [R_ROWS, BLOCK_M]
     d_ptrs = DT + rows[:, None].to(tl.int64) * H + offs_n[None, :]
-    if DOWN_SWAP:
-        part_ptrs = Part + (p * M + offs_m[None, :]).to(tl.int64) * H + offs_n[:, None]
-    else:
-        act_rows = tl.trans(act)                                                              # [BLOCK_M, BLOCK_T]
-        part_ptrs = Part + (p * M + offs_m[:, None]).to(tl.int64) * H + offs_n[None, :]
+    dr_ptrs = DT + rest[:, None].to(tl.int64) * H + offs_n[None, :]
+    part_ptrs = Part + (p * M + offs_m[None, :]).to(tl.int64) * H + offs_n[:, None]
     for n0 in range(0, H, BLOCK_N):
-        wd = tl.load(d_ptrs + n0, mask=t_ok[:, None], other=0.0, eviction_policy="evict_first")   # [BLOCK_T, BLOCK_N]
-        if UPCAST_DOT:
-            wd = wd.to(tl.float32)
-        if DOWN_SWAP:
-            part = tl.dot(tl.trans(wd), act, input_precision=DOT_PRECISION)                   # [BLOCK_N, BLOCK_M]
-            tl.store(part_ptrs + n0, part, mask=m_ok[None, :])
-        else:
-            part = tl.dot(act_rows, wd, input_precision=DOT_PRECISION)                        # [BLOCK_M, BLOCK_N]
-            tl.store(part_ptrs + n0, part, mask=m_ok[:, None])
+        part = _down_dot(tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), d_ptrs, n0, t_ok, act, UPCAST_DOT,
+                         DOT_PRECISION)
+        if REM:   # the remainder's products after the main tile's: one order
+            part = _down_dot(part, dr_ptrs, n0, r_ok, act_rem, UPCAST_DOT, DOT_PRECISION)
+        tl.store(part_ptrs + n0, part, mask=m_ok[None, :])                          # [BLOCK_N, BLOCK_M]
     trace_mark(Trace, trace_row, END, TRACE)
 
 
@@ -261,10 +258,10 @@ def fused_mlp_triton(
     I = down_t.shape[0]
     if config is None:
         config = choose_mlp_config(I, H, x.dtype)
-    if H % config.block_k or H % config.block_n or config.preload * config.block_k > H:
+    if H % config.block_k or H % config.block_n:
         raise ValueError(f"the fused MLP needs H ({H}) a multiple of block_k and block_n (config {config})")
     programs = config.slices(I, x.device)
-    block_t = rows_per_slice(I, programs)
+    block_t, block_r = config.tiles(I, programs)
     upcast, precision = dot_flags(x.dtype)
     pdl = pdl_enabled(x.device)
     part = torch.empty(programs, M, H, dtype=torch.float32, device=x.device)
@@ -273,9 +270,8 @@ def fused_mlp_triton(
         x, row_sumsq, gate_up, down_t, part,
         M, H, I, eps, row_sumsq.shape[0], programs, x.stride(0),
         PARTS_P2=triton.next_power_of_2(row_sumsq.shape[0]), USE_PDL=pdl, TRIGGER=pdl_trigger_point("linear"),
-        PRELOAD=config.preload, UPCAST_DOT=upcast, DOT_PRECISION=precision, DOWN_SWAP=config.down_swap,
-        PREFETCH_DOWN=0 if interpreting() else config.prefetch_down,
-        BLOCK_M=BLOCK_M, BLOCK_T=block_t, BLOCK_K=config.block_k, BLOCK_N=config.block_n,
+        UPCAST_DOT=upcast, DOT_PRECISION=precision,
+        BLOCK_M=BLOCK_M, BLOCK_T=block_t, BLOCK_R=block_r, BLOCK_K=config.block_k, BLOCK_N=config.block_n,
         **trace_args(f"mlp {I}x{H} in {programs} slices", grid, part),
         num_warps=config.num_warps, num_stages=config.num_stages, **launch_options(pdl),
     )
@@ -298,4 +294,4 @@ def fused_mlp_triton(
     return (out, NormInputs(weighted, sumsq_out)) if emit else out
 
 
-__all__ = ["FusedMlpConfig", "TUNED", "choose_mlp_config", "fused_mlp_triton", "measured_faster", "rows_per_slice"]
+__all__ = ["FusedMlpConfig", "TUNED", "choose_mlp_config", "fused_mlp_triton", "measured_faster"]

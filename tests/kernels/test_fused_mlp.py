@@ -2,7 +2,7 @@
 same act rows as kernels.small_matmul's gated projection.
 
 On CPU the Triton cases run under TRITON_INTERPRET=1 (conftest) with small shapes whose slices are
-ragged (I not a multiple of the program count), with and without preloaded tiles and emitted norm
+ragged (I not a multiple of the program count), with and without a remainder tile and emitted norm
 inputs, and a second block of 16 rows (M = 17). On CUDA the same tests run compiled, plus the
 model shapes with their tuned configs inside a CUDA graph.
 """
@@ -31,11 +31,11 @@ def make(M, H, I, dtype, seed=0, device=DEVICE):
     return to(post.weighted), to(post.sumsq), to(gate_up), to(down_t), to(residual), to(next_norm)
 
 
-def config(programs, preload=0, block=32, down_swap=True):
+def config(programs, block=32, remainder=True):
     from kernels.fused_mlp.triton_kernel import FusedMlpConfig
 
-    return FusedMlpConfig(programs=programs, block_k=block, block_n=block, num_stages=2, preload=preload,
-                          reduce_block=32, down_swap=down_swap)
+    return FusedMlpConfig(programs=programs, block_k=block, block_n=block, num_stages=2, reduce_block=32,
+                          remainder=remainder)
 
 
 def test_reference_is_gated_projection_then_down():
@@ -46,25 +46,35 @@ def test_reference_is_gated_projection_then_down():
     assert rel_err(fused_mlp_reference(x, sumsq, gate_up, down_t, residual), want) < 1e-5
 
 
-# (M, H, I, programs, preload, down_swap): ragged slices (I % programs != 0), a slice wider than 16
-# rows, a second m block, preloaded gate/up tiles, both operand orders of down
+# (M, H, I, programs, remainder): slices shorter than the 16-row tile (13-14 rows), slices of 25 rows
+# as a 16-row tile + a 16-row remainder tile holding 9, slices of 35 as 32 + 16 (3 rows) or as one
+# padded 64-row tile, a second m block
 CASES = [
-    pytest.param(1, 64, 40, 3, 0, True, id="m1-h64-i40-p3"),
-    pytest.param(5, 64, 100, 4, 1, False, id="m5-h64-i100-p4-preload1-noswap"),
-    pytest.param(17, 96, 72, 5, 2, True, id="m17-h96-i72-p5-preload2"),
-    pytest.param(17, 64, 40, 3, 0, False, id="m17-h64-i40-p3-noswap"),
+    pytest.param(1, 64, 40, 3, True, id="m1-h64-i40-p3-short"),
+    pytest.param(5, 64, 100, 4, True, id="m5-h64-i100-p4-main16-rem16"),
+    pytest.param(17, 96, 140, 4, True, id="m17-h96-i140-p4-main32-rem16"),
+    pytest.param(17, 64, 140, 4, False, id="m17-h64-i140-p4-padded64"),
 ]
+
+
+def test_slices_take_a_full_main_tile_and_a_remainder():
+    tiles = lambda I, P, remainder=True: config(P, remainder=remainder).tiles(I, P)  # noqa: E731
+    assert tiles(8960, 132) == (64, 16)            # Qwen2.5-1.5B: 67-68 rows
+    assert tiles(8960, 132, remainder=False) == (128, 0)
+    assert tiles(4864, 76) == (64, 0)              # Qwen2.5-0.5B's table: exactly 64 rows
+    assert tiles(14336, 132) == (64, 64)           # Llama-3-8B: 108-109 rows
+    assert tiles(1536, 132) == (16, 0)             # SmolLM2-135M: 11-12 rows in one masked tile
 
 
 @needs_triton
 @pytest.mark.triton
 @pytest.mark.parametrize("emit", [False, True], ids=["plain", "emit"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])
-@pytest.mark.parametrize("M, H, I, programs, preload, down_swap", CASES)
-def test_triton_matches_reference(M, H, I, programs, preload, down_swap, dtype, emit):
+@pytest.mark.parametrize("M, H, I, programs, remainder", CASES)
+def test_triton_matches_reference(M, H, I, programs, remainder, dtype, emit):
     x, sumsq, gate_up, down_t, residual, next_norm = make(M, H, I, dtype)
     kwargs = dict(residual=residual, eps=1e-6, emit_norm_weight=next_norm if emit else None)
-    got = fused_mlp(x, sumsq, gate_up, down_t, backend="triton", config=config(programs, preload, down_swap=down_swap),
+    got = fused_mlp(x, sumsq, gate_up, down_t, backend="triton", config=config(programs, remainder=remainder),
                     **kwargs)
     want = fused_mlp(x, sumsq, gate_up, down_t, backend="reference", **kwargs)
     if emit:
@@ -82,7 +92,7 @@ def test_rows_do_not_depend_on_how_many_are_computed_together():
     x, sumsq, gate_up, down_t, residual, next_norm = make(17, 64, 100, torch.bfloat16, seed=1)
     run = lambda rows: fused_mlp(x[rows], sumsq[:, rows].contiguous(), gate_up, down_t,  # noqa: E731
                                  residual=residual[rows], emit_norm_weight=next_norm, backend="triton",
-                                 config=config(4, 1))
+                                 config=config(4))                                     # a remainder tile
     full, full_inputs = run(slice(0, 17))
     for rows in (slice(0, 1), slice(3, 8), slice(16, 17)):
         out, inputs = run(rows)
@@ -104,7 +114,7 @@ def test_act_rows_match_the_gated_projection():
     down_t = torch.eye(H, device=x.device)        # act Wd^T = act
     act = small_linear(x, gate_up, row_sumsq=sumsq, eps=1e-6, gated=True, backend="triton")   # one k step
     out = fused_mlp(x, sumsq, gate_up, down_t, residual=torch.zeros_like(residual), backend="triton",
-                    config=config(4, block=64))
+                    config=config(4, block=64))                                         # main 16 rows
     assert torch.equal(out, act)
 
 

@@ -284,7 +284,9 @@ class Transformer(nn.Module):
         the intermediate axis as contiguous rows of weight.t(). Prefill's F.linear takes the strided
         weight as it is. enabled=False stores it plainly again (the chain of small_linear launches).
         Idempotent; a restore after parking brings plain weights back, so the engine calls this again
-        then. -> whether the fused MLP is on (False where the kernel does not fit the shape)."""
+        then. A change moves the weights to new storage, which CUDA graphs captured before do not
+        follow: call it before capturing (Engine does, when it is built; parking drops the graphs).
+        -> whether the fused MLP is on (False where the kernel does not fit the shape)."""
         from kernels.fused_mlp import mlp_fits
 
         enabled = enabled and mlp_fits(self.config.hidden_size, self.config.intermediate_size, self.dtype)

@@ -25,7 +25,6 @@ from engine.errors import BadInputError, DeviceOutOfMemoryError, PromptTooLongEr
 from engine.generate import TokenOutput, generate_plain, synchronize
 from engine.kv_cache import KVCache
 from engine.linear import decode_kernels_enabled, enable_invariant_kernel
-from kernels.fused_mlp import fused_mlp_wanted
 from engine.model import Transformer
 from engine.pflash import compress_for_request, ensure_target_resident
 from engine.sampling import Sampler
@@ -33,6 +32,7 @@ from engine.step import StepRunner
 from engine.stopping import StopChecker, cut_at_stop_string
 from engine.text import TextCodec
 from engine.types import GenerationRequest, GenerationResult, SamplingParams, Telemetry
+from kernels.fused_mlp import fused_mlp_wanted
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16, "f16": torch.float16}

@@ -326,7 +326,7 @@ class Residency:
                     self.step_hook("unpark", engine)
             else:
                 self._reload(engine, params, parked)
-            if getattr(engine, "fused_mlp", False):
+            if engine.fused_mlp:
                 engine.model.use_fused_mlp()  # restored weights are contiguous: down transposed again
         cache = engine.cache
         for buffers in (cache.keys, cache.values):

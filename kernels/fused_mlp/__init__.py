@@ -10,7 +10,7 @@ weight transposed when it uses this path (engine.model.Transformer.use_fused_mlp
 `down_proj.weight.t()` is a free view. On CUDA: kernels/fused_mlp/triton_kernel.py; elsewhere the
 PyTorch twin (reference.py). The engine uses it on the MLP shapes where it measured faster than the
 chain of small_matmul launches on the H200 (`fused_mlp_wanted`; BATCHD_FUSED_MLP=1 forces it, 0
-turns it off): Qwen2.5-0.5B, +6%; at Qwen2.5-1.5B, Llama-3-8B and SmolLM2-135M the chain is
+turns it off): Qwen2.5-0.5B, +18%; at Qwen2.5-1.5B, Llama-3-8B and SmolLM2-135M the chain is
 faster (kernels/small_matmul/NOTES.md, "Stop 19").
 """
 from __future__ import annotations

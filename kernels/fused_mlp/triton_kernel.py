@@ -34,7 +34,8 @@ from kernels._backend import (early_reads_enabled, interpreting, launch_options,
                               patch_interpreter_index, pdl_enabled, pdl_trigger_point)
 from kernels._pdl import pdl_trigger, pdl_wait
 from kernels._trace import END, START, WAITED, trace_args, trace_mark
-from kernels.small_matmul.triton_kernel import BLOCK_M, dot_flags, reduce_epilogue_inputs, store_reduced_row
+from kernels.small_matmul.triton_kernel import (BLOCK_M, dot_flags, reduce_epilogue_inputs, silu_mul_rounded,
+                                               store_reduced_row)
 
 if interpreting():
     patch_interpreter_index()
@@ -118,11 +119,9 @@ def _gate_up_dots(acc_g, acc_u, wg, wu, x, UPCAST_DOT: tl.constexpr, DOT_PRECISI
 
 @triton.jit
 def _silu_mul(acc_g, acc_u, row_scale, dtype: tl.constexpr, UPCAST_DOT: tl.constexpr):
-    """silu(gate) * up [rows, BLOCK_M] with the eager rounding (kernels.small_matmul's gated
-    epilogue): gate, up and silu(gate) each in the model dtype. Rows past the slice give 0."""
-    g = (acc_g * row_scale[None, :]).to(dtype).to(tl.float32)
-    silu = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
-    act = (silu * (acc_u * row_scale[None, :]).to(dtype).to(tl.float32)).to(dtype)
+    """silu(gate) * up [rows, BLOCK_M] of the sums scaled by the folded norm's row scale, rounded as
+    kernels.small_matmul's gated epilogue rounds (its own code). Rows past the slice give 0."""
+    act = silu_mul_rounded(acc_g * row_scale[None, :], acc_u * row_scale[None, :], dtype)
     if UPCAST_DOT:
         act = act.to(tl.float32)
     return act

@@ -450,10 +450,7 @@ def _epilogue(acc, gate, up, cols, offs_m, mask, part, M, bias, Res, next_nw, Ou
     (bias, next_nw: `_epilogue_inputs`)."""
     dtype = Out.dtype.element_ty
     if GATED:
-        # silu(gate) * up with the eager rounding: gate, up and silu(gate) each in the model dtype
-        g = gate.to(dtype).to(tl.float32)
-        silu = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
-        y = (silu * up.to(dtype).to(tl.float32)).to(dtype)
+        y = silu_mul_rounded(gate, up, dtype)
     else:
         if HAS_BIAS:
             acc += bias[:, None]
@@ -464,6 +461,15 @@ def _epilogue(acc, gate, up, cols, offs_m, mask, part, M, bias, Res, next_nw, Ou
     tl.store(Out + offs_m[None, :] * stride_om + cols[:, None], y, mask=mask)
     if EMIT_NORM:
         _emit_norm_inputs(y, cols, offs_m, mask, part, M, next_nw, WeightedOut, SumSqOut, stride_om)
+
+
+@triton.jit
+def silu_mul_rounded(gate, up, dtype: tl.constexpr):
+    """silu(gate) * up in `dtype` from float32 sums, with the eager rounding: gate, up and silu(gate)
+    each in the model dtype (kernels.fused_mlp computes its act with this same code)."""
+    g = gate.to(dtype).to(tl.float32)
+    silu = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
+    return (silu * up.to(dtype).to(tl.float32)).to(dtype)
 
 
 @triton.jit

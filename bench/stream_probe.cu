@@ -1,0 +1,430 @@
+// A weight-streaming persistent decode kernel, as a probe: can one launch for all layers keep HBM
+// busy through the dependency points of a batch-1 decode step? (kernels/small_matmul/NOTES.md,
+// "Stop 20", has the design and the measurements.) One CTA per SM. Warp 8 is the producer: lane 0
+// claims a slot of a shared-memory ring (an mbarrier pair per slot) and the warp's lanes bulk-copy
+// the chunk's weight rows into it (cp.async.bulk, one per row). It streams the CTA's share of every
+// weight matrix, layer after layer, and never waits on an activation, only on a free slot. Warps 0-7
+// consume: at each op they wait for its input (a counter every CTA bumps when its rows of the
+// previous op are written, or tagged values: mode bit 3), stage the input vector in shared memory,
+// and reduce their rows chunk by chunk in a fixed order, on tensor cores or CUDA cores (bit 4).
+//
+// Per layer (Qwen2 shapes): qkv = rmsnorm(h) Wqkv^T + b; attention (here: o's input is q, the first
+// H values of qkv: this probe times the projections and their dependencies, not attention);
+// h += attn Wo^T; act = silu(g) * u with [g; u] = rmsnorm(h) Wgu^T; h += act Wd^T. Batch 1 only.
+#include <cuda_bf16.h>
+#ifdef __CUDACC_RTC__  // NVRTC has no <stdint.h>
+typedef unsigned int uint32_t;
+typedef unsigned long long uint64_t;
+typedef long long int64_t;
+typedef unsigned char uint8_t;
+#else
+#include <stdint.h>
+#endif
+
+#define NUM_CONSUMER_WARPS 8
+
+#define MAX_OWN_ROWS 16  // rows of an op one CTA owns: ceil(units / CTAs) at most
+
+struct Shapes {
+  int layers, hidden, inter, qkv_rows;
+  int kc_qo, kc_gu, kc_down;  // columns per chunk: qkv and o (8 rows), gate_up (8 gate + 8 up rows), down
+  int mode;  // bit 0: wait at dependencies (else wrong results); bit 1: skip the dot products;
+             // bit 2: one contiguous copy per chunk (timing only: packed weights);
+             // bit 3: activations carry their own ready tag (below) instead of counters and fences;
+             // bit 4: dot products on CUDA cores, a warp per row (else tensor cores, k split over warps)
+};
+
+// Tagged activations, as NCCL's LL protocol: each value travels with the tag of the op that wrote it
+// in one 64-bit word (a 64-bit access is single-copy atomic), so a reader spins on the value
+// itself: no fence before a counter, no counter round trip before reading the data.
+__device__ __forceinline__ float ld_tagged(const uint64_t* p, uint32_t tag) {
+  uint64_t v;
+  for (uint32_t spins = 0;; ++spins) {
+    asm volatile("ld.relaxed.gpu.global.b64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+    if ((uint32_t)(v >> 32) == tag) break;
+    if (spins == (1u << 26)) __trap();  // a wrong tag would hang the GPU: fail the launch instead
+  }
+  return __uint_as_float((uint32_t)v);
+}
+__device__ __forceinline__ void st_tagged(uint64_t* p, float value, uint32_t tag) {
+  const uint64_t v = ((uint64_t)tag << 32) | __float_as_uint(value);
+  asm volatile("st.relaxed.gpu.global.b64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
+  uint32_t done = 0;
+  do {
+    asm volatile(
+        "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+        : "=r"(done) : "r"(smem_addr(bar)), "r"(parity) : "memory");
+  } while (!done);
+}
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_addr(bar)) : "memory");
+}
+__device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)), "r"(bytes)
+               : "memory");
+}
+__device__ __forceinline__ void bulk_copy(void* dst, const void* src, uint32_t bytes, uint64_t* bar,
+                                          uint64_t policy) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;"
+      ::"r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(smem_addr(bar)), "l"(policy) : "memory");
+}
+__device__ __forceinline__ void consumers_sync() {  // the 256 consumer threads only
+  asm volatile("bar.sync 1, %0;" ::"n"(NUM_CONSUMER_WARPS * 32) : "memory");
+}
+__device__ __forceinline__ unsigned load_acquire(const unsigned* p) {
+  unsigned v;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+// Op t of a layer: 0 qkv, 1 o, 2 gate_up, 3 down. A unit is an output row, except for gate_up,
+// where it is one intermediate index: its gate row and its up row travel in the same chunk, and
+// the warp that owns the index computes both dot products and act.
+struct Op {
+  int units, k, kc;
+};
+__device__ __forceinline__ Op op_of(const Shapes& s, int t) {
+  if (t == 0) return {s.qkv_rows, s.hidden, s.kc_qo};
+  if (t == 1) return {s.hidden, s.hidden, s.kc_qo};
+  if (t == 2) return {s.inter, s.hidden, s.kc_gu};
+  return {s.hidden, s.inter, s.kc_down};
+}
+// Weight row r of a chunk of the group starting at unit g0 with n units (gate_up: n gate rows, then n up rows).
+__device__ __forceinline__ int row_of(int t, int g0, int n, int r, int inter) {
+  if (t != 2) return g0 + r;
+  return r < n ? g0 + r : inter + g0 + (r - n);
+}
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t* r, uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+// d += A B with A the token rows (row 0 here: a0 = k 0-1 of the lane's pair, a2 = k 8-9) and B
+// eight weight rows (b0 = k 0-7, b1 = k 8-15, as ldmatrix hands them out)
+__device__ __forceinline__ void mma_bf16(float* d, uint32_t a0, uint32_t a2, uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]) : "r"(a0), "r"(0u), "r"(a2), "r"(0u), "r"(b0), "r"(b1));
+}
+// Tensor-core dot products of one chunk: this warp's k-range [kb, kb + kc/8) of 8 weight rows
+// (row pitch `pitch`: kc*2 + 16 bytes, so ldmatrix's 8 rows fall in 8 different bank groups) with x.
+// A CUDA-core loop (one row per warp, 8 sums per lane) made the consumers the bottleneck: 38 us a
+// layer against 29 with no arithmetic (stop 20).
+__device__ __forceinline__ void mma_chunk(uint32_t rows_addr, int pitch, const __nv_bfloat16* x, int kc, int warp,
+                                          int lane, float (*d)[4]) {
+  const int kw = kc / NUM_CONSUMER_WARPS, kb = warp * kw;
+  const uint32_t addr = rows_addr + (lane % 8) * pitch + (kb + (lane / 8) * 8) * 2;
+  const uint32_t* x32 = reinterpret_cast<const uint32_t*>(x + kb);
+  for (int k = 0; k < kw; k += 32) {
+    uint32_t b[4];
+    ldmatrix_x4(b, addr + k * 2);
+    uint32_t a[4] = {0u, 0u, 0u, 0u};
+    if (lane < 4) {
+      a[0] = x32[k / 2 + lane];
+      a[1] = x32[(k + 8) / 2 + lane];
+      a[2] = x32[(k + 16) / 2 + lane];
+      a[3] = x32[(k + 24) / 2 + lane];
+    }
+    // four accumulator sets: one chain of dependent mma.sync per chunk made them the bottleneck
+    mma_bf16(d[0], a[0], a[1], b[0], b[1]);
+    mma_bf16(d[1], a[2], a[3], b[2], b[3]);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {  // rotate the sets (register moves; a runtime index spilled them)
+      const float t0 = d[0][j], t1 = d[1][j];
+      d[0][j] = d[2][j];
+      d[1][j] = d[3][j];
+      d[2][j] = t0;
+      d[3][j] = t1;
+    }
+  }
+}
+
+// CUDA-core dot products (mode bit 4): a warp per weight row, eight independent sums per lane (one
+// per bf16 position of a 16-byte vector; a single accumulator was slower, stop 20's first runs).
+__device__ __forceinline__ void dot_chunk(const uint8_t* row, const __nv_bfloat16* x, int kc, int lane, float* a8) {
+  const uint4* wv = reinterpret_cast<const uint4*>(row);
+  const uint4* xv = reinterpret_cast<const uint4*>(x);
+#pragma unroll 4
+  for (int v = lane; v < kc / 8; v += 32) {
+    const uint4 a = wv[v], b = xv[v];
+    const uint32_t aw[4] = {a.x, a.y, a.z, a.w}, bw[4] = {b.x, b.y, b.z, b.w};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      a8[2 * j] = fmaf(__uint_as_float(aw[j] << 16), __uint_as_float(bw[j] << 16), a8[2 * j]);
+      a8[2 * j + 1] = fmaf(__uint_as_float(aw[j] & 0xffff0000u), __uint_as_float(bw[j] & 0xffff0000u), a8[2 * j + 1]);
+    }
+  }
+}
+__device__ __forceinline__ float finish_dot(const float* a8) {  // fixed order: lane sums, then the butterfly
+  float acc = ((a8[0] + a8[1]) + (a8[2] + a8[3])) + ((a8[4] + a8[5]) + (a8[6] + a8[7]));
+  for (int o = 16; o; o >>= 1) acc += __shfl_xor_sync(0xffffffff, acc, o);
+  return acc;
+}
+
+extern "C" __global__ void __launch_bounds__((NUM_CONSUMER_WARPS + 1) * 32, 1)
+stream_layers(const int64_t* __restrict__ weights,  // [layers][4] bf16 [N, K] row-major
+              const int64_t* __restrict__ norms,    // [layers][2] bf16 [hidden]
+              const int64_t* __restrict__ biases,   // [layers]    bf16 [qkv_rows]
+              float* h, __nv_bfloat16* qkv, __nv_bfloat16* act, unsigned* counters,
+              int layers, int hidden, int inter, int qkv_rows, int kc_qo, int kc_gu, int kc_down, int mode,
+              int num_slots, int slot_bytes, int64_t* prof,
+              uint64_t* h_ll, uint64_t* qkv_ll, uint64_t* act_ll, uint32_t seq) {
+  // tagged mode: op t of layer l writes tag base + 4 l + t + 1; h enters with tag base
+  const bool ll = mode & 8, cuda_cores = mode & 16;
+  const uint32_t base = seq * (uint32_t)layers * 4u;
+  const Shapes s{layers, hidden, inter, qkv_rows, kc_qo, kc_gu, kc_down, mode};
+  extern __shared__ __align__(128) uint8_t smem[];
+  uint8_t* ring = smem;                                                                   // num_slots x slot_bytes
+  __nv_bfloat16* x = reinterpret_cast<__nv_bfloat16*>(ring + (size_t)num_slots * slot_bytes);  // [max K]
+  const int max_k = s.inter > s.hidden ? s.inter : s.hidden;
+  uint64_t* full = reinterpret_cast<uint64_t*>(x + ((max_k + 63) / 64) * 64);
+  uint64_t* empty = full + num_slots;
+  float* partial = reinterpret_cast<float*>(empty + num_slots);  // [8] norm partial sums
+  float* own_h = partial + 8;                                    // [MAX_OWN_ROWS] this CTA's rows of h
+  float* own_bias = own_h + MAX_OWN_ROWS;                        // [MAX_OWN_ROWS] this layer's qkv bias rows
+                                                                 // then [2][2][warps][8] per-warp row sums
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int G = gridDim.x, c = blockIdx.x;
+  const int h_lo = (int)((long long)c * s.hidden / G), h_hi = (int)((long long)(c + 1) * s.hidden / G);
+  for (int i = tid; i < h_hi - h_lo; i += blockDim.x) own_h[i] = h[h_lo + i];
+  long long t_start = clock64(), t_wait = 0, t_dep = 0, t_stage = 0, t_fence = 0;
+
+  if (tid == 0) {
+    for (int i = 0; i < num_slots; ++i) {
+      mbar_init(&full[i], 1);
+      mbar_init(&empty[i], NUM_CONSUMER_WARPS);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+
+  if (warp == NUM_CONSUMER_WARPS) {  // producer: lane 0 claims a slot, lane r copies row r of it
+    uint64_t policy;
+    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+    uint32_t it = 0;
+    for (int l = 0; l < s.layers; ++l)
+      for (int t = 0; t < 4; ++t) {
+        const Op op = op_of(s, t);
+        const auto* w = reinterpret_cast<const __nv_bfloat16*>(weights[l * 4 + t]);
+        const int lo = (int)((long long)c * op.units / G), hi = (int)((long long)(c + 1) * op.units / G);
+        for (int g0 = lo; g0 < hi; g0 += 8) {
+          const int n = min(8, hi - g0), rows = t == 2 ? 2 * n : n;
+          for (int k0 = 0; k0 < op.k; k0 += op.kc, ++it) {
+            const int slot = it % num_slots;
+            if (lane == 0) {
+              const long long t0 = clock64();
+              mbar_wait(&empty[slot], ((it / num_slots) & 1) ^ 1);
+              t_wait += clock64() - t0;
+              mbar_expect_tx(&full[slot], rows * op.kc * 2);
+            }
+            __syncwarp();
+            if (s.mode & 4) {
+              if (lane == 0)
+                bulk_copy(ring + slot * slot_bytes, w + (long long)g0 * op.k + (long long)k0 * rows,
+                          rows * op.kc * 2, &full[slot], policy);
+            } else if (lane < rows) {
+              const int dst_row = (t == 2 && lane >= n) ? 8 + lane - n : lane;  // up rows from row 8
+              bulk_copy(ring + slot * slot_bytes + dst_row * (op.kc * 2 + 16),
+                        w + (long long)row_of(t, g0, n, lane, s.inter) * op.k + k0, op.kc * 2, &full[slot], policy);
+            }
+          }
+        }
+      }
+    if (lane == 0) {
+      prof[c * 8 + 0] = clock64() - t_start;
+      prof[c * 8 + 1] = t_wait;
+    }
+    return;
+  }
+
+  // consumers
+  uint32_t it = 0;
+  int parity = 0;
+  for (int l = 0; l < s.layers; ++l)
+    for (int t = 0; t < 4; ++t) {
+      const Op op = op_of(s, t);
+      const int lo = (int)((long long)c * op.units / G), hi = (int)((long long)(c + 1) * op.units / G);
+      const long long t0 = clock64();
+      if (t == 0 && tid < hi - lo)  // the bias rows, loaded while the waits below run
+        own_bias[tid] = __bfloat162float(reinterpret_cast<const __nv_bfloat16*>(biases[l])[lo + tid]);
+      // wait for this op's input: every CTA's rows of the op before it
+      const int dep = l * 4 + t - 1;
+      if (dep >= 0 && (s.mode & 1) && !ll) {
+        if (tid == 0)
+          while (load_acquire(&counters[dep]) < (unsigned)G) {
+          }
+        consumers_sync();
+      }
+      const long long t1 = clock64();
+      t_dep += t1 - t0;
+      // stage the input vector in shared memory (bf16)
+      if (t == 0 || t == 2) {  // rmsnorm(h) * weight; h read once (hidden <= 8 * 256)
+        const auto* nw = reinterpret_cast<const __nv_bfloat16*>(norms[l * 2 + t / 2]);
+        float hv[8], ss = 0.f;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          const int k = tid + i * NUM_CONSUMER_WARPS * 32;
+          hv[i] = k >= s.hidden ? 0.f
+                  : ll      ? ld_tagged(h_ll + k, t == 0 ? base + 4 * l : base + 4 * l + 2)
+                            : __ldcg(h + k);
+          ss = fmaf(hv[i], hv[i], ss);
+        }
+        for (int o = 16; o; o >>= 1) ss += __shfl_xor_sync(0xffffffff, ss, o);
+        if (lane == 0) partial[warp] = ss;
+        consumers_sync();
+        float total = 0.f;
+        for (int i = 0; i < NUM_CONSUMER_WARPS; ++i) total += partial[i];
+        const float inv = rsqrtf(total / s.hidden + 1e-6f);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          const int k = tid + i * NUM_CONSUMER_WARPS * 32;
+          if (k < s.hidden) x[k] = __float2bfloat16(hv[i] * inv * __bfloat162float(nw[k]));
+        }
+      } else if (ll) {
+        const uint64_t* src = t == 1 ? qkv_ll : act_ll;
+        for (int k = tid; k < op.k; k += NUM_CONSUMER_WARPS * 32)
+          x[k] = __float2bfloat16(ld_tagged(src + k, base + 4 * l + t));
+      } else {
+        const __nv_bfloat16* src = t == 1 ? qkv : act;
+        for (int v = tid; v < op.k / 8; v += NUM_CONSUMER_WARPS * 32)
+          reinterpret_cast<uint4*>(x)[v] = __ldcg(reinterpret_cast<const uint4*>(src) + v);
+      }
+      consumers_sync();
+      t_stage += clock64() - t1;
+
+      for (int g0 = lo; g0 < hi; g0 += 8) {
+        const int n = min(8, hi - g0);
+        float d[4][4] = {}, e[4][4] = {};  // tensor cores: gate (or the op's rows), up; four sets each
+        float a8[8] = {}, u8[8] = {};      // CUDA cores: this warp's row, its up row
+        const int pitch = op.kc * 2 + 16;
+        for (int k0 = 0; k0 < op.k; k0 += op.kc, ++it) {
+          const int slot = it % num_slots;
+          const long long t2 = clock64();
+          mbar_wait(&full[slot], (it / num_slots) & 1);
+          t_wait += clock64() - t2;
+          if ((s.mode & 2) == 0 && cuda_cores) {
+            if (warp < n) {
+              const uint8_t* rows = ring + slot * slot_bytes;
+              dot_chunk(rows + warp * pitch, x + k0, op.kc, lane, a8);
+              if (t == 2) dot_chunk(rows + (8 + warp) * pitch, x + k0, op.kc, lane, u8);
+            }
+          } else if ((s.mode & 2) == 0) {
+            const uint32_t rows_addr = smem_addr(ring + slot * slot_bytes);
+            mma_chunk(rows_addr, pitch, x + k0, op.kc, warp, lane, d);
+            if (t == 2) mma_chunk(rows_addr + 8 * pitch, pitch, x + k0, op.kc, warp, lane, e);
+          }
+          __syncwarp();
+          if (lane == 0) mbar_arrive(&empty[slot]);
+        }
+        int out = -1;  // which of the group's n rows this thread writes
+        float acc = 0.f, up = 0.f;
+        if (cuda_cores) {
+          acc = finish_dot(a8);
+          up = finish_dot(u8);
+          if (warp < n && lane == 0) out = warp;
+        } else {
+          // D row 0 (the token) sits in lanes 0-3: columns (weight rows) 2*lane and 2*lane + 1
+          float* red = partial + 8 + 2 * MAX_OWN_ROWS + parity * 2 * NUM_CONSUMER_WARPS * 8;  // [2][warps][8]
+          if (lane < 4) {
+#pragma unroll
+            for (int j = 0; j < 2; ++j) {
+              red[warp * 8 + 2 * lane + j] = (d[0][j] + d[1][j]) + (d[2][j] + d[3][j]);
+              red[(NUM_CONSUMER_WARPS + warp) * 8 + 2 * lane + j] = (e[0][j] + e[1][j]) + (e[2][j] + e[3][j]);
+            }
+          }
+          consumers_sync();
+          if (tid < n) {  // the warps' k-ranges summed in warp order
+            for (int w = 0; w < NUM_CONSUMER_WARPS; ++w) {
+              acc += red[w * 8 + tid];
+              up += red[(NUM_CONSUMER_WARPS + w) * 8 + tid];
+            }
+            out = tid;
+          }
+          parity ^= 1;  // the other half of red next group: no second barrier
+        }
+        if (out >= 0) {
+          const int row = g0 + out;
+          const uint32_t tag = base + 4 * l + t + 1;
+          if (t == 0 || t == 2) {
+            const __nv_bfloat16 v = __float2bfloat16(t == 0 ? acc + own_bias[row - lo] : acc / (1.f + __expf(-acc)) * up);
+            if (ll)
+              st_tagged((t == 0 ? qkv_ll : act_ll) + row, __bfloat162float(v), tag);
+            else
+              (t == 0 ? qkv : act)[row] = v;
+          } else {  // o, down: this CTA owns these rows of h
+            own_h[row - lo] += acc;
+            if (ll)
+              st_tagged(h_ll + row, own_h[row - lo], tag);
+            else
+              h[row] = own_h[row - lo];
+          }
+        }
+      }
+      // publish this CTA's rows of op t: the barrier orders the warps' stores before the release
+      consumers_sync();
+      if (tid == 0 && !ll) {  // as CUTLASS's GenericBarrier: a gpu-scope fence, then the add
+        const long long t3 = clock64();
+        asm volatile("fence.acq_rel.gpu;" ::: "memory");
+        t_fence += clock64() - t3;
+        asm volatile("red.relaxed.gpu.global.add.u32 [%0], 1;" ::"l"(&counters[l * 4 + t]) : "memory");
+      }
+    }
+  if (tid == 0) {
+    prof[c * 8 + 2] = clock64() - t_start;
+    prof[c * 8 + 3] = t_wait;
+    prof[c * 8 + 4] = t_dep;
+    prof[c * 8 + 5] = t_stage;
+    prof[c * 8 + 6] = t_fence;
+  }
+}
+
+// The bulk-copy ring alone: each CTA streams its contiguous share of `src` through num_slots slots
+// of chunk bytes; the consumer warps only wait for each slot and free it (sum one word so the
+// reads are not dead). Measures what one producer thread per SM can pull through TMA.
+extern "C" __global__ void __launch_bounds__((NUM_CONSUMER_WARPS + 1) * 32, 1)
+ring_only(const uint8_t* src, long long bytes_per_cta, int chunk, int num_slots, float* sink) {
+  extern __shared__ __align__(128) uint8_t smem[];
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + (size_t)num_slots * chunk);
+  uint64_t* empty = full + num_slots;
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  if (tid == 0) {
+    for (int i = 0; i < num_slots; ++i) { mbar_init(&full[i], 1); mbar_init(&empty[i], NUM_CONSUMER_WARPS); }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+  const uint8_t* base = src + blockIdx.x * bytes_per_cta;
+  const int n = (int)(bytes_per_cta / chunk);
+  if (warp == NUM_CONSUMER_WARPS) {
+    if (lane) return;
+    uint64_t policy;
+    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+    for (int it = 0; it < n; ++it) {
+      const int slot = it % num_slots;
+      mbar_wait(&empty[slot], ((it / num_slots) & 1) ^ 1);
+      mbar_expect_tx(&full[slot], chunk);
+      bulk_copy(smem + (size_t)slot * chunk, base + (long long)it * chunk, chunk, &full[slot], policy);
+    }
+    return;
+  }
+  float acc = 0.f;
+  for (int it = 0; it < n; ++it) {
+    const int slot = it % num_slots;
+    mbar_wait(&full[slot], (it / num_slots) & 1);
+    acc += reinterpret_cast<const float*>(smem + (size_t)slot * chunk)[tid];
+    __syncwarp();
+    if (lane == 0) mbar_arrive(&empty[slot]);
+  }
+  if (acc == 12345.f) sink[0] = acc;
+}
+

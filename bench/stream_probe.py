@@ -1,0 +1,155 @@
+"""Probe: one persistent launch that streams every layer's weights through shared memory with bulk
+copies while its consumer warps wait at each dependency (bench/stream_probe.cu has the design;
+kernels/small_matmul/NOTES.md, "Stop 20", the results). Qwen2.5-1.5B projections (qkv, o, gate_up,
+down; attention left out: o reads q), 28 layers, batch 1. Prints:
+- the bulk-copy ring alone (no layer logic): what one producer thread per SM pulls through TMA;
+- the layer kernel, us per layer against the floor (weight bytes over the copy bandwidth of this
+  run), with the share of time the producer waits for a free slot and the consumers wait for data,
+  for a dependency and stage their input.
+Compiled with NVRTC through CuPy (on the device image), so no build step.
+
+    python bench/stream_probe.py [--layers 28] [--ring-only]
+"""
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import numpy as np
+import torch
+
+from bench.common import copy_bandwidth, cuda_time, print_table
+
+THREADS = 9 * 32  # 8 consumer warps + the producer warp
+# the kernel's mode bits (stream_probe.cu, struct Shapes): 1 wait at dependencies, 2 no arithmetic,
+# 8 tagged activations instead of counters, 16 CUDA cores instead of tensor cores
+MODES = {17: "CUDA cores, counters", 1: "tensor cores, counters", 9: "tensor cores, tagged",
+         18: "no arithmetic, no waits"}
+
+
+def build():
+    import cupy
+    src = Path(__file__).with_name("stream_probe.cu").read_text()
+    mod = cupy.RawModule(code=src, options=("-std=c++17", "-lineinfo"))
+    return {name: mod.get_function(name) for name in ("stream_layers", "ring_only")}
+
+
+def launch(kernel, grid, smem, *args):
+    conv = [np.uint64(a.data_ptr()) if isinstance(a, torch.Tensor) else np.int32(a) if isinstance(a, int)
+            else a for a in args]
+    if kernel.max_dynamic_shared_size_bytes < smem:
+        kernel.max_dynamic_shared_size_bytes = smem
+    kernel((grid,), (THREADS,), tuple(conv), shared_mem=smem)
+
+
+def reference(h, layers, hidden, inter):
+    """float32 math on the bf16 weights, rounding where the kernel rounds (x, qkv, act)."""
+    h = h.clone()
+    for wqkv, wo, wgu, wd, n1, n2, b in layers:
+        x = (h * torch.rsqrt(h.square().mean() + 1e-6) * n1.float()).bfloat16().float()
+        qkv = (wqkv.float() @ x + b.float()).bfloat16().float()
+        h = h + wo.float() @ qkv[:hidden]
+        x = (h * torch.rsqrt(h.square().mean() + 1e-6) * n2.float()).bfloat16().float()
+        gu = wgu.float() @ x
+        act = (torch.nn.functional.silu(gu[:inter]) * gu[inter:]).bfloat16().float()
+        h = h + wd.float() @ act
+    return h
+
+
+def ring_table(kernels, grid, bw):
+    src = torch.empty(2**31, dtype=torch.uint8, device="cuda").random_()
+    sink = torch.zeros(1, device="cuda")
+    rows = []
+    for chunk_kb in (8, 16, 32):
+        for slots in (2, 4, 8):
+            if chunk_kb * slots > 200:  # over the shared memory a block can have
+                continue
+            chunk = chunk_kb * 1024
+            per_cta = src.numel() // grid // chunk * chunk
+            t = cuda_time(lambda: launch(kernels["ring_only"], grid, slots * chunk + 16 * slots,  # noqa: B023
+                                         src, np.int64(per_cta), chunk, slots, sink), warmup=2, repeats=10)
+            rows.append({"chunk_KB": chunk_kb, "slots": slots, "in_flight_KB": chunk_kb * slots,
+                         "TB/s": f"{per_cta * grid / t / 1e12:.2f}", "of_copy": f"{per_cta * grid / t / bw:.3f}"})
+    print(f"ring alone, one producer thread per SM, {grid} CTAs, copy bandwidth {bw / 1e12:.2f} TB/s")
+    print_table(rows)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--layers", type=int, default=28)
+    p.add_argument("--hidden", type=int, default=1536)
+    p.add_argument("--inter", type=int, default=8960)
+    p.add_argument("--qkv-rows", type=int, default=2048)
+    p.add_argument("--ring-only", action="store_true")
+    args = p.parse_args()
+    kernels = build()
+    dev = "cuda"
+    grid = torch.cuda.get_device_properties(0).multi_processor_count
+    bw = copy_bandwidth()
+    ring_table(kernels, grid, bw)
+    if args.ring_only:
+        return
+    L, H, I, Q = args.layers, args.hidden, args.inter, args.qkv_rows
+    torch.manual_seed(0)
+    rnd = lambda *shape: (torch.randn(*shape, device=dev) / shape[-1] ** 0.5).bfloat16()  # noqa: E731
+    layers = [(rnd(Q, H), rnd(H, H), rnd(2 * I, H), rnd(H, I),
+               (1 + 0.1 * torch.randn(H, device=dev)).bfloat16(), (1 + 0.1 * torch.randn(H, device=dev)).bfloat16(),
+               (0.1 * torch.randn(Q, device=dev)).bfloat16()) for _ in range(L)]
+    weights = torch.tensor([[w.data_ptr() for w in ly[:4]] for ly in layers], dtype=torch.int64, device=dev)
+    norms = torch.tensor([[ly[4].data_ptr(), ly[5].data_ptr()] for ly in layers], dtype=torch.int64, device=dev)
+    biases = torch.tensor([ly[6].data_ptr() for ly in layers], dtype=torch.int64, device=dev)
+    h0 = torch.randn(H, device=dev)
+    h = h0.clone()
+    qkv = torch.empty(Q, dtype=torch.bfloat16, device=dev)
+    act = torch.empty(I, dtype=torch.bfloat16, device=dev)
+    counters = torch.zeros(L * 4, dtype=torch.int32, device=dev)
+    prof = torch.zeros(256, 8, dtype=torch.int64, device=dev)
+    weight_bytes = sum(sum(t.numel() * 2 for t in ly[:4]) for ly in layers)
+    floor_us = weight_bytes / bw / L * 1e6
+    want = reference(h0, layers, H, I)
+    h_ll = torch.empty(H, dtype=torch.int64, device=dev)
+    qkv_ll = torch.zeros(Q, dtype=torch.int64, device=dev)
+    act_ll = torch.zeros(I, dtype=torch.int64, device=dev)
+    seq = [0]
+
+    def h_out(mode):  # the final h: plain, or the low 32 bits of the tagged words
+        return (h_ll & 0xFFFFFFFF).to(torch.int32).view(torch.float32) if mode & 8 else h
+
+    def run(mode, slots, kc_qo, kc_gu, kc_down):
+        h.copy_(h0)
+        counters.zero_()
+        seq[0] += 1
+        if mode & 8:  # h enters with tag seq * layers * 4
+            h_ll.copy_((h0.view(torch.int32).to(torch.int64) & 0xFFFFFFFF) | ((seq[0] * L * 4) << 32))
+        # a slot holds 8 rows (gate_up: 8 gate + 8 up) at a pitch of kc * 2 + 16 bytes
+        slot_bytes = -(-max(8 * (kc_qo * 2 + 16), 16 * (kc_gu * 2 + 16), 8 * (kc_down * 2 + 16)) // 128) * 128
+        smem = slots * slot_bytes + max(H, I) * 2 + 16 * slots + 4 * 296
+        launch(kernels["stream_layers"], grid, smem, weights, norms, biases, h, qkv, act, counters,
+               L, H, I, Q, kc_qo, kc_gu, kc_down, mode, slots, slot_bytes, prof, h_ll, qkv_ll, act_ll,
+               np.uint32(seq[0]))
+
+    rows = []
+    for cfg in ((8, 1536, 768, 1280), (7, 1536, 768, 1792)):
+        for mode in (17, 1, 9):
+            run(mode, *cfg)
+            first = h_out(mode).clone()
+            err = ((first - want).norm() / want.norm()).item()
+            run(mode, *cfg)
+            same = torch.equal(first, h_out(mode))
+            print(f"config {cfg} mode {mode}: rel err vs float32 reference {err:.2e}, bitwise repeatable: {same}")
+        for mode in MODES:
+            t = cuda_time(lambda: run(mode, *cfg), warmup=2, repeats=10)  # noqa: B023
+            us = t / L * 1e6
+            pr = prof[:grid].double().mean(0)  # cycles averaged over CTAs, as shares of the role's total
+            rows.append({"slots": cfg[0], "kc qo/gu/down": "/".join(map(str, cfg[1:])),
+                         "mode": MODES[mode],
+                         "us_per_layer": f"{us:.2f}", "floor_us": f"{floor_us:.2f}",
+                         "floor/time": f"{floor_us / us:.3f}", "producer_waits_slot": f"{pr[1] / pr[0]:.2f}",
+                         "consumer_waits_data/dep/stage/fence":
+                             "/".join(f"{pr[i] / pr[2]:.2f}" for i in (3, 4, 5, 6))})
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s, {weight_bytes / 2**20:.0f} MiB of weights, {L} layers, grid {grid}")
+    print_table(rows)
+
+
+if __name__ == "__main__":
+    main()

@@ -28,10 +28,12 @@ typedef unsigned char uint8_t;
 struct Shapes {
   int layers, hidden, inter, qkv_rows;
   int kc_qo, kc_gu, kc_down;  // columns per chunk: qkv and o (8 rows), gate_up (8 gate + 8 up rows), down
-  int mode;  // bit 0: wait at dependencies (else wrong results); bit 1: skip the dot products;
+  int prefetch;  // mode bit 5: chunks ahead of the producer asked of the L2
+  int mode;      // bit 0: wait at dependencies (else wrong results); bit 1: skip the dot products;
              // bit 2: one contiguous copy per chunk (timing only: packed weights);
              // bit 3: activations carry their own ready tag (below) instead of counters and fences;
-             // bit 4: dot products on CUDA cores, a warp per row (else tensor cores, k split over warps)
+             // bit 4: dot products on CUDA cores, a warp per row (else tensor cores, k split over warps);
+             // bit 5: the producer also prefetches into the L2 `prefetch` chunks ahead
 };
 
 // Tagged activations, as NCCL's LL protocol: each value travels with the tag of the op that wrote it
@@ -103,6 +105,41 @@ __device__ __forceinline__ Op op_of(const Shapes& s, int t) {
 __device__ __forceinline__ int row_of(int t, int g0, int n, int r, int inter) {
   if (t != 2) return g0 + r;
   return r < n ? g0 + r : inter + g0 + (r - n);
+}
+
+// The producer's walk over a CTA's chunks, in stream order: layer, op, group of 8 units [lo, hi),
+// k chunk. Every op has at least one unit per CTA (the host checks units >= CTAs).
+struct ChunkCursor {
+  int layer, t, g0, k0, lo, hi;
+  Op op;
+  __device__ void start_op(const Shapes& s, int c, int G) {
+    op = op_of(s, t);
+    lo = (int)((long long)c * op.units / G);
+    hi = (int)((long long)(c + 1) * op.units / G);
+    g0 = lo;
+    k0 = 0;
+  }
+  __device__ void start(const Shapes& s, int c, int G) {
+    layer = 0;
+    t = 0;
+    start_op(s, c, G);
+  }
+  __device__ bool done(const Shapes& s) const { return layer >= s.layers; }
+  __device__ void next(const Shapes& s, int c, int G) {
+    if (done(s)) return;
+    if ((k0 += op.kc) < op.k) return;
+    k0 = 0;
+    if ((g0 += 8) < hi) return;
+    if (++t == 4) {
+      t = 0;
+      ++layer;
+    }
+    if (!done(s)) start_op(s, c, G);
+  }
+};
+
+__device__ __forceinline__ void prefetch_l2(const void* src, uint32_t bytes) {
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(src), "r"(bytes) : "memory");
 }
 
 __device__ __forceinline__ void ldmatrix_x4(uint32_t* r, uint32_t addr) {
@@ -179,11 +216,11 @@ stream_layers(const int64_t* __restrict__ weights,  // [layers][4] bf16 [N, K] r
               float* h, __nv_bfloat16* qkv, __nv_bfloat16* act, unsigned* counters,
               int layers, int hidden, int inter, int qkv_rows, int kc_qo, int kc_gu, int kc_down, int mode,
               int num_slots, int slot_bytes, int64_t* prof,
-              uint64_t* h_ll, uint64_t* qkv_ll, uint64_t* act_ll, uint32_t seq) {
+              uint64_t* h_ll, uint64_t* qkv_ll, uint64_t* act_ll, uint32_t seq, int prefetch) {
   // tagged mode: op t of layer l writes tag base + 4 l + t + 1; h enters with tag base
   const bool ll = mode & 8, cuda_cores = mode & 16;
   const uint32_t base = seq * (uint32_t)layers * 4u;
-  const Shapes s{layers, hidden, inter, qkv_rows, kc_qo, kc_gu, kc_down, mode};
+  const Shapes s{layers, hidden, inter, qkv_rows, kc_qo, kc_gu, kc_down, prefetch, mode};
   extern __shared__ __align__(128) uint8_t smem[];
   uint8_t* ring = smem;                                                                   // num_slots x slot_bytes
   __nv_bfloat16* x = reinterpret_cast<__nv_bfloat16*>(ring + (size_t)num_slots * slot_bytes);  // [max K]
@@ -212,35 +249,41 @@ stream_layers(const int64_t* __restrict__ weights,  // [layers][4] bf16 [N, K] r
   if (warp == NUM_CONSUMER_WARPS) {  // producer: lane 0 claims a slot, lane r copies row r of it
     uint64_t policy;
     asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
-    uint32_t it = 0;
-    for (int l = 0; l < s.layers; ++l)
-      for (int t = 0; t < 4; ++t) {
-        const Op op = op_of(s, t);
-        const auto* w = reinterpret_cast<const __nv_bfloat16*>(weights[l * 4 + t]);
-        const int lo = (int)((long long)c * op.units / G), hi = (int)((long long)(c + 1) * op.units / G);
-        for (int g0 = lo; g0 < hi; g0 += 8) {
-          const int n = min(8, hi - g0), rows = t == 2 ? 2 * n : n;
-          for (int k0 = 0; k0 < op.k; k0 += op.kc, ++it) {
-            const int slot = it % num_slots;
-            if (lane == 0) {
-              const long long t0 = clock64();
-              mbar_wait(&empty[slot], ((it / num_slots) & 1) ^ 1);
-              t_wait += clock64() - t0;
-              mbar_expect_tx(&full[slot], rows * op.kc * 2);
-            }
-            __syncwarp();
-            if (s.mode & 4) {
-              if (lane == 0)
-                bulk_copy(ring + slot * slot_bytes, w + (long long)g0 * op.k + (long long)k0 * rows,
-                          rows * op.kc * 2, &full[slot], policy);
-            } else if (lane < rows) {
-              const int dst_row = (t == 2 && lane >= n) ? 8 + lane - n : lane;  // up rows from row 8
-              bulk_copy(ring + slot * slot_bytes + dst_row * (op.kc * 2 + 16),
-                        w + (long long)row_of(t, g0, n, lane, s.inter) * op.k + k0, op.kc * 2, &full[slot], policy);
-            }
-          }
-        }
+    ChunkCursor cur;
+    cur.start(s, c, G);
+    ChunkCursor ahead = cur;  // the chunk `prefetch` places ahead: asked of the L2 (mode bit 5)
+    for (int i = 0; i < s.prefetch; ++i) ahead.next(s, c, G);
+    for (uint32_t it = 0; !cur.done(s); ++it, cur.next(s, c, G)) {
+      if (ahead.layer < s.layers && (s.mode & 32)) {  // HBM keeps working while the ring is full
+        const int n = min(8, ahead.hi - ahead.g0);
+        if (lane < (ahead.t == 2 ? 2 * n : n))
+          prefetch_l2(reinterpret_cast<const __nv_bfloat16*>(weights[ahead.layer * 4 + ahead.t]) +
+                          (long long)row_of(ahead.t, ahead.g0, n, lane, s.inter) * ahead.op.k + ahead.k0,
+                      ahead.op.kc * 2);
+        ahead.next(s, c, G);
       }
+      const Op op = cur.op;
+      const int t = cur.t, g0 = cur.g0, k0 = cur.k0;
+      const auto* w = reinterpret_cast<const __nv_bfloat16*>(weights[cur.layer * 4 + t]);
+      const int n = min(8, cur.hi - g0), rows = t == 2 ? 2 * n : n;
+      const int slot = it % num_slots;
+      if (lane == 0) {
+        const long long t0 = clock64();
+        mbar_wait(&empty[slot], ((it / num_slots) & 1) ^ 1);
+        t_wait += clock64() - t0;
+        mbar_expect_tx(&full[slot], rows * op.kc * 2);
+      }
+      __syncwarp();
+      if (s.mode & 4) {
+        if (lane == 0)
+          bulk_copy(ring + slot * slot_bytes, w + (long long)g0 * op.k + (long long)k0 * rows, rows * op.kc * 2,
+                    &full[slot], policy);
+      } else if (lane < rows) {
+        const int dst_row = (t == 2 && lane >= n) ? 8 + lane - n : lane;  // up rows from row 8
+        bulk_copy(ring + slot * slot_bytes + dst_row * (op.kc * 2 + 16),
+                  w + (long long)row_of(t, g0, n, lane, s.inter) * op.k + k0, op.kc * 2, &full[slot], policy);
+      }
+    }
     if (lane == 0) {
       prof[c * 8 + 0] = clock64() - t_start;
       prof[c * 8 + 1] = t_wait;

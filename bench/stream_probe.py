@@ -22,9 +22,13 @@ from bench.common import copy_bandwidth, cuda_time, print_table
 
 THREADS = 9 * 32  # 8 consumer warps + the producer warp
 # the kernel's mode bits (stream_probe.cu, struct Shapes): 1 wait at dependencies, 2 no arithmetic,
-# 8 tagged activations instead of counters, 16 CUDA cores instead of tensor cores
-MODES = {17: "CUDA cores, counters", 1: "tensor cores, counters", 9: "tensor cores, tagged",
-         18: "no arithmetic, no waits"}
+# 8 tagged activations instead of counters, 16 CUDA cores instead of tensor cores, 32 L2 prefetch
+# `prefetch` chunks ahead of the ring. (mode, prefetch) -> label
+MODES = {(17, 0): "CUDA cores, counters", (49, 4): "CUDA cores, counters, L2 prefetch 4 chunks ahead",
+         (49, 8): "CUDA cores, counters, L2 prefetch 8", (49, 12): "CUDA cores, counters, L2 prefetch 12",
+         (1, 0): "tensor cores, counters", (33, 8): "tensor cores, counters, L2 prefetch 8",
+         (9, 0): "tensor cores, tagged", (18, 0): "no arithmetic, no waits",
+         (50, 8): "no arithmetic, no waits, L2 prefetch 8"}
 
 
 def build():
@@ -90,6 +94,7 @@ def main():
     if args.ring_only:
         return
     L, H, I, Q = args.layers, args.hidden, args.inter, args.qkv_rows
+    assert min(H, I, Q) >= grid, "the kernel gives every CTA at least one unit of every op"
     torch.manual_seed(0)
     rnd = lambda *shape: (torch.randn(*shape, device=dev) / shape[-1] ** 0.5).bfloat16()  # noqa: E731
     layers = [(rnd(Q, H), rnd(H, H), rnd(2 * I, H), rnd(H, I),
@@ -115,7 +120,7 @@ def main():
     def h_out(mode):  # the final h: plain, or the low 32 bits of the tagged words
         return (h_ll & 0xFFFFFFFF).to(torch.int32).view(torch.float32) if mode & 8 else h
 
-    def run(mode, slots, kc_qo, kc_gu, kc_down):
+    def run(mode, slots, kc_qo, kc_gu, kc_down, prefetch=0):
         h.copy_(h0)
         counters.zero_()
         seq[0] += 1
@@ -126,23 +131,24 @@ def main():
         smem = slots * slot_bytes + max(H, I) * 2 + 16 * slots + 4 * 296
         launch(kernels["stream_layers"], grid, smem, weights, norms, biases, h, qkv, act, counters,
                L, H, I, Q, kc_qo, kc_gu, kc_down, mode, slots, slot_bytes, prof, h_ll, qkv_ll, act_ll,
-               np.uint32(seq[0]))
+               np.uint32(seq[0]), prefetch)
 
     rows = []
     for cfg in ((8, 1536, 768, 1280), (7, 1536, 768, 1792)):
-        for mode in (17, 1, 9):
-            run(mode, *cfg)
+        for mode, prefetch in ((17, 0), (49, 8), (1, 0), (9, 0)):
+            run(mode, *cfg, prefetch)
             first = h_out(mode).clone()
             err = ((first - want).norm() / want.norm()).item()
-            run(mode, *cfg)
+            run(mode, *cfg, prefetch)
             same = torch.equal(first, h_out(mode))
-            print(f"config {cfg} mode {mode}: rel err vs float32 reference {err:.2e}, bitwise repeatable: {same}")
-        for mode in MODES:
-            t = cuda_time(lambda: run(mode, *cfg), warmup=2, repeats=10)  # noqa: B023
+            print(f"config {cfg}, {MODES[mode, prefetch]}: rel err vs float32 reference {err:.2e}, "
+                  f"bitwise repeatable: {same}")
+        for mode, prefetch in MODES:
+            t = cuda_time(lambda: run(mode, *cfg, prefetch), warmup=2, repeats=10)  # noqa: B023
             us = t / L * 1e6
             pr = prof[:grid].double().mean(0)  # cycles averaged over CTAs, as shares of the role's total
             rows.append({"slots": cfg[0], "kc qo/gu/down": "/".join(map(str, cfg[1:])),
-                         "mode": MODES[mode],
+                         "mode": MODES[mode, prefetch],
                          "us_per_layer": f"{us:.2f}", "floor_us": f"{floor_us:.2f}",
                          "floor/time": f"{floor_us / us:.3f}", "producer_waits_slot": f"{pr[1] / pr[0]:.2f}",
                          "consumer_waits_data/dep/stage/fence":

@@ -216,7 +216,8 @@ stream_layers(const int64_t* __restrict__ weights,  // [layers][4] bf16 [N, K] r
               float* h, __nv_bfloat16* qkv, __nv_bfloat16* act, unsigned* counters,
               int layers, int hidden, int inter, int qkv_rows, int kc_qo, int kc_gu, int kc_down, int mode,
               int num_slots, int slot_bytes, int64_t* prof,
-              uint64_t* h_ll, uint64_t* qkv_ll, uint64_t* act_ll, uint32_t seq, int prefetch) {
+              uint64_t* h_ll, uint64_t* qkv_ll, uint64_t* act_ll, uint32_t seq, int prefetch,
+              int64_t* trace, int trace_layer) {
   // tagged mode: op t of layer l writes tag base + 4 l + t + 1; h enters with tag base
   const bool ll = mode & 8, cuda_cores = mode & 16;
   const uint32_t base = seq * (uint32_t)layers * 4u;
@@ -236,6 +237,13 @@ stream_layers(const int64_t* __restrict__ weights,  // [layers][4] bf16 [N, K] r
   const int h_lo = (int)((long long)c * s.hidden / G), h_hi = (int)((long long)(c + 1) * s.hidden / G);
   for (int i = tid; i < h_hi - h_lo; i += blockDim.x) own_h[i] = h[h_lo + i];
   long long t_start = clock64(), t_wait = 0, t_dep = 0, t_stage = 0, t_fence = 0;
+  // Timeline of one layer on CTAs 0 and G/2, in this SM's clock64 cycles: per op, [0] the producer
+  // reaches the op's first chunk, [1] it has issued the op's last copies, [2] the consumers start
+  // the op, [3] its input is ready, [4] staged, [5] the first chunk has arrived, [6] the rows are
+  // written, [7] published. trace: [2][4 ops][8].
+  int64_t* my_trace = trace && (c == 0 || c == G / 2) ? trace + (c == 0 ? 0 : 32) : nullptr;
+#define TRACE(layer, op, event) \
+  if (my_trace && (layer) == trace_layer) my_trace[(op) * 8 + (event)] = clock64()
 
   if (tid == 0) {
     for (int i = 0; i < num_slots; ++i) {
@@ -268,6 +276,7 @@ stream_layers(const int64_t* __restrict__ weights,  // [layers][4] bf16 [N, K] r
       const int n = min(8, cur.hi - g0), rows = t == 2 ? 2 * n : n;
       const int slot = it % num_slots;
       if (lane == 0) {
+        if (g0 == cur.lo && k0 == 0) TRACE(cur.layer, t, 0);
         const long long t0 = clock64();
         mbar_wait(&empty[slot], ((it / num_slots) & 1) ^ 1);
         t_wait += clock64() - t0;
@@ -283,6 +292,7 @@ stream_layers(const int64_t* __restrict__ weights,  // [layers][4] bf16 [N, K] r
         bulk_copy(ring + slot * slot_bytes + dst_row * (op.kc * 2 + 16),
                   w + (long long)row_of(t, g0, n, lane, s.inter) * op.k + k0, op.kc * 2, &full[slot], policy);
       }
+      if (lane == 0 && g0 + 8 >= cur.hi && k0 + op.kc >= op.k) TRACE(cur.layer, t, 1);
     }
     if (lane == 0) {
       prof[c * 8 + 0] = clock64() - t_start;
@@ -299,18 +309,20 @@ stream_layers(const int64_t* __restrict__ weights,  // [layers][4] bf16 [N, K] r
       const Op op = op_of(s, t);
       const int lo = (int)((long long)c * op.units / G), hi = (int)((long long)(c + 1) * op.units / G);
       const long long t0 = clock64();
+      if (tid == 0) TRACE(l, t, 2);
       if (t == 0 && tid < hi - lo)  // the bias rows, loaded while the waits below run
         own_bias[tid] = __bfloat162float(reinterpret_cast<const __nv_bfloat16*>(biases[l])[lo + tid]);
       // wait for this op's input: every CTA's rows of the op before it
       const int dep = l * 4 + t - 1;
       if (dep >= 0 && (s.mode & 1) && !ll) {
         if (tid == 0)
-          while (load_acquire(&counters[dep]) < (unsigned)G) {
-          }
+          for (uint32_t spins = 0; load_acquire(&counters[dep]) < (unsigned)G; ++spins)
+            if (spins == (1u << 26)) __trap();  // fail the launch rather than hang the GPU
         consumers_sync();
       }
       const long long t1 = clock64();
       t_dep += t1 - t0;
+      if (tid == 0) TRACE(l, t, 3);
       // stage the input vector in shared memory (bf16)
       if (t == 0 || t == 2) {  // rmsnorm(h) * weight; h read once (hidden <= 8 * 256)
         const auto* nw = reinterpret_cast<const __nv_bfloat16*>(norms[l * 2 + t / 2]);
@@ -345,6 +357,7 @@ stream_layers(const int64_t* __restrict__ weights,  // [layers][4] bf16 [N, K] r
       }
       consumers_sync();
       t_stage += clock64() - t1;
+      if (tid == 0) TRACE(l, t, 4);
 
       for (int g0 = lo; g0 < hi; g0 += 8) {
         const int n = min(8, hi - g0);
@@ -356,6 +369,7 @@ stream_layers(const int64_t* __restrict__ weights,  // [layers][4] bf16 [N, K] r
           const long long t2 = clock64();
           mbar_wait(&full[slot], (it / num_slots) & 1);
           t_wait += clock64() - t2;
+          if (tid == 0 && g0 == lo && k0 == 0) TRACE(l, t, 5);
           if ((s.mode & 2) == 0 && cuda_cores) {
             if (warp < n) {
               const uint8_t* rows = ring + slot * slot_bytes;
@@ -415,6 +429,7 @@ stream_layers(const int64_t* __restrict__ weights,  // [layers][4] bf16 [N, K] r
         }
       }
       // publish this CTA's rows of op t: the barrier orders the warps' stores before the release
+      if (tid == 0) TRACE(l, t, 6);
       consumers_sync();
       if (tid == 0 && !ll) {  // as CUTLASS's GenericBarrier: a gpu-scope fence, then the add
         const long long t3 = clock64();
@@ -422,6 +437,7 @@ stream_layers(const int64_t* __restrict__ weights,  // [layers][4] bf16 [N, K] r
         t_fence += clock64() - t3;
         asm volatile("red.relaxed.gpu.global.add.u32 [%0], 1;" ::"l"(&counters[l * 4 + t]) : "memory");
       }
+      if (tid == 0) TRACE(l, t, 7);
     }
   if (tid == 0) {
     prof[c * 8 + 2] = clock64() - t_start;
@@ -430,6 +446,7 @@ stream_layers(const int64_t* __restrict__ weights,  // [layers][4] bf16 [N, K] r
     prof[c * 8 + 5] = t_stage;
     prof[c * 8 + 6] = t_fence;
   }
+#undef TRACE
 }
 
 // The bulk-copy ring alone: each CTA streams its contiguous share of `src` through num_slots slots

@@ -120,7 +120,7 @@ def main():
     def h_out(mode):  # the final h: plain, or the low 32 bits of the tagged words
         return (h_ll & 0xFFFFFFFF).to(torch.int32).view(torch.float32) if mode & 8 else h
 
-    def run(mode, slots, kc_qo, kc_gu, kc_down, prefetch=0):
+    def run(mode, slots, kc_qo, kc_gu, kc_down, prefetch=0, trace=None):
         h.copy_(h0)
         counters.zero_()
         seq[0] += 1
@@ -131,7 +131,7 @@ def main():
         smem = slots * slot_bytes + max(H, I) * 2 + 16 * slots + 4 * 296
         launch(kernels["stream_layers"], grid, smem, weights, norms, biases, h, qkv, act, counters,
                L, H, I, Q, kc_qo, kc_gu, kc_down, mode, slots, slot_bytes, prof, h_ll, qkv_ll, act_ll,
-               np.uint32(seq[0]), prefetch)
+               np.uint32(seq[0]), prefetch, np.uint64(0 if trace is None else trace.data_ptr()), L // 2)
 
     rows = []
     for cfg in ((8, 1536, 768, 1280), (7, 1536, 768, 1792)):
@@ -155,6 +155,32 @@ def main():
                              "/".join(f"{pr[i] / pr[2]:.2f}" for i in (3, 4, 5, 6))})
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s, {weight_bytes / 2**20:.0f} MiB of weights, {L} layers, grid {grid}")
     print_table(rows)
+    timeline(run, prof, grid, L)
+
+
+def timeline(run, prof, grid, layers):
+    """One layer (the middle one) on CTAs 0 and grid/2, in us from the consumers' start of its qkv:
+    when the producer reaches each op's first chunk and issues its last, and the consumers' steps."""
+    cfg = (8, 1536, 768, 1280)
+    trace = torch.zeros(2, 4, 8, dtype=torch.int64, device="cuda")
+    for mode, prefetch in ((17, 0), (49, 8)):
+        run(mode, *cfg, prefetch)  # warm
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run(mode, *cfg, prefetch, trace=trace)
+        end.record()
+        end.synchronize()
+        cycles_per_us = prof[0, 2].item() / (start.elapsed_time(end) * 1e3)  # consumer cycles over the launch
+        rows = []
+        for which, cta in ((0, 0), (1, grid // 2)):
+            t0 = trace[which, 0, 2].item()
+            for op, name in enumerate(("qkv", "o", "gate_up", "down")):
+                ev = [(trace[which, op, e].item() - t0) / cycles_per_us for e in range(8)]
+                rows.append({"cta": cta, "op": name, "producer first": f"{ev[0]:.1f}", "producer last": f"{ev[1]:.1f}",
+                             "start": f"{ev[2]:.1f}", "input ready": f"{ev[3]:.1f}", "staged": f"{ev[4]:.1f}",
+                             "first chunk": f"{ev[5]:.1f}", "rows written": f"{ev[6]:.1f}", "published": f"{ev[7]:.1f}"})
+        print(f"timeline of layer {layers // 2}, {MODES[mode, prefetch]}, us ({cycles_per_us:.0f} cycles/us)")
+        print_table(rows)
 
 
 if __name__ == "__main__":

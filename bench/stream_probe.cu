@@ -187,6 +187,144 @@ __device__ __forceinline__ void mma_chunk(uint32_t rows_addr, int pitch, const _
   }
 }
 
+// Attention (mode bit 6), two steps between qkv and o, no weights streamed. Shapes: head_dim 128;
+// the K/V cache [layers][kv_heads][s_max][128] bf16, roped keys; the new token sits at context - 1
+// and comes from qkv (its k roped here and rounded to bf16, as the cache stores it).
+struct Attn {
+  const __nv_bfloat16* k_cache;
+  const __nv_bfloat16* v_cache;
+  __nv_bfloat16* k_cache_w;  // the same cache, written: the new token's k and v
+  __nv_bfloat16* v_cache_w;
+  float* part;                // [CTAs][heads per kv head][128 + 2]: acc, then max and sum
+  __nv_bfloat16* out;         // [q_heads * 128]
+  const float* cos;           // [64]: the new position's rotate-half rows
+  const float* sin;
+  int context, s_max, q_heads, kv_heads;
+};
+#define HEAD_DIM 128
+
+__device__ __forceinline__ void load_bf16x2(const __nv_bfloat16* p, float* out) {  // 2 values, from L2
+  const uint32_t u = __ldcg(reinterpret_cast<const unsigned int*>(p));
+  out[0] = __uint_as_float(u << 16);
+  out[1] = __uint_as_float(u & 0xffff0000u);
+}
+// This lane's 4 dims of a head: d0 = 2 lane, d0 + 1 and their rotate-half partners + 64.
+__device__ __forceinline__ void load_head_dims(const __nv_bfloat16* head, int lane, float* v4) {
+  load_bf16x2(head + 2 * lane, v4);
+  load_bf16x2(head + 64 + 2 * lane, v4 + 2);
+}
+__device__ __forceinline__ void rope4(float* v4, const Attn& a, int lane) {
+  const int i = 2 * lane;
+  const float c0 = a.cos[i], c1 = a.cos[i + 1], s0 = a.sin[i], s1 = a.sin[i + 1];
+  const float x0 = v4[0], x1 = v4[1], y0 = v4[2], y1 = v4[3];
+  v4[0] = x0 * c0 - y0 * s0;
+  v4[1] = x1 * c1 - y1 * s1;
+  v4[2] = y0 * c0 + x0 * s0;
+  v4[3] = y1 * c1 + x1 * s1;
+}
+__device__ __forceinline__ float round_bf16(float v) { return __bfloat162float(__float2bfloat16(v)); }
+
+// Step 1: CTA c takes kv head c / J and the J-th share of the positions (J = CTAs / kv_heads); warp
+// w < heads per kv head runs one q head over them with an online softmax and writes its partial.
+__device__ __forceinline__ void attention_partials(const Attn& a, const __nv_bfloat16* qkv, int layer, int c, int G, int warp,
+                                   int lane) {
+  const int R = a.q_heads / a.kv_heads, J = G / a.kv_heads, S = a.context;
+  if (c >= J * a.kv_heads || warp >= R) return;
+  const int g = c / J, j = c % J, h = g * R + warp;
+  const int p0 = (int)((long long)j * S / J), p1 = (int)((long long)(j + 1) * S / J);
+  float q[4], k_new[4], v_new[4];
+  load_head_dims(qkv + h * HEAD_DIM, lane, q);
+  rope4(q, a, lane);
+  const bool has_new = p1 == S;  // the share that holds the new token
+  if (has_new) {
+    load_head_dims(qkv + (a.q_heads + g) * HEAD_DIM, lane, k_new);
+    rope4(k_new, a, lane);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) k_new[i] = round_bf16(k_new[i]);
+    load_head_dims(qkv + (a.q_heads + a.kv_heads + g) * HEAD_DIM, lane, v_new);
+  }
+  const size_t head_base = (size_t)(layer * a.kv_heads + g) * a.s_max * HEAD_DIM;
+  const float scale = rsqrtf((float)HEAD_DIM);
+  float m = -__int_as_float(0x7f800000), sum = 0.f, acc[4] = {0.f, 0.f, 0.f, 0.f};
+  for (int pos = p0; pos < p1; ++pos) {
+    float k[4], v[4];
+    if (has_new && pos == S - 1) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        k[i] = k_new[i];
+        v[i] = v_new[i];
+      }
+    } else {
+      load_head_dims(a.k_cache + head_base + (size_t)pos * HEAD_DIM, lane, k);
+      load_head_dims(a.v_cache + head_base + (size_t)pos * HEAD_DIM, lane, v);
+    }
+    float score = (q[0] * k[0] + q[1] * k[1]) + (q[2] * k[2] + q[3] * k[3]);
+    for (int o = 16; o; o >>= 1) score += __shfl_xor_sync(0xffffffff, score, o);
+    score *= scale;
+    const float m_new = fmaxf(m, score), corr = expf(m - m_new), p = expf(score - m_new);
+    sum = sum * corr + p;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) acc[i] = acc[i] * corr + p * v[i];
+    m = m_new;
+  }
+  float* out = a.part + ((size_t)c * R + warp) * (HEAD_DIM + 2);
+  out[2 * lane] = acc[0];
+  out[2 * lane + 1] = acc[1];
+  out[64 + 2 * lane] = acc[2];
+  out[64 + 2 * lane + 1] = acc[3];
+  if (lane == 0) {
+    out[HEAD_DIM] = m;
+    out[HEAD_DIM + 1] = sum;
+  }
+  if (has_new && warp == 0) {  // the new token's k and v into the cache, for the steps after this one
+    __nv_bfloat16* kc = a.k_cache_w + head_base + (size_t)(S - 1) * HEAD_DIM;
+    __nv_bfloat16* vc = a.v_cache_w + head_base + (size_t)(S - 1) * HEAD_DIM;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int dim = (i < 2 ? 0 : 64) + 2 * lane + (i & 1);
+      kc[dim] = __float2bfloat16(k_new[i]);
+      vc[dim] = __float2bfloat16(v_new[i]);
+    }
+  }
+}
+
+// Step 2: the CTA's share of the q_heads * 128 outputs, a warp per output, lanes over the J partials
+// (at most 96) in a fixed order; out = bf16(sum_j acc_j e^(m_j - M) / sum_j l_j e^(m_j - M)).
+__device__ __forceinline__ void attention_merge(const Attn& a, int c, int G, int warp, int lane) {
+  const int R = a.q_heads / a.kv_heads, J = G / a.kv_heads, units = a.q_heads * HEAD_DIM;
+  const int lo = (int)((long long)c * units / G), hi = (int)((long long)(c + 1) * units / G);
+  for (int u = lo + warp; u < hi; u += NUM_CONSUMER_WARPS) {
+    const int h = u / HEAD_DIM, d = u % HEAD_DIM, g = h / R, hr = h % R;
+    float mj[3], lj[3], aj[3], M = -__int_as_float(0x7f800000);
+#pragma unroll
+    for (int i = 0; i < 3; ++i) {
+      const int j = lane + 32 * i;
+      mj[i] = -__int_as_float(0x7f800000);
+      lj[i] = aj[i] = 0.f;
+      if (j < J) {
+        const float* pp = a.part + ((size_t)(g * J + j) * R + hr) * (HEAD_DIM + 2);
+        mj[i] = __ldcg(pp + HEAD_DIM);
+        lj[i] = __ldcg(pp + HEAD_DIM + 1);
+        aj[i] = __ldcg(pp + d);
+        M = fmaxf(M, mj[i]);
+      }
+    }
+    for (int o = 16; o; o >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffff, M, o));
+    float L = 0.f, A = 0.f;
+#pragma unroll
+    for (int i = 0; i < 3; ++i) {
+      const float w = lane + 32 * i < J ? expf(mj[i] - M) : 0.f;
+      L += lj[i] * w;
+      A += aj[i] * w;
+    }
+    for (int o = 16; o; o >>= 1) {
+      L += __shfl_xor_sync(0xffffffff, L, o);
+      A += __shfl_xor_sync(0xffffffff, A, o);
+    }
+    if (lane == 0) a.out[u] = __float2bfloat16(A / L);
+  }
+}
+
 // CUDA-core dot products (mode bit 4): a warp per weight row, eight independent sums per lane (one
 // per bf16 position of a 16-byte vector; a single accumulator was slower, stop 20's first runs).
 __device__ __forceinline__ void dot_chunk(const uint8_t* row, const __nv_bfloat16* x, int kc, int lane, float* a8) {
@@ -217,7 +355,14 @@ stream_layers(const int64_t* __restrict__ weights,  // [layers][4] bf16 [N, K] r
               int layers, int hidden, int inter, int qkv_rows, int kc_qo, int kc_gu, int kc_down, int mode,
               int num_slots, int slot_bytes, int64_t* prof,
               uint64_t* h_ll, uint64_t* qkv_ll, uint64_t* act_ll, uint32_t seq, int prefetch,
-              int64_t* trace, int trace_layer) {
+              int64_t* trace, int trace_layer, const __nv_bfloat16* k_cache, const __nv_bfloat16* v_cache,
+              float* attn_part, __nv_bfloat16* attn_out, const float* rope_cos, const float* rope_sin,
+              int context, int s_max, int q_heads, int kv_heads) {
+  // mode bit 6: the layer's attention as two steps between qkv and o (else o reads q)
+  const Attn attn{k_cache, v_cache, const_cast<__nv_bfloat16*>(k_cache), const_cast<__nv_bfloat16*>(v_cache),
+                  attn_part, attn_out, rope_cos, rope_sin, context, s_max, q_heads, kv_heads};
+  const bool with_attention = mode & 64;
+  const int steps = with_attention ? 6 : 4;  // per layer: qkv, [attention, merge,] o, gate_up, down
   // tagged mode: op t of layer l writes tag base + 4 l + t + 1; h enters with tag base
   const bool ll = mode & 8, cuda_cores = mode & 16;
   const uint32_t base = seq * (uint32_t)layers * 4u;
@@ -240,10 +385,10 @@ stream_layers(const int64_t* __restrict__ weights,  // [layers][4] bf16 [N, K] r
   // Timeline of one layer on CTAs 0 and G/2, in this SM's clock64 cycles: per op, [0] the producer
   // reaches the op's first chunk, [1] it has issued the op's last copies, [2] the consumers start
   // the op, [3] its input is ready, [4] staged, [5] the first chunk has arrived, [6] the rows are
-  // written, [7] published. trace: [2][4 ops][8].
-  int64_t* my_trace = trace && (c == 0 || c == G / 2) ? trace + (c == 0 ? 0 : 32) : nullptr;
-#define TRACE(layer, op, event) \
-  if (my_trace && (layer) == trace_layer) my_trace[(op) * 8 + (event)] = clock64()
+  // written, [7] published. trace: [2][6 steps][8] (steps 1 and 2: attention, when on).
+  int64_t* my_trace = trace && (c == 0 || c == G / 2) ? trace + (c == 0 ? 0 : 48) : nullptr;
+#define TRACE(layer, step, event) \
+  if (my_trace && (layer) == trace_layer) my_trace[(step) * 8 + (event)] = clock64()
 
   if (tid == 0) {
     for (int i = 0; i < num_slots; ++i) {
@@ -276,7 +421,7 @@ stream_layers(const int64_t* __restrict__ weights,  // [layers][4] bf16 [N, K] r
       const int n = min(8, cur.hi - g0), rows = t == 2 ? 2 * n : n;
       const int slot = it % num_slots;
       if (lane == 0) {
-        if (g0 == cur.lo && k0 == 0) TRACE(cur.layer, t, 0);
+        if (g0 == cur.lo && k0 == 0) TRACE(cur.layer, with_attention && t ? t + 2 : t, 0);
         const long long t0 = clock64();
         mbar_wait(&empty[slot], ((it / num_slots) & 1) ^ 1);
         t_wait += clock64() - t0;
@@ -292,7 +437,7 @@ stream_layers(const int64_t* __restrict__ weights,  // [layers][4] bf16 [N, K] r
         bulk_copy(ring + slot * slot_bytes + dst_row * (op.kc * 2 + 16),
                   w + (long long)row_of(t, g0, n, lane, s.inter) * op.k + k0, op.kc * 2, &full[slot], policy);
       }
-      if (lane == 0 && g0 + 8 >= cur.hi && k0 + op.kc >= op.k) TRACE(cur.layer, t, 1);
+      if (lane == 0 && g0 + 8 >= cur.hi && k0 + op.kc >= op.k) TRACE(cur.layer, with_attention && t ? t + 2 : t, 1);
     }
     if (lane == 0) {
       prof[c * 8 + 0] = clock64() - t_start;
@@ -305,15 +450,17 @@ stream_layers(const int64_t* __restrict__ weights,  // [layers][4] bf16 [N, K] r
   uint32_t it = 0;
   int parity = 0;
   for (int l = 0; l < s.layers; ++l)
-    for (int t = 0; t < 4; ++t) {
-      const Op op = op_of(s, t);
+    for (int step = 0; step < steps; ++step) {
+      // t: the weighted op (0 qkv, 1 o, 2 gate_up, 3 down), or -1 attention, -2 its merge
+      const int t = !with_attention ? step : step == 0 ? 0 : step >= 3 ? step - 2 : -step;
+      const Op op = op_of(s, t < 0 ? 0 : t);
       const int lo = (int)((long long)c * op.units / G), hi = (int)((long long)(c + 1) * op.units / G);
       const long long t0 = clock64();
-      if (tid == 0) TRACE(l, t, 2);
+      if (tid == 0) TRACE(l, step, 2);
       if (t == 0 && tid < hi - lo)  // the bias rows, loaded while the waits below run
         own_bias[tid] = __bfloat162float(reinterpret_cast<const __nv_bfloat16*>(biases[l])[lo + tid]);
       // wait for this op's input: every CTA's rows of the op before it
-      const int dep = l * 4 + t - 1;
+      const int dep = l * steps + step - 1;
       if (dep >= 0 && (s.mode & 1) && !ll) {
         if (tid == 0)
           for (uint32_t spins = 0; load_acquire(&counters[dep]) < (unsigned)G; ++spins)
@@ -322,7 +469,12 @@ stream_layers(const int64_t* __restrict__ weights,  // [layers][4] bf16 [N, K] r
       }
       const long long t1 = clock64();
       t_dep += t1 - t0;
-      if (tid == 0) TRACE(l, t, 3);
+      if (tid == 0) TRACE(l, step, 3);
+      if (t == -1) {
+        attention_partials(attn, qkv, l, c, G, warp, lane);
+      } else if (t == -2) {
+        attention_merge(attn, c, G, warp, lane);
+      } else {
       // stage the input vector in shared memory (bf16)
       if (t == 0 || t == 2) {  // rmsnorm(h) * weight; h read once (hidden <= 8 * 256)
         const auto* nw = reinterpret_cast<const __nv_bfloat16*>(norms[l * 2 + t / 2]);
@@ -351,13 +503,13 @@ stream_layers(const int64_t* __restrict__ weights,  // [layers][4] bf16 [N, K] r
         for (int k = tid; k < op.k; k += NUM_CONSUMER_WARPS * 32)
           x[k] = __float2bfloat16(ld_tagged(src + k, base + 4 * l + t));
       } else {
-        const __nv_bfloat16* src = t == 1 ? qkv : act;
+        const __nv_bfloat16* src = t == 1 ? (with_attention ? attn_out : qkv) : act;
         for (int v = tid; v < op.k / 8; v += NUM_CONSUMER_WARPS * 32)
           reinterpret_cast<uint4*>(x)[v] = __ldcg(reinterpret_cast<const uint4*>(src) + v);
       }
       consumers_sync();
       t_stage += clock64() - t1;
-      if (tid == 0) TRACE(l, t, 4);
+      if (tid == 0) TRACE(l, step, 4);
 
       for (int g0 = lo; g0 < hi; g0 += 8) {
         const int n = min(8, hi - g0);
@@ -369,7 +521,7 @@ stream_layers(const int64_t* __restrict__ weights,  // [layers][4] bf16 [N, K] r
           const long long t2 = clock64();
           mbar_wait(&full[slot], (it / num_slots) & 1);
           t_wait += clock64() - t2;
-          if (tid == 0 && g0 == lo && k0 == 0) TRACE(l, t, 5);
+          if (tid == 0 && g0 == lo && k0 == 0) TRACE(l, step, 5);
           if ((s.mode & 2) == 0 && cuda_cores) {
             if (warp < n) {
               const uint8_t* rows = ring + slot * slot_bytes;
@@ -428,16 +580,17 @@ stream_layers(const int64_t* __restrict__ weights,  // [layers][4] bf16 [N, K] r
           }
         }
       }
+      }  // the weighted op
       // publish this CTA's rows of op t: the barrier orders the warps' stores before the release
-      if (tid == 0) TRACE(l, t, 6);
+      if (tid == 0) TRACE(l, step, 6);
       consumers_sync();
       if (tid == 0 && !ll) {  // as CUTLASS's GenericBarrier: a gpu-scope fence, then the add
         const long long t3 = clock64();
         asm volatile("fence.acq_rel.gpu;" ::: "memory");
         t_fence += clock64() - t3;
-        asm volatile("red.relaxed.gpu.global.add.u32 [%0], 1;" ::"l"(&counters[l * 4 + t]) : "memory");
+        asm volatile("red.relaxed.gpu.global.add.u32 [%0], 1;" ::"l"(&counters[l * steps + step]) : "memory");
       }
-      if (tid == 0) TRACE(l, t, 7);
+      if (tid == 0) TRACE(l, step, 7);
     }
   if (tid == 0) {
     prof[c * 8 + 2] = clock64() - t_start;

@@ -1,14 +1,18 @@
 """Probe: one persistent launch that streams every layer's weights through shared memory with bulk
 copies while its consumer warps wait at each dependency (bench/stream_probe.cu has the design;
-kernels/small_matmul/NOTES.md, "Stop 20", the results). Qwen2.5-1.5B projections (qkv, o, gate_up,
-down; attention left out: o reads q), 28 layers, batch 1. Prints:
+kernels/small_matmul/NOTES.md, "Stop 20", the results). Qwen2.5-1.5B shapes, 28 layers, batch 1:
+qkv, attention over --context positions (two steps: per-share partials, then their merge; 0 leaves
+attention out and o reads q), o, gate_up, down. Prints:
 - the bulk-copy ring alone (no layer logic): what one producer thread per SM pulls through TMA;
+- each mode's error against a float32 reference (`reference`, checked on the CPU by
+  tests/kernels/test_stream_probe.py) and whether it repeats bit for bit;
 - the layer kernel, us per layer against the floor (weight bytes over the copy bandwidth of this
   run), with the share of time the producer waits for a free slot and the consumers wait for data,
-  for a dependency and stage their input.
+  for a dependency, stage their input and fence;
+- a timeline of one layer on two CTAs.
 Compiled with NVRTC through CuPy (on the device image), so no build step.
 
-    python bench/stream_probe.py [--layers 28] [--ring-only]
+    python bench/stream_probe.py [--layers 28] [--context 512|0] [--ring-only]
 """
 import argparse
 import sys
@@ -46,13 +50,33 @@ def launch(kernel, grid, smem, *args):
     kernel((grid,), (THREADS,), tuple(conv), shared_mem=smem)
 
 
-def reference(h, layers, hidden, inter):
-    """float32 math on the bf16 weights, rounding where the kernel rounds (x, qkv, act)."""
+def rope(x, cos, sin):
+    """Rotate-half rope of [..., 128] rows with the position's cos/sin [64]."""
+    a, b = x[..., :64], x[..., 64:]
+    return torch.cat([a * cos - b * sin, b * cos + a * sin], -1)
+
+
+def reference(h, layers, hidden, inter, attn=None):
+    """float32 math on the bf16 weights, rounding where the kernel rounds (x, qkv, act, the new k,
+    attention's output). attn: None (o reads q) or (k_cache, v_cache, context, cos, sin, q_heads,
+    kv_heads) with caches [layers, kv_heads, s_max, 128]."""
     h = h.clone()
-    for wqkv, wo, wgu, wd, n1, n2, b in layers:
+    for layer, (wqkv, wo, wgu, wd, n1, n2, b) in enumerate(layers):
         x = (h * torch.rsqrt(h.square().mean() + 1e-6) * n1.float()).bfloat16().float()
         qkv = (wqkv.float() @ x + b.float()).bfloat16().float()
-        h = h + wo.float() @ qkv[:hidden]
+        if attn is None:
+            o_in = qkv[:hidden]
+        else:
+            k_cache, v_cache, context, cos, sin, hq, hkv = attn
+            q = rope(qkv[:hq * 128].view(hq, 128), cos, sin)
+            k_new = rope(qkv[hq * 128:(hq + hkv) * 128].view(hkv, 128), cos, sin).bfloat16().float()
+            v_new = qkv[(hq + hkv) * 128:].view(hkv, 128)
+            keys = torch.cat([k_cache[layer, :, :context - 1].float(), k_new[:, None]], 1)    # [hkv, S, 128]
+            values = torch.cat([v_cache[layer, :, :context - 1].float(), v_new[:, None]], 1)
+            group = q.view(hkv, hq // hkv, 128)
+            probs = torch.softmax(group @ keys.transpose(1, 2) / 128 ** 0.5, -1)          # [hkv, R, S]
+            o_in = (probs @ values).reshape(-1).bfloat16().float()
+        h = h + wo.float() @ o_in
         x = (h * torch.rsqrt(h.square().mean() + 1e-6) * n2.float()).bfloat16().float()
         gu = wgu.float() @ x
         act = (torch.nn.functional.silu(gu[:inter]) * gu[inter:]).bfloat16().float()
@@ -85,6 +109,10 @@ def main():
     p.add_argument("--inter", type=int, default=8960)
     p.add_argument("--qkv-rows", type=int, default=2048)
     p.add_argument("--ring-only", action="store_true")
+    p.add_argument("--context", type=int, default=512,
+                   help="attention over this many positions (the new token last); 0: o reads q, no attention")
+    p.add_argument("--q-heads", type=int, default=12)
+    p.add_argument("--kv-heads", type=int, default=2)
     args = p.parse_args()
     kernels = build()
     dev = "cuda"
@@ -107,11 +135,23 @@ def main():
     h = h0.clone()
     qkv = torch.empty(Q, dtype=torch.bfloat16, device=dev)
     act = torch.empty(I, dtype=torch.bfloat16, device=dev)
-    counters = torch.zeros(L * 4, dtype=torch.int32, device=dev)
+    counters = torch.zeros(L * 6, dtype=torch.int32, device=dev)
+    # attention: random caches (keys as if roped), the new position's rope rows, partials, output
+    S, HQ, HKV = args.context, args.q_heads, args.kv_heads
+    attention = S > 0
+    assert not attention or (Q == (HQ + 2 * HKV) * 128 and HQ * 128 == H and grid // HKV <= min(96, S)), \
+        "attention: 128-dim heads, q heads x 128 = hidden, at most 96 position shares per kv head, none empty"
+    s_max = max(S, 1)
+    k_cache = torch.randn(L, HKV, s_max, 128, device=dev).bfloat16()
+    v_cache = torch.randn(L, HKV, s_max, 128, device=dev).bfloat16()
+    angles = (S - 1) / 1e6 ** (torch.arange(64, device=dev) / 64)
+    rope_cos, rope_sin = angles.cos(), angles.sin()
+    attn_part = torch.empty(grid * (HQ // HKV) * 130, device=dev)
+    attn_out = torch.empty(H, dtype=torch.bfloat16, device=dev)
     prof = torch.zeros(256, 8, dtype=torch.int64, device=dev)
     weight_bytes = sum(sum(t.numel() * 2 for t in ly[:4]) for ly in layers)
     floor_us = weight_bytes / bw / L * 1e6
-    want = reference(h0, layers, H, I)
+    want = reference(h0, layers, H, I, (k_cache, v_cache, S, rope_cos, rope_sin, HQ, HKV) if attention else None)
     h_ll = torch.empty(H, dtype=torch.int64, device=dev)
     qkv_ll = torch.zeros(Q, dtype=torch.int64, device=dev)
     act_ll = torch.zeros(I, dtype=torch.int64, device=dev)
@@ -121,6 +161,7 @@ def main():
         return (h_ll & 0xFFFFFFFF).to(torch.int32).view(torch.float32) if mode & 8 else h
 
     def run(mode, slots, kc_qo, kc_gu, kc_down, prefetch=0, trace=None):
+        mode |= 64 if attention else 0
         h.copy_(h0)
         counters.zero_()
         seq[0] += 1
@@ -131,11 +172,14 @@ def main():
         smem = slots * slot_bytes + max(H, I) * 2 + 16 * slots + 4 * 296
         launch(kernels["stream_layers"], grid, smem, weights, norms, biases, h, qkv, act, counters,
                L, H, I, Q, kc_qo, kc_gu, kc_down, mode, slots, slot_bytes, prof, h_ll, qkv_ll, act_ll,
-               np.uint32(seq[0]), prefetch, np.uint64(0 if trace is None else trace.data_ptr()), L // 2)
+               np.uint32(seq[0]), prefetch, np.uint64(0 if trace is None else trace.data_ptr()), L // 2,
+               k_cache, v_cache, attn_part, attn_out, rope_cos, rope_sin, S, s_max, HQ, HKV)
+
+    modes = [m for m in MODES if not (attention and m[0] & 8)]  # tagged values: projections only
 
     rows = []
     for cfg in ((8, 1536, 768, 1280), (7, 1536, 768, 1792)):
-        for mode, prefetch in ((17, 0), (49, 8), (1, 0), (9, 0)):
+        for mode, prefetch in [m for m in ((17, 0), (49, 8), (1, 0), (9, 0)) if m in modes]:
             run(mode, *cfg, prefetch)
             first = h_out(mode).clone()
             err = ((first - want).norm() / want.norm()).item()
@@ -143,7 +187,7 @@ def main():
             same = torch.equal(first, h_out(mode))
             print(f"config {cfg}, {MODES[mode, prefetch]}: rel err vs float32 reference {err:.2e}, "
                   f"bitwise repeatable: {same}")
-        for mode, prefetch in MODES:
+        for mode, prefetch in modes:
             t = cuda_time(lambda: run(mode, *cfg, prefetch), warmup=2, repeats=10)  # noqa: B023
             us = t / L * 1e6
             pr = prof[:grid].double().mean(0)  # cycles averaged over CTAs, as shares of the role's total
@@ -153,16 +197,19 @@ def main():
                          "floor/time": f"{floor_us / us:.3f}", "producer_waits_slot": f"{pr[1] / pr[0]:.2f}",
                          "consumer_waits_data/dep/stage/fence":
                              "/".join(f"{pr[i] / pr[2]:.2f}" for i in (3, 4, 5, 6))})
-    print(f"copy bandwidth {bw / 1e12:.2f} TB/s, {weight_bytes / 2**20:.0f} MiB of weights, {L} layers, grid {grid}")
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s, {weight_bytes / 2**20:.0f} MiB of weights, {L} layers, grid {grid}, "
+          + (f"attention over {S} positions ({HQ} q heads, {HKV} kv heads; floor: weights only)" if attention
+             else "no attention (o reads q)"))
     print_table(rows)
-    timeline(run, prof, grid, L)
+    timeline(run, prof, grid, L, attention)
 
 
-def timeline(run, prof, grid, layers):
+def timeline(run, prof, grid, layers, attention):
     """One layer (the middle one) on CTAs 0 and grid/2, in us from the consumers' start of its qkv:
     when the producer reaches each op's first chunk and issues its last, and the consumers' steps."""
     cfg = (8, 1536, 768, 1280)
-    trace = torch.zeros(2, 4, 8, dtype=torch.int64, device="cuda")
+    trace = torch.zeros(2, 6, 8, dtype=torch.int64, device="cuda")
+    steps = ("qkv", "attention", "merge", "o", "gate_up", "down") if attention else ("qkv", "o", "gate_up", "down")
     for mode, prefetch in ((17, 0), (49, 8)):
         run(mode, *cfg, prefetch)  # warm
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -174,7 +221,7 @@ def timeline(run, prof, grid, layers):
         rows = []
         for which, cta in ((0, 0), (1, grid // 2)):
             t0 = trace[which, 0, 2].item()
-            for op, name in enumerate(("qkv", "o", "gate_up", "down")):
+            for op, name in enumerate(steps):
                 ev = [(trace[which, op, e].item() - t0) / cycles_per_us for e in range(8)]
                 rows.append({"cta": cta, "op": name, "producer first": f"{ev[0]:.1f}", "producer last": f"{ev[1]:.1f}",
                              "start": f"{ev[2]:.1f}", "input ready": f"{ev[3]:.1f}", "staged": f"{ev[4]:.1f}",

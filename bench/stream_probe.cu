@@ -22,6 +22,9 @@ typedef unsigned char uint8_t;
 #endif
 
 #define NUM_CONSUMER_WARPS 8
+#ifndef CONSUMER_CUDA_CORES  // -DCONSUMER_CUDA_CORES=1: the CUDA-core consumers (mode bit 4)
+#define CONSUMER_CUDA_CORES 0
+#endif
 
 #define MAX_OWN_ROWS 16  // rows of an op one CTA owns: ceil(units / CTAs) at most
 
@@ -32,7 +35,8 @@ struct Shapes {
   int mode;      // bit 0: wait at dependencies (else wrong results); bit 1: skip the dot products;
              // bit 2: one contiguous copy per chunk (timing only: packed weights);
              // bit 3: activations carry their own ready tag (below) instead of counters and fences;
-             // bit 4: dot products on CUDA cores, a warp per row (else tensor cores, k split over warps);
+             // bit 4: dot products on CUDA cores, a warp per row (else tensor cores, k split over warps):
+             //        a separate build, -DCONSUMER_CUDA_CORES=1, which the host picks by this bit;
              // bit 5: the producer also prefetches into the L2 `prefetch` chunks ahead
 };
 
@@ -246,26 +250,37 @@ __device__ __forceinline__ void attention_partials(const Attn& a, const __nv_bfl
   const size_t head_base = (size_t)(layer * a.kv_heads + g) * a.s_max * HEAD_DIM;
   const float scale = rsqrtf((float)HEAD_DIM);
   float m = -__int_as_float(0x7f800000), sum = 0.f, acc[4] = {0.f, 0.f, 0.f, 0.f};
-  for (int pos = p0; pos < p1; ++pos) {
-    float k[4], v[4];
-    if (has_new && pos == S - 1) {
+  // positions in batches of 4 (8 spilled: 9 warps leave 168 registers a thread), every load of a batch issued before its first use: a load per
+  // dependent iteration would pay a memory round trip (1-2 us under a saturated HBM) per position
+  for (int batch = p0; batch < p1; batch += 4) {
+    float k[4][4], v[4][4];
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        k[i] = k_new[i];
-        v[i] = v_new[i];
+    for (int i = 0; i < 4; ++i) {
+      const int pos = batch + i;
+      if (pos >= p1) break;
+      if (has_new && pos == S - 1) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          k[i][e] = k_new[e];
+          v[i][e] = v_new[e];
+        }
+      } else {
+        load_head_dims(a.k_cache + head_base + (size_t)pos * HEAD_DIM, lane, k[i]);
+        load_head_dims(a.v_cache + head_base + (size_t)pos * HEAD_DIM, lane, v[i]);
       }
-    } else {
-      load_head_dims(a.k_cache + head_base + (size_t)pos * HEAD_DIM, lane, k);
-      load_head_dims(a.v_cache + head_base + (size_t)pos * HEAD_DIM, lane, v);
     }
-    float score = (q[0] * k[0] + q[1] * k[1]) + (q[2] * k[2] + q[3] * k[3]);
-    for (int o = 16; o; o >>= 1) score += __shfl_xor_sync(0xffffffff, score, o);
-    score *= scale;
-    const float m_new = fmaxf(m, score), corr = expf(m - m_new), p = expf(score - m_new);
-    sum = sum * corr + p;
 #pragma unroll
-    for (int i = 0; i < 4; ++i) acc[i] = acc[i] * corr + p * v[i];
-    m = m_new;
+    for (int i = 0; i < 4; ++i) {
+      if (batch + i >= p1) break;
+      float score = (q[0] * k[i][0] + q[1] * k[i][1]) + (q[2] * k[i][2] + q[3] * k[i][3]);
+      for (int o = 16; o; o >>= 1) score += __shfl_xor_sync(0xffffffff, score, o);
+      score *= scale;
+      const float m_new = fmaxf(m, score), corr = expf(m - m_new), p = expf(score - m_new);
+      sum = sum * corr + p;
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[e] = acc[e] * corr + p * v[i][e];
+      m = m_new;
+    }
   }
   float* out = a.part + ((size_t)c * R + warp) * (HEAD_DIM + 2);
   out[2 * lane] = acc[0];
@@ -364,7 +379,10 @@ stream_layers(const int64_t* __restrict__ weights,  // [layers][4] bf16 [N, K] r
   const bool with_attention = mode & 64;
   const int steps = with_attention ? 6 : 4;  // per layer: qkv, [attention, merge,] o, gate_up, down
   // tagged mode: op t of layer l writes tag base + 4 l + t + 1; h enters with tag base
-  const bool ll = mode & 8, cuda_cores = mode & 16;
+  const bool ll = mode & 8;
+  // mode bit 4 picks the build: both consumers in one kernel overran the 168 registers a thread
+  // that 9 warps leave (3 warps on one scheduler's 16K) and spilled
+  constexpr bool cuda_cores = CONSUMER_CUDA_CORES;
   const uint32_t base = seq * (uint32_t)layers * 4u;
   const Shapes s{layers, hidden, inter, qkv_rows, kc_qo, kc_gu, kc_down, prefetch, mode};
   extern __shared__ __align__(128) uint8_t smem[];
@@ -522,8 +540,8 @@ stream_layers(const int64_t* __restrict__ weights,  // [layers][4] bf16 [N, K] r
           mbar_wait(&full[slot], (it / num_slots) & 1);
           t_wait += clock64() - t2;
           if (tid == 0 && g0 == lo && k0 == 0) TRACE(l, step, 5);
-          if ((s.mode & 2) == 0 && cuda_cores) {
-            if (warp < n) {
+          if constexpr (cuda_cores) {
+            if (warp < n && (s.mode & 2) == 0) {
               const uint8_t* rows = ring + slot * slot_bytes;
               dot_chunk(rows + warp * pitch, x + k0, op.kc, lane, a8);
               if (t == 2) dot_chunk(rows + (8 + warp) * pitch, x + k0, op.kc, lane, u8);
@@ -538,7 +556,7 @@ stream_layers(const int64_t* __restrict__ weights,  // [layers][4] bf16 [N, K] r
         }
         int out = -1;  // which of the group's n rows this thread writes
         float acc = 0.f, up = 0.f;
-        if (cuda_cores) {
+        if constexpr (cuda_cores) {
           acc = finish_dot(a8);
           up = finish_dot(u8);
           if (warp < n && lane == 0) out = warp;

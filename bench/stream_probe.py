@@ -38,8 +38,13 @@ MODES = {(17, 0): "CUDA cores, counters", (49, 4): "CUDA cores, counters, L2 pre
 def build():
     import cupy
     src = Path(__file__).with_name("stream_probe.cu").read_text()
-    mod = cupy.RawModule(code=src, options=("-std=c++17", "-lineinfo"))
-    return {name: mod.get_function(name) for name in ("stream_layers", "ring_only")}
+    # two builds: the consumers on tensor cores, or on CUDA cores (mode bit 16; one kernel with both
+    # spilled)
+    mods = [cupy.RawModule(code=src, options=("-std=c++17", "-lineinfo", f"-DCONSUMER_CUDA_CORES={cores}"))
+            for cores in (0, 1)]
+    return {"stream_layers": mods[0].get_function("stream_layers"),
+            "stream_layers_cuda_cores": mods[1].get_function("stream_layers"),
+            "ring_only": mods[0].get_function("ring_only")}
 
 
 def launch(kernel, grid, smem, *args):
@@ -170,7 +175,7 @@ def main():
         # a slot holds 8 rows (gate_up: 8 gate + 8 up) at a pitch of kc * 2 + 16 bytes
         slot_bytes = -(-max(8 * (kc_qo * 2 + 16), 16 * (kc_gu * 2 + 16), 8 * (kc_down * 2 + 16)) // 128) * 128
         smem = slots * slot_bytes + max(H, I) * 2 + 16 * slots + 4 * 296
-        launch(kernels["stream_layers"], grid, smem, weights, norms, biases, h, qkv, act, counters,
+        launch(kernels["stream_layers_cuda_cores" if mode & 16 else "stream_layers"], grid, smem, weights, norms, biases, h, qkv, act, counters,
                L, H, I, Q, kc_qo, kc_gu, kc_down, mode, slots, slot_bytes, prof, h_ll, qkv_ll, act_ll,
                np.uint32(seq[0]), prefetch, np.uint64(0 if trace is None else trace.data_ptr()), L // 2,
                k_cache, v_cache, attn_part, attn_out, rope_cos, rope_sin, S, s_max, HQ, HKV)

@@ -8,8 +8,8 @@
 // previous op are written, or tagged values: mode bit 3), stage the input vector in shared memory,
 // and reduce their rows chunk by chunk in a fixed order, on tensor cores or CUDA cores (bit 4).
 //
-// Per layer (Qwen2 shapes): qkv = rmsnorm(h) Wqkv^T + b; attention (here: o's input is q, the first
-// H values of qkv: this probe times the projections and their dependencies, not attention);
+// Per layer (Qwen2 shapes): qkv = rmsnorm(h) Wqkv^T + b; attention over the cache and the new token
+// (mode bit 6: two steps with no weights; without it o's input is q, the first H values of qkv);
 // h += attn Wo^T; act = silu(g) * u with [g; u] = rmsnorm(h) Wgu^T; h += act Wd^T. Batch 1 only.
 #include <cuda_bf16.h>
 #ifdef __CUDACC_RTC__  // NVRTC has no <stdint.h>
@@ -37,8 +37,15 @@ struct Shapes {
              // bit 3: activations carry their own ready tag (below) instead of counters and fences;
              // bit 4: dot products on CUDA cores, a warp per row (else tensor cores, k split over warps):
              //        a separate build, -DCONSUMER_CUDA_CORES=1, which the host picks by this bit;
-             // bit 5: the producer also prefetches into the L2 `prefetch` chunks ahead
+             // bit 5: the producer also prefetches into the L2 `prefetch` chunks ahead;
+             // bit 6: attention between qkv and o (else o reads q)
 };
+
+#define NEG_INF (-__int_as_float(0x7f800000))
+
+// Start of part i of n units cut into `parts` near-equal parts (every op, position range and output
+// range here is shared out across CTAs this way).
+__device__ __forceinline__ int share_start(int i, int n, int parts) { return (int)((long long)i * n / parts); }
 
 // Tagged activations, as NCCL's LL protocol: each value travels with the tag of the op that wrote it
 // in one 64-bit word (a 64-bit access is single-copy atomic), so a reader spins on the value
@@ -118,8 +125,8 @@ struct ChunkCursor {
   Op op;
   __device__ void start_op(const Shapes& s, int c, int G) {
     op = op_of(s, t);
-    lo = (int)((long long)c * op.units / G);
-    hi = (int)((long long)(c + 1) * op.units / G);
+    lo = share_start(c, op.units, G);
+    hi = share_start(c + 1, op.units, G);
     g0 = lo;
     k0 = 0;
   }
@@ -160,8 +167,8 @@ __device__ __forceinline__ void mma_bf16(float* d, uint32_t a0, uint32_t a2, uin
 }
 // Tensor-core dot products of one chunk: this warp's k-range [kb, kb + kc/8) of 8 weight rows
 // (row pitch `pitch`: kc*2 + 16 bytes, so ldmatrix's 8 rows fall in 8 different bank groups) with x.
-// A CUDA-core loop (one row per warp, 8 sums per lane) made the consumers the bottleneck: 38 us a
-// layer against 29 with no arithmetic (stop 20).
+// Measured slower than the CUDA-core consumers (dot_chunk): 46.6-48.6 us a layer against 38.0-40.2
+// (stop 20); kept because token rows as A's rows would give verify rows (M <= 16) for free.
 __device__ __forceinline__ void mma_chunk(uint32_t rows_addr, int pitch, const __nv_bfloat16* x, int kc, int warp,
                                           int lane, float (*d)[4]) {
   const int kw = kc / NUM_CONSUMER_WARPS, kb = warp * kw;
@@ -177,7 +184,7 @@ __device__ __forceinline__ void mma_chunk(uint32_t rows_addr, int pitch, const _
       a[2] = x32[(k + 16) / 2 + lane];
       a[3] = x32[(k + 24) / 2 + lane];
     }
-    // four accumulator sets: one chain of dependent mma.sync per chunk made them the bottleneck
+    // four accumulator sets, so consecutive mma.sync do not wait on each other (measured: no gain)
     mma_bf16(d[0], a[0], a[1], b[0], b[1]);
     mma_bf16(d[1], a[2], a[3], b[2], b[3]);
 #pragma unroll
@@ -195,10 +202,8 @@ __device__ __forceinline__ void mma_chunk(uint32_t rows_addr, int pitch, const _
 // the K/V cache [layers][kv_heads][s_max][128] bf16, roped keys; the new token sits at context - 1
 // and comes from qkv (its k roped here and rounded to bf16, as the cache stores it).
 struct Attn {
-  const __nv_bfloat16* k_cache;
-  const __nv_bfloat16* v_cache;
-  __nv_bfloat16* k_cache_w;  // the same cache, written: the new token's k and v
-  __nv_bfloat16* v_cache_w;
+  __nv_bfloat16* k_cache;  // read, and written at the new token's position
+  __nv_bfloat16* v_cache;
   float* part;                // [CTAs][heads per kv head][128 + 2]: acc, then max and sum
   __nv_bfloat16* out;         // [q_heads * 128]
   const float* cos;           // [64]: the new position's rotate-half rows
@@ -230,12 +235,12 @@ __device__ __forceinline__ float round_bf16(float v) { return __bfloat162float(_
 
 // Step 1: CTA c takes kv head c / J and the J-th share of the positions (J = CTAs / kv_heads); warp
 // w < heads per kv head runs one q head over them with an online softmax and writes its partial.
-__device__ __forceinline__ void attention_partials(const Attn& a, const __nv_bfloat16* qkv, int layer, int c, int G, int warp,
-                                   int lane) {
+__device__ __forceinline__ void attention_partials(const Attn& a, const __nv_bfloat16* qkv, int layer, int c, int G,
+                                                   int warp, int lane) {
   const int R = a.q_heads / a.kv_heads, J = G / a.kv_heads, S = a.context;
   if (c >= J * a.kv_heads || warp >= R) return;
   const int g = c / J, j = c % J, h = g * R + warp;
-  const int p0 = (int)((long long)j * S / J), p1 = (int)((long long)(j + 1) * S / J);
+  const int p0 = share_start(j, S, J), p1 = share_start(j + 1, S, J);
   float q[4], k_new[4], v_new[4];
   load_head_dims(qkv + h * HEAD_DIM, lane, q);
   rope4(q, a, lane);
@@ -249,9 +254,10 @@ __device__ __forceinline__ void attention_partials(const Attn& a, const __nv_bfl
   }
   const size_t head_base = (size_t)(layer * a.kv_heads + g) * a.s_max * HEAD_DIM;
   const float scale = rsqrtf((float)HEAD_DIM);
-  float m = -__int_as_float(0x7f800000), sum = 0.f, acc[4] = {0.f, 0.f, 0.f, 0.f};
-  // positions in batches of 4 (8 spilled: 9 warps leave 168 registers a thread), every load of a batch issued before its first use: a load per
-  // dependent iteration would pay a memory round trip (1-2 us under a saturated HBM) per position
+  float m = NEG_INF, sum = 0.f, acc[4] = {0.f, 0.f, 0.f, 0.f};
+  // Positions in batches of 4, every load of a batch issued before its first use: a load per
+  // dependent iteration would pay a memory round trip (1-2 us under a saturated HBM) per position.
+  // Batches of 8 spilled (9 warps leave 168 registers a thread).
   for (int batch = p0; batch < p1; batch += 4) {
     float k[4][4], v[4][4];
 #pragma unroll
@@ -292,8 +298,8 @@ __device__ __forceinline__ void attention_partials(const Attn& a, const __nv_bfl
     out[HEAD_DIM + 1] = sum;
   }
   if (has_new && warp == 0) {  // the new token's k and v into the cache, for the steps after this one
-    __nv_bfloat16* kc = a.k_cache_w + head_base + (size_t)(S - 1) * HEAD_DIM;
-    __nv_bfloat16* vc = a.v_cache_w + head_base + (size_t)(S - 1) * HEAD_DIM;
+    __nv_bfloat16* kc = a.k_cache + head_base + (size_t)(S - 1) * HEAD_DIM;
+    __nv_bfloat16* vc = a.v_cache + head_base + (size_t)(S - 1) * HEAD_DIM;
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const int dim = (i < 2 ? 0 : 64) + 2 * lane + (i & 1);
@@ -307,14 +313,14 @@ __device__ __forceinline__ void attention_partials(const Attn& a, const __nv_bfl
 // (at most 96) in a fixed order; out = bf16(sum_j acc_j e^(m_j - M) / sum_j l_j e^(m_j - M)).
 __device__ __forceinline__ void attention_merge(const Attn& a, int c, int G, int warp, int lane) {
   const int R = a.q_heads / a.kv_heads, J = G / a.kv_heads, units = a.q_heads * HEAD_DIM;
-  const int lo = (int)((long long)c * units / G), hi = (int)((long long)(c + 1) * units / G);
+  const int lo = share_start(c, units, G), hi = share_start(c + 1, units, G);
   for (int u = lo + warp; u < hi; u += NUM_CONSUMER_WARPS) {
     const int h = u / HEAD_DIM, d = u % HEAD_DIM, g = h / R, hr = h % R;
-    float mj[3], lj[3], aj[3], M = -__int_as_float(0x7f800000);
+    float mj[3], lj[3], aj[3], M = NEG_INF;
 #pragma unroll
     for (int i = 0; i < 3; ++i) {
       const int j = lane + 32 * i;
-      mj[i] = -__int_as_float(0x7f800000);
+      mj[i] = NEG_INF;
       lj[i] = aj[i] = 0.f;
       if (j < J) {
         const float* pp = a.part + ((size_t)(g * J + j) * R + hr) * (HEAD_DIM + 2);
@@ -370,14 +376,15 @@ stream_layers(const int64_t* __restrict__ weights,  // [layers][4] bf16 [N, K] r
               int layers, int hidden, int inter, int qkv_rows, int kc_qo, int kc_gu, int kc_down, int mode,
               int num_slots, int slot_bytes, int64_t* prof,
               uint64_t* h_ll, uint64_t* qkv_ll, uint64_t* act_ll, uint32_t seq, int prefetch,
-              int64_t* trace, int trace_layer, const __nv_bfloat16* k_cache, const __nv_bfloat16* v_cache,
+              int64_t* trace, int trace_layer, __nv_bfloat16* k_cache, __nv_bfloat16* v_cache,
               float* attn_part, __nv_bfloat16* attn_out, const float* rope_cos, const float* rope_sin,
               int context, int s_max, int q_heads, int kv_heads) {
   // mode bit 6: the layer's attention as two steps between qkv and o (else o reads q)
-  const Attn attn{k_cache, v_cache, const_cast<__nv_bfloat16*>(k_cache), const_cast<__nv_bfloat16*>(v_cache),
-                  attn_part, attn_out, rope_cos, rope_sin, context, s_max, q_heads, kv_heads};
+  const Attn attn{k_cache, v_cache, attn_part, attn_out, rope_cos, rope_sin, context, s_max, q_heads, kv_heads};
   const bool with_attention = mode & 64;
   const int steps = with_attention ? 6 : 4;  // per layer: qkv, [attention, merge,] o, gate_up, down
+  // weighted op t (0 qkv, 1 o, 2 gate_up, 3 down) <-> step; attention is t -1, its merge -2
+  const auto step_of = [&](int t) { return with_attention && t > 0 ? t + 2 : t; };
   // tagged mode: op t of layer l writes tag base + 4 l + t + 1; h enters with tag base
   const bool ll = mode & 8;
   // mode bit 4 picks the build: both consumers in one kernel overran the 168 registers a thread
@@ -397,7 +404,7 @@ stream_layers(const int64_t* __restrict__ weights,  // [layers][4] bf16 [N, K] r
                                                                  // then [2][2][warps][8] per-warp row sums
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int G = gridDim.x, c = blockIdx.x;
-  const int h_lo = (int)((long long)c * s.hidden / G), h_hi = (int)((long long)(c + 1) * s.hidden / G);
+  const int h_lo = share_start(c, s.hidden, G), h_hi = share_start(c + 1, s.hidden, G);
   for (int i = tid; i < h_hi - h_lo; i += blockDim.x) own_h[i] = h[h_lo + i];
   long long t_start = clock64(), t_wait = 0, t_dep = 0, t_stage = 0, t_fence = 0;
   // Timeline of one layer on CTAs 0 and G/2, in this SM's clock64 cycles: per op, [0] the producer
@@ -439,7 +446,7 @@ stream_layers(const int64_t* __restrict__ weights,  // [layers][4] bf16 [N, K] r
       const int n = min(8, cur.hi - g0), rows = t == 2 ? 2 * n : n;
       const int slot = it % num_slots;
       if (lane == 0) {
-        if (g0 == cur.lo && k0 == 0) TRACE(cur.layer, with_attention && t ? t + 2 : t, 0);
+        if (g0 == cur.lo && k0 == 0) TRACE(cur.layer, step_of(t), 0);
         const long long t0 = clock64();
         mbar_wait(&empty[slot], ((it / num_slots) & 1) ^ 1);
         t_wait += clock64() - t0;
@@ -455,7 +462,7 @@ stream_layers(const int64_t* __restrict__ weights,  // [layers][4] bf16 [N, K] r
         bulk_copy(ring + slot * slot_bytes + dst_row * (op.kc * 2 + 16),
                   w + (long long)row_of(t, g0, n, lane, s.inter) * op.k + k0, op.kc * 2, &full[slot], policy);
       }
-      if (lane == 0 && g0 + 8 >= cur.hi && k0 + op.kc >= op.k) TRACE(cur.layer, with_attention && t ? t + 2 : t, 1);
+      if (lane == 0 && g0 + 8 >= cur.hi && k0 + op.kc >= op.k) TRACE(cur.layer, step_of(t), 1);
     }
     if (lane == 0) {
       prof[c * 8 + 0] = clock64() - t_start;
@@ -469,10 +476,9 @@ stream_layers(const int64_t* __restrict__ weights,  // [layers][4] bf16 [N, K] r
   int parity = 0;
   for (int l = 0; l < s.layers; ++l)
     for (int step = 0; step < steps; ++step) {
-      // t: the weighted op (0 qkv, 1 o, 2 gate_up, 3 down), or -1 attention, -2 its merge
-      const int t = !with_attention ? step : step == 0 ? 0 : step >= 3 ? step - 2 : -step;
+      const int t = !with_attention ? step : step == 0 ? 0 : step >= 3 ? step - 2 : -step;  // step_of's inverse
       const Op op = op_of(s, t < 0 ? 0 : t);
-      const int lo = (int)((long long)c * op.units / G), hi = (int)((long long)(c + 1) * op.units / G);
+      const int lo = share_start(c, op.units, G), hi = share_start(c + 1, op.units, G);
       const long long t0 = clock64();
       if (tid == 0) TRACE(l, step, 2);
       if (t == 0 && tid < hi - lo)  // the bias rows, loaded while the waits below run
@@ -493,111 +499,111 @@ stream_layers(const int64_t* __restrict__ weights,  // [layers][4] bf16 [N, K] r
       } else if (t == -2) {
         attention_merge(attn, c, G, warp, lane);
       } else {
-      // stage the input vector in shared memory (bf16)
-      if (t == 0 || t == 2) {  // rmsnorm(h) * weight; h read once (hidden <= 8 * 256)
-        const auto* nw = reinterpret_cast<const __nv_bfloat16*>(norms[l * 2 + t / 2]);
-        float hv[8], ss = 0.f;
+        // stage the input vector in shared memory (bf16)
+        if (t == 0 || t == 2) {  // rmsnorm(h) * weight; h read once (hidden <= 8 * 256)
+          const auto* nw = reinterpret_cast<const __nv_bfloat16*>(norms[l * 2 + t / 2]);
+          float hv[8], ss = 0.f;
 #pragma unroll
-        for (int i = 0; i < 8; ++i) {
-          const int k = tid + i * NUM_CONSUMER_WARPS * 32;
-          hv[i] = k >= s.hidden ? 0.f
-                  : ll      ? ld_tagged(h_ll + k, t == 0 ? base + 4 * l : base + 4 * l + 2)
-                            : __ldcg(h + k);
-          ss = fmaf(hv[i], hv[i], ss);
-        }
-        for (int o = 16; o; o >>= 1) ss += __shfl_xor_sync(0xffffffff, ss, o);
-        if (lane == 0) partial[warp] = ss;
-        consumers_sync();
-        float total = 0.f;
-        for (int i = 0; i < NUM_CONSUMER_WARPS; ++i) total += partial[i];
-        const float inv = rsqrtf(total / s.hidden + 1e-6f);
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
-          const int k = tid + i * NUM_CONSUMER_WARPS * 32;
-          if (k < s.hidden) x[k] = __float2bfloat16(hv[i] * inv * __bfloat162float(nw[k]));
-        }
-      } else if (ll) {
-        const uint64_t* src = t == 1 ? qkv_ll : act_ll;
-        for (int k = tid; k < op.k; k += NUM_CONSUMER_WARPS * 32)
-          x[k] = __float2bfloat16(ld_tagged(src + k, base + 4 * l + t));
-      } else {
-        const __nv_bfloat16* src = t == 1 ? (with_attention ? attn_out : qkv) : act;
-        for (int v = tid; v < op.k / 8; v += NUM_CONSUMER_WARPS * 32)
-          reinterpret_cast<uint4*>(x)[v] = __ldcg(reinterpret_cast<const uint4*>(src) + v);
-      }
-      consumers_sync();
-      t_stage += clock64() - t1;
-      if (tid == 0) TRACE(l, step, 4);
-
-      for (int g0 = lo; g0 < hi; g0 += 8) {
-        const int n = min(8, hi - g0);
-        float d[4][4] = {}, e[4][4] = {};  // tensor cores: gate (or the op's rows), up; four sets each
-        float a8[8] = {}, u8[8] = {};      // CUDA cores: this warp's row, its up row
-        const int pitch = op.kc * 2 + 16;
-        for (int k0 = 0; k0 < op.k; k0 += op.kc, ++it) {
-          const int slot = it % num_slots;
-          const long long t2 = clock64();
-          mbar_wait(&full[slot], (it / num_slots) & 1);
-          t_wait += clock64() - t2;
-          if (tid == 0 && g0 == lo && k0 == 0) TRACE(l, step, 5);
-          if constexpr (cuda_cores) {
-            if (warp < n && (s.mode & 2) == 0) {
-              const uint8_t* rows = ring + slot * slot_bytes;
-              dot_chunk(rows + warp * pitch, x + k0, op.kc, lane, a8);
-              if (t == 2) dot_chunk(rows + (8 + warp) * pitch, x + k0, op.kc, lane, u8);
-            }
-          } else if ((s.mode & 2) == 0) {
-            const uint32_t rows_addr = smem_addr(ring + slot * slot_bytes);
-            mma_chunk(rows_addr, pitch, x + k0, op.kc, warp, lane, d);
-            if (t == 2) mma_chunk(rows_addr + 8 * pitch, pitch, x + k0, op.kc, warp, lane, e);
+          for (int i = 0; i < 8; ++i) {
+            const int k = tid + i * NUM_CONSUMER_WARPS * 32;
+            hv[i] = k >= s.hidden ? 0.f
+                    : ll      ? ld_tagged(h_ll + k, t == 0 ? base + 4 * l : base + 4 * l + 2)
+                              : __ldcg(h + k);
+            ss = fmaf(hv[i], hv[i], ss);
           }
-          __syncwarp();
-          if (lane == 0) mbar_arrive(&empty[slot]);
-        }
-        int out = -1;  // which of the group's n rows this thread writes
-        float acc = 0.f, up = 0.f;
-        if constexpr (cuda_cores) {
-          acc = finish_dot(a8);
-          up = finish_dot(u8);
-          if (warp < n && lane == 0) out = warp;
-        } else {
-          // D row 0 (the token) sits in lanes 0-3: columns (weight rows) 2*lane and 2*lane + 1
-          float* red = partial + 8 + 2 * MAX_OWN_ROWS + parity * 2 * NUM_CONSUMER_WARPS * 8;  // [2][warps][8]
-          if (lane < 4) {
-#pragma unroll
-            for (int j = 0; j < 2; ++j) {
-              red[warp * 8 + 2 * lane + j] = (d[0][j] + d[1][j]) + (d[2][j] + d[3][j]);
-              red[(NUM_CONSUMER_WARPS + warp) * 8 + 2 * lane + j] = (e[0][j] + e[1][j]) + (e[2][j] + e[3][j]);
-            }
-          }
+          for (int o = 16; o; o >>= 1) ss += __shfl_xor_sync(0xffffffff, ss, o);
+          if (lane == 0) partial[warp] = ss;
           consumers_sync();
-          if (tid < n) {  // the warps' k-ranges summed in warp order
-            for (int w = 0; w < NUM_CONSUMER_WARPS; ++w) {
-              acc += red[w * 8 + tid];
-              up += red[(NUM_CONSUMER_WARPS + w) * 8 + tid];
+          float total = 0.f;
+          for (int i = 0; i < NUM_CONSUMER_WARPS; ++i) total += partial[i];
+          const float inv = rsqrtf(total / s.hidden + 1e-6f);
+#pragma unroll
+          for (int i = 0; i < 8; ++i) {
+            const int k = tid + i * NUM_CONSUMER_WARPS * 32;
+            if (k < s.hidden) x[k] = __float2bfloat16(hv[i] * inv * __bfloat162float(nw[k]));
+          }
+        } else if (ll) {
+          const uint64_t* src = t == 1 ? qkv_ll : act_ll;
+          for (int k = tid; k < op.k; k += NUM_CONSUMER_WARPS * 32)
+            x[k] = __float2bfloat16(ld_tagged(src + k, base + 4 * l + t));
+        } else {
+          const __nv_bfloat16* src = t == 1 ? (with_attention ? attn_out : qkv) : act;
+          for (int v = tid; v < op.k / 8; v += NUM_CONSUMER_WARPS * 32)
+            reinterpret_cast<uint4*>(x)[v] = __ldcg(reinterpret_cast<const uint4*>(src) + v);
+        }
+        consumers_sync();
+        t_stage += clock64() - t1;
+        if (tid == 0) TRACE(l, step, 4);
+
+        for (int g0 = lo; g0 < hi; g0 += 8) {
+          const int n = min(8, hi - g0);
+          float d[4][4] = {}, e[4][4] = {};  // tensor cores: gate (or the op's rows), up; four sets each
+          float a8[8] = {}, u8[8] = {};      // CUDA cores: this warp's row, its up row
+          const int pitch = op.kc * 2 + 16;
+          for (int k0 = 0; k0 < op.k; k0 += op.kc, ++it) {
+            const int slot = it % num_slots;
+            const long long t2 = clock64();
+            mbar_wait(&full[slot], (it / num_slots) & 1);
+            t_wait += clock64() - t2;
+            if (tid == 0 && g0 == lo && k0 == 0) TRACE(l, step, 5);
+            if constexpr (cuda_cores) {
+              if (warp < n && (s.mode & 2) == 0) {
+                const uint8_t* rows = ring + slot * slot_bytes;
+                dot_chunk(rows + warp * pitch, x + k0, op.kc, lane, a8);
+                if (t == 2) dot_chunk(rows + (8 + warp) * pitch, x + k0, op.kc, lane, u8);
+              }
+            } else if ((s.mode & 2) == 0) {
+              const uint32_t rows_addr = smem_addr(ring + slot * slot_bytes);
+              mma_chunk(rows_addr, pitch, x + k0, op.kc, warp, lane, d);
+              if (t == 2) mma_chunk(rows_addr + 8 * pitch, pitch, x + k0, op.kc, warp, lane, e);
             }
-            out = tid;
+            __syncwarp();
+            if (lane == 0) mbar_arrive(&empty[slot]);
           }
-          parity ^= 1;  // the other half of red next group: no second barrier
-        }
-        if (out >= 0) {
-          const int row = g0 + out;
-          const uint32_t tag = base + 4 * l + t + 1;
-          if (t == 0 || t == 2) {
-            const __nv_bfloat16 v = __float2bfloat16(t == 0 ? acc + own_bias[row - lo] : acc / (1.f + __expf(-acc)) * up);
-            if (ll)
-              st_tagged((t == 0 ? qkv_ll : act_ll) + row, __bfloat162float(v), tag);
-            else
-              (t == 0 ? qkv : act)[row] = v;
-          } else {  // o, down: this CTA owns these rows of h
-            own_h[row - lo] += acc;
-            if (ll)
-              st_tagged(h_ll + row, own_h[row - lo], tag);
-            else
-              h[row] = own_h[row - lo];
+          int out = -1;  // which of the group's n rows this thread writes
+          float acc = 0.f, up = 0.f;
+          if constexpr (cuda_cores) {
+            acc = finish_dot(a8);
+            up = finish_dot(u8);
+            if (warp < n && lane == 0) out = warp;
+          } else {
+            // D row 0 (the token) sits in lanes 0-3: columns (weight rows) 2*lane and 2*lane + 1
+            float* red = partial + 8 + 2 * MAX_OWN_ROWS + parity * 2 * NUM_CONSUMER_WARPS * 8;  // [2][warps][8]
+            if (lane < 4) {
+#pragma unroll
+              for (int j = 0; j < 2; ++j) {
+                red[warp * 8 + 2 * lane + j] = (d[0][j] + d[1][j]) + (d[2][j] + d[3][j]);
+                red[(NUM_CONSUMER_WARPS + warp) * 8 + 2 * lane + j] = (e[0][j] + e[1][j]) + (e[2][j] + e[3][j]);
+              }
+            }
+            consumers_sync();
+            if (tid < n) {  // the warps' k-ranges summed in warp order
+              for (int w = 0; w < NUM_CONSUMER_WARPS; ++w) {
+                acc += red[w * 8 + tid];
+                up += red[(NUM_CONSUMER_WARPS + w) * 8 + tid];
+              }
+              out = tid;
+            }
+            parity ^= 1;  // the other half of red next group: no second barrier
+          }
+          if (out >= 0) {
+            const int row = g0 + out;
+            const uint32_t tag = base + 4 * l + t + 1;
+            if (t == 0 || t == 2) {
+              const __nv_bfloat16 v = __float2bfloat16(t == 0 ? acc + own_bias[row - lo] : acc / (1.f + __expf(-acc)) * up);
+              if (ll)
+                st_tagged((t == 0 ? qkv_ll : act_ll) + row, __bfloat162float(v), tag);
+              else
+                (t == 0 ? qkv : act)[row] = v;
+            } else {  // o, down: this CTA owns these rows of h
+              own_h[row - lo] += acc;
+              if (ll)
+                st_tagged(h_ll + row, own_h[row - lo], tag);
+              else
+                h[row] = own_h[row - lo];
+            }
           }
         }
-      }
       }  // the weighted op
       // publish this CTA's rows of op t: the barrier orders the warps' stores before the release
       if (tid == 0) TRACE(l, step, 6);

@@ -26,13 +26,18 @@ from bench.common import copy_bandwidth, cuda_time, print_table
 
 THREADS = 9 * 32  # 8 consumer warps + the producer warp
 # the kernel's mode bits (stream_probe.cu, struct Shapes): 1 wait at dependencies, 2 no arithmetic,
-# 8 tagged activations instead of counters, 16 CUDA cores instead of tensor cores, 32 L2 prefetch
+# 4 one bulk copy per chunk (as packed weights would allow; the rows land unpadded, so the sums are
+# wrong: timing only), 8 tagged activations instead of counters, 16 CUDA cores instead of tensor
+# cores, 32 L2 prefetch
 # `prefetch` chunks ahead of the ring. (mode, prefetch) -> label
 MODES = {(17, 0): "CUDA cores, counters", (49, 4): "CUDA cores, counters, L2 prefetch 4 chunks ahead",
          (49, 8): "CUDA cores, counters, L2 prefetch 8", (49, 12): "CUDA cores, counters, L2 prefetch 12",
          (1, 0): "tensor cores, counters", (33, 8): "tensor cores, counters, L2 prefetch 8",
-         (9, 0): "tensor cores, tagged", (18, 0): "no arithmetic, no waits",
+         (9, 0): "tensor cores, tagged", (21, 0): "CUDA cores, counters, one copy per chunk (timing only)",
+         (18, 0): "no arithmetic, no waits",
          (50, 8): "no arithmetic, no waits, L2 prefetch 8"}
+# (ring slots, chunk columns for qkv/o, gate_up, down): the ring's shape and the chunks' widths
+CONFIGS = ((8, 1536, 768, 1280), (7, 1536, 768, 1792))
 
 
 def build():
@@ -174,6 +179,8 @@ def main():
             h_ll.copy_((h0.view(torch.int32).to(torch.int64) & 0xFFFFFFFF) | ((seq[0] * L * 4) << 32))
         # a slot holds 8 rows (gate_up: 8 gate + 8 up) at a pitch of kc * 2 + 16 bytes
         slot_bytes = -(-max(8 * (kc_qo * 2 + 16), 16 * (kc_gu * 2 + 16), 8 * (kc_down * 2 + 16)) // 128) * 128
+        # the kernel's layout: ring, x [max K] bf16, full/empty barriers, 296 floats (norm partials 8,
+        # own h rows 16, bias rows 16, per-warp row sums 2 x 2 x 8 x 8)
         smem = slots * slot_bytes + max(H, I) * 2 + 16 * slots + 4 * 296
         launch(kernels["stream_layers_cuda_cores" if mode & 16 else "stream_layers"], grid, smem, weights, norms, biases, h, qkv, act, counters,
                L, H, I, Q, kc_qo, kc_gu, kc_down, mode, slots, slot_bytes, prof, h_ll, qkv_ll, act_ll,
@@ -183,7 +190,7 @@ def main():
     modes = [m for m in MODES if not (attention and m[0] & 8)]  # tagged values: projections only
 
     rows = []
-    for cfg in ((8, 1536, 768, 1280), (7, 1536, 768, 1792)):
+    for cfg in CONFIGS:
         for mode, prefetch in [m for m in ((17, 0), (49, 8), (1, 0), (9, 0)) if m in modes]:
             run(mode, *cfg, prefetch)
             first = h_out(mode).clone()
@@ -212,7 +219,7 @@ def main():
 def timeline(run, prof, grid, layers, attention):
     """One layer (the middle one) on CTAs 0 and grid/2, in us from the consumers' start of its qkv:
     when the producer reaches each op's first chunk and issues its last, and the consumers' steps."""
-    cfg = (8, 1536, 768, 1280)
+    cfg = CONFIGS[0]
     trace = torch.zeros(2, 6, 8, dtype=torch.int64, device="cuda")
     steps = ("qkv", "attention", "merge", "o", "gate_up", "down") if attention else ("qkv", "o", "gate_up", "down")
     for mode, prefetch in ((17, 0), (49, 8)):

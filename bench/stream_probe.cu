@@ -38,7 +38,11 @@ struct Shapes {
              // bit 4: dot products on CUDA cores, a warp per row (else tensor cores, k split over warps):
              //        a separate build, -DCONSUMER_CUDA_CORES=1, which the host picks by this bit;
              // bit 5: the producer also prefetches into the L2 `prefetch` chunks ahead;
-             // bit 6: attention between qkv and o (else o reads q)
+             // bit 6: attention between qkv and o (else o reads q);
+             // bit 7: publish with one red.release.gpu instead of fence.acq_rel.gpu + red.relaxed.gpu;
+             // bit 8: the norm's weights loaded before the dependency wait;
+             // bit 9: attention's merge folded into o's staging (with bit 6)
+  int in_flight;  // chunks the producer keeps issued but not landed, at most (0: the whole ring)
 };
 
 #define NEG_INF (-__int_as_float(0x7f800000))
@@ -346,6 +350,174 @@ __device__ __forceinline__ void attention_merge(const Attn& a, int c, int G, int
   }
 }
 
+// Mode bit 9: attention with the merge folded into o's staging (no merge step, no sync for it).
+// Step 1 runs on FOLD_SHARES CTAs per kv head only: CTA c = g FOLD_SHARES + j takes kv head g and
+// the j-th share of the positions; its 8 warps split the share and each runs all FOLD_R q heads of
+// the group over its positions (q for every head in registers), then the CTA merges its warps in
+// shared memory, one head at a time, into one partial per (head, share). o's staging then merges
+// the q_heads x FOLD_SHARES partials itself: every CTA reads them all (50 KB at Qwen2.5-1.5B), one
+// round trip, instead of a merge step's wait, round trips and publish.
+#define FOLD_SHARES 8
+#ifndef FOLD_BATCH
+#define FOLD_BATCH 4  // positions whose loads are issued together (2 spilled)
+#endif
+#define FOLD_R 6  // q heads per kv head (Qwen2.5-1.5B: 12 / 2); the host checks
+__device__ __forceinline__ void attention_partials_folded(const Attn& a, const __nv_bfloat16* qkv, int layer, int c,
+                                                          int warp, int lane, float* scratch /* [8][130] */) {
+  const int S = a.context;
+  if (c >= FOLD_SHARES * a.kv_heads) return;  // the whole CTA: the barriers below stay uniform
+  const int g = c / FOLD_SHARES, j = c % FOLD_SHARES;
+  const int p0 = share_start(j, S, FOLD_SHARES), p1 = share_start(j + 1, S, FOLD_SHARES);
+  const int w0 = p0 + share_start(warp, p1 - p0, NUM_CONSUMER_WARPS);
+  const int w1 = p0 + share_start(warp + 1, p1 - p0, NUM_CONSUMER_WARPS);
+  float q[FOLD_R][4], k_new[4], v_new[4];
+#pragma unroll
+  for (int r = 0; r < FOLD_R; ++r) {
+    load_head_dims(qkv + (g * FOLD_R + r) * HEAD_DIM, lane, q[r]);
+    rope4(q[r], a, lane);
+  }
+  const bool has_new = p1 == S;
+  if (has_new) {
+    load_head_dims(qkv + (a.q_heads + g) * HEAD_DIM, lane, k_new);
+    rope4(k_new, a, lane);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) k_new[i] = round_bf16(k_new[i]);
+    load_head_dims(qkv + (a.q_heads + a.kv_heads + g) * HEAD_DIM, lane, v_new);
+  }
+  const size_t head_base = (size_t)(layer * a.kv_heads + g) * a.s_max * HEAD_DIM;
+  const float scale = rsqrtf((float)HEAD_DIM);
+  float m[FOLD_R], sum[FOLD_R], acc[FOLD_R][4];
+#pragma unroll
+  for (int r = 0; r < FOLD_R; ++r) {
+    m[r] = NEG_INF;
+    sum[r] = 0.f;
+    acc[r][0] = acc[r][1] = acc[r][2] = acc[r][3] = 0.f;
+  }
+  for (int batch = w0; batch < w1; batch += FOLD_BATCH) {  // loads of a batch issued before their first use
+    float k[FOLD_BATCH][4], v[FOLD_BATCH][4];
+#pragma unroll
+    for (int i = 0; i < FOLD_BATCH; ++i) {
+      const int pos = batch + i;
+      if (pos >= w1) break;
+      if (has_new && pos == S - 1) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          k[i][e] = k_new[e];
+          v[i][e] = v_new[e];
+        }
+      } else {
+        load_head_dims(a.k_cache + head_base + (size_t)pos * HEAD_DIM, lane, k[i]);
+        load_head_dims(a.v_cache + head_base + (size_t)pos * HEAD_DIM, lane, v[i]);
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < FOLD_BATCH; ++i) {
+      if (batch + i >= w1) break;
+#pragma unroll
+      for (int r = 0; r < FOLD_R; ++r) {
+        float score = (q[r][0] * k[i][0] + q[r][1] * k[i][1]) + (q[r][2] * k[i][2] + q[r][3] * k[i][3]);
+        for (int o = 16; o; o >>= 1) score += __shfl_xor_sync(0xffffffff, score, o);
+        score *= scale;
+        const float m_new = fmaxf(m[r], score), corr = expf(m[r] - m_new), pr = expf(score - m_new);
+        sum[r] = sum[r] * corr + pr;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[r][e] = acc[r][e] * corr + pr * v[i][e];
+        m[r] = m_new;
+      }
+    }
+  }
+  // the CTA's 8 warp partials of each head into one (fixed order: warp 0 to 7)
+#pragma unroll
+  for (int r = 0; r < FOLD_R; ++r) {
+    float* mine = scratch + warp * (HEAD_DIM + 2);
+    mine[2 * lane] = acc[r][0];
+    mine[2 * lane + 1] = acc[r][1];
+    mine[64 + 2 * lane] = acc[r][2];
+    mine[64 + 2 * lane + 1] = acc[r][3];
+    if (lane == 0) {
+      mine[HEAD_DIM] = m[r];
+      mine[HEAD_DIM + 1] = sum[r];
+    }
+    consumers_sync();
+    const int tid = warp * 32 + lane;
+    if (tid < HEAD_DIM) {
+      float M = NEG_INF;
+      for (int w = 0; w < NUM_CONSUMER_WARPS; ++w) M = fmaxf(M, scratch[w * (HEAD_DIM + 2) + HEAD_DIM]);
+      float A = 0.f, L = 0.f;
+      for (int w = 0; w < NUM_CONSUMER_WARPS; ++w) {
+        const float* pw = scratch + w * (HEAD_DIM + 2);
+        const float e = pw[HEAD_DIM] == NEG_INF ? 0.f : expf(pw[HEAD_DIM] - M);
+        A += pw[tid] * e;
+        L += pw[HEAD_DIM + 1] * e;
+      }
+      float* out = a.part + ((size_t)(g * FOLD_SHARES + j) * FOLD_R + r) * (HEAD_DIM + 2);
+      out[tid] = A;
+      if (tid == 0) {
+        out[HEAD_DIM] = M;
+        out[HEAD_DIM + 1] = L;
+      }
+    }
+    consumers_sync();
+  }
+  if (has_new && warp == 0) {  // the new token's k and v into the cache
+    __nv_bfloat16* kc = a.k_cache + head_base + (size_t)(S - 1) * HEAD_DIM;
+    __nv_bfloat16* vc = a.v_cache + head_base + (size_t)(S - 1) * HEAD_DIM;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int dim = (i < 2 ? 0 : 64) + 2 * lane + (i & 1);
+      kc[dim] = __float2bfloat16(k_new[i]);
+      vc[dim] = __float2bfloat16(v_new[i]);
+    }
+  }
+}
+
+// o's input when folded: x[u] = bf16(sum_j acc_j[u] w_j / sum_j l_j w_j), w_j = e^(m_j - M) over
+// the FOLD_SHARES partials of u's head. All loads of the acc values in one batch; weights [heads]
+// [FOLD_SHARES] and 1/L [heads] through shared memory `wts` (q_heads * (2 FOLD_SHARES + 1) floats).
+__device__ __forceinline__ void stage_folded_attention(const Attn& a, __nv_bfloat16* x, float* wts, int tid) {
+  constexpr int T = NUM_CONSUMER_WARPS * 32, PER = 3;  // outputs per thread and pass: q_heads * 128 <= 6 T
+  const int units = a.q_heads * HEAD_DIM, pairs = a.q_heads * FOLD_SHARES;
+  for (int pass = 0; pass < 2; ++pass) {  // two passes of 3 outputs a thread (6 in one spilled)
+    float av[PER][FOLD_SHARES];
+#pragma unroll
+    for (int i = 0; i < PER; ++i) {
+      const int u = tid + (pass * PER + i) * T, h = u / HEAD_DIM, d = u % HEAD_DIM, g = h / FOLD_R, r = h % FOLD_R;
+#pragma unroll
+      for (int jj = 0; jj < FOLD_SHARES; ++jj)
+        av[i][jj] = u < units ? __ldcg(a.part + ((size_t)(g * FOLD_SHARES + jj) * FOLD_R + r) * (HEAD_DIM + 2) + d) : 0.f;
+    }
+    if (pass == 0) {  // with the first pass's loads in flight: the weights
+      if (tid < pairs) {  // pair tid = (head, share): its max and sum
+        const int h = tid / FOLD_SHARES, jj = tid % FOLD_SHARES, g = h / FOLD_R, r = h % FOLD_R;
+        const float* pp = a.part + ((size_t)(g * FOLD_SHARES + jj) * FOLD_R + r) * (HEAD_DIM + 2);
+        wts[tid] = __ldcg(pp + HEAD_DIM);
+        wts[pairs + tid] = __ldcg(pp + HEAD_DIM + 1);
+      }
+      consumers_sync();
+      if (tid < a.q_heads) {  // per head: the weights e^(m_j - M), then sum_j l_j w_j
+        float M = NEG_INF, L = 0.f;
+        for (int jj = 0; jj < FOLD_SHARES; ++jj) M = fmaxf(M, wts[tid * FOLD_SHARES + jj]);
+        for (int jj = 0; jj < FOLD_SHARES; ++jj) {
+          const float w = expf(wts[tid * FOLD_SHARES + jj] - M);
+          L += wts[pairs + tid * FOLD_SHARES + jj] * w;
+          wts[2 * pairs + tid * FOLD_SHARES + jj] = w;
+        }
+        wts[3 * pairs + tid] = L;
+      }
+      consumers_sync();
+    }
+#pragma unroll
+    for (int i = 0; i < PER; ++i) {
+      const int u = tid + (pass * PER + i) * T, h = u / HEAD_DIM;
+      if (u >= units) break;
+      float A = 0.f;
+#pragma unroll
+      for (int jj = 0; jj < FOLD_SHARES; ++jj) A += av[i][jj] * wts[2 * pairs + h * FOLD_SHARES + jj];
+      x[u] = __float2bfloat16(A / wts[3 * pairs + h]);
+    }
+  }
+}
+
 // CUDA-core dot products (mode bit 4): a warp per weight row, eight independent sums per lane (one
 // per bf16 position of a 16-byte vector; a single accumulator was slower, stop 20's first runs).
 __device__ __forceinline__ void dot_chunk(const uint8_t* row, const __nv_bfloat16* x, int kc, int lane, float* a8) {
@@ -378,10 +550,11 @@ stream_layers(const int64_t* __restrict__ weights,  // [layers][4] bf16 [N, K] r
               uint64_t* h_ll, uint64_t* qkv_ll, uint64_t* act_ll, uint32_t seq, int prefetch,
               int64_t* trace, int trace_layer, __nv_bfloat16* k_cache, __nv_bfloat16* v_cache,
               float* attn_part, __nv_bfloat16* attn_out, const float* rope_cos, const float* rope_sin,
-              int context, int s_max, int q_heads, int kv_heads) {
+              int context, int s_max, int q_heads, int kv_heads, int in_flight) {
   // mode bit 6: the layer's attention as two steps between qkv and o (else o reads q)
   const Attn attn{k_cache, v_cache, attn_part, attn_out, rope_cos, rope_sin, context, s_max, q_heads, kv_heads};
   const bool with_attention = mode & 64;
+  const bool fold = with_attention && (mode & 512);
   const int steps = with_attention ? 6 : 4;  // per layer: qkv, [attention, merge,] o, gate_up, down
   // weighted op t (0 qkv, 1 o, 2 gate_up, 3 down) <-> step; attention is t -1, its merge -2
   const auto step_of = [&](int t) { return with_attention && t > 0 ? t + 2 : t; };
@@ -391,7 +564,7 @@ stream_layers(const int64_t* __restrict__ weights,  // [layers][4] bf16 [N, K] r
   // that 9 warps leave (3 warps on one scheduler's 16K) and spilled
   constexpr bool cuda_cores = CONSUMER_CUDA_CORES;
   const uint32_t base = seq * (uint32_t)layers * 4u;
-  const Shapes s{layers, hidden, inter, qkv_rows, kc_qo, kc_gu, kc_down, prefetch, mode};
+  const Shapes s{layers, hidden, inter, qkv_rows, kc_qo, kc_gu, kc_down, prefetch, mode, in_flight};
   extern __shared__ __align__(128) uint8_t smem[];
   uint8_t* ring = smem;                                                                   // num_slots x slot_bytes
   __nv_bfloat16* x = reinterpret_cast<__nv_bfloat16*>(ring + (size_t)num_slots * slot_bytes);  // [max K]
@@ -402,6 +575,7 @@ stream_layers(const int64_t* __restrict__ weights,  // [layers][4] bf16 [N, K] r
   float* own_h = partial + 8;                                    // [MAX_OWN_ROWS] this CTA's rows of h
   float* own_bias = own_h + MAX_OWN_ROWS;                        // [MAX_OWN_ROWS] this layer's qkv bias rows
                                                                  // then [2][2][warps][8] per-warp row sums
+  float* fold_wts = partial + 296;  // [400]: the folded merge's per-head weights (mode bit 9)
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int G = gridDim.x, c = blockIdx.x;
   const int h_lo = share_start(c, s.hidden, G), h_hi = share_start(c + 1, s.hidden, G);
@@ -410,10 +584,11 @@ stream_layers(const int64_t* __restrict__ weights,  // [layers][4] bf16 [N, K] r
   // Timeline of one layer on CTAs 0 and G/2, in this SM's clock64 cycles: per op, [0] the producer
   // reaches the op's first chunk, [1] it has issued the op's last copies, [2] the consumers start
   // the op, [3] its input is ready, [4] staged, [5] the first chunk has arrived, [6] the rows are
-  // written, [7] published. trace: [2][6 steps][8] (steps 1 and 2: attention, when on).
-  int64_t* my_trace = trace && (c == 0 || c == G / 2) ? trace + (c == 0 ? 0 : 48) : nullptr;
+  // written, [7] published; per group gi < 4 of 8 units, [8 + 2 gi] its first chunk has arrived and
+  // [9 + 2 gi] its rows are written. trace: [2][6 steps][16] (steps 1 and 2: attention, when on).
+  int64_t* my_trace = trace && (c == 0 || c == G / 2) ? trace + (c == 0 ? 0 : 96) : nullptr;
 #define TRACE(layer, step, event) \
-  if (my_trace && (layer) == trace_layer) my_trace[(step) * 8 + (event)] = clock64()
+  if (my_trace && (layer) == trace_layer) my_trace[(step) * 16 + (event)] = clock64()
 
   if (tid == 0) {
     for (int i = 0; i < num_slots; ++i) {
@@ -449,6 +624,15 @@ stream_layers(const int64_t* __restrict__ weights,  // [layers][4] bf16 [N, K] r
         if (g0 == cur.lo && k0 == 0) TRACE(cur.layer, step_of(t), 0);
         const long long t0 = clock64();
         mbar_wait(&empty[slot], ((it / num_slots) & 1) ^ 1);
+        // At most s.in_flight chunks issued and not landed: the chunk that many places back must
+        // have landed first. The ring still fills during a stall (landed chunks do not count), but
+        // fewer bytes queue in the memory system ahead of the consumers' latency-bound loads (the
+        // input after each dependency, the counters, the fence). Its full barrier cannot have
+        // moved on a phase: its slot's next chunk is after this one.
+        if (s.in_flight > 0 && s.in_flight < num_slots && it >= (uint32_t)s.in_flight) {
+          const uint32_t back = it - s.in_flight;
+          mbar_wait(&full[back % num_slots], (back / num_slots) & 1);
+        }
         t_wait += clock64() - t0;
         mbar_expect_tx(&full[slot], rows * op.kc * 2);
       }
@@ -483,8 +667,22 @@ stream_layers(const int64_t* __restrict__ weights,  // [layers][4] bf16 [N, K] r
       if (tid == 0) TRACE(l, step, 2);
       if (t == 0 && tid < hi - lo)  // the bias rows, loaded while the waits below run
         own_bias[tid] = __bfloat162float(reinterpret_cast<const __nv_bfloat16*>(biases[l])[lo + tid]);
+      // mode bit 8: the norm's weights too (thread tid's k = tid + 256 i), so the staging after the
+      // wait pays one round trip (h) instead of two (h, then the weights: an HBM miss, as the
+      // stream evicts them)
+      uint32_t nw_early[4] = {0u, 0u, 0u, 0u};  // bf16 pairs: i = 2 j (low half), 2 j + 1 (high)
+      if ((s.mode & 256) && (t == 0 || t == 2)) {
+        const auto* nw = reinterpret_cast<const unsigned short*>(norms[l * 2 + t / 2]);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const int k0 = tid + 2 * j * NUM_CONSUMER_WARPS * 32, k1 = k0 + NUM_CONSUMER_WARPS * 32;
+          const uint32_t lo16 = k0 < s.hidden ? __ldg(nw + k0) : 0u, hi16 = k1 < s.hidden ? __ldg(nw + k1) : 0u;
+          nw_early[j] = lo16 | (hi16 << 16);
+        }
+      }
       // wait for this op's input: every CTA's rows of the op before it
-      const int dep = l * steps + step - 1;
+      if (fold && step == 2) continue;  // no merge step: o merges the partials itself
+      const int dep = fold && step == 3 ? l * steps + 1 : l * steps + step - 1;
       if (dep >= 0 && (s.mode & 1) && !ll) {
         if (tid == 0)
           for (uint32_t spins = 0; load_acquire(&counters[dep]) < (unsigned)G; ++spins)
@@ -495,7 +693,10 @@ stream_layers(const int64_t* __restrict__ weights,  // [layers][4] bf16 [N, K] r
       t_dep += t1 - t0;
       if (tid == 0) TRACE(l, step, 3);
       if (t == -1) {
-        attention_partials(attn, qkv, l, c, G, warp, lane);
+        if (fold)
+          attention_partials_folded(attn, qkv, l, c, warp, lane, reinterpret_cast<float*>(x));
+        else
+          attention_partials(attn, qkv, l, c, G, warp, lane);
       } else if (t == -2) {
         attention_merge(attn, c, G, warp, lane);
       } else {
@@ -520,8 +721,12 @@ stream_layers(const int64_t* __restrict__ weights,  // [layers][4] bf16 [N, K] r
 #pragma unroll
           for (int i = 0; i < 8; ++i) {
             const int k = tid + i * NUM_CONSUMER_WARPS * 32;
-            if (k < s.hidden) x[k] = __float2bfloat16(hv[i] * inv * __bfloat162float(nw[k]));
+            const float wk = (s.mode & 256) ? __uint_as_float(i & 1 ? nw_early[i / 2] & 0xffff0000u : nw_early[i / 2] << 16)
+                                            : k < s.hidden ? __bfloat162float(nw[k]) : 0.f;
+            if (k < s.hidden) x[k] = __float2bfloat16(hv[i] * inv * wk);
           }
+        } else if (fold && t == 1) {
+          stage_folded_attention(attn, x, fold_wts, tid);
         } else if (ll) {
           const uint64_t* src = t == 1 ? qkv_ll : act_ll;
           for (int k = tid; k < op.k; k += NUM_CONSUMER_WARPS * 32)
@@ -546,6 +751,7 @@ stream_layers(const int64_t* __restrict__ weights,  // [layers][4] bf16 [N, K] r
             mbar_wait(&full[slot], (it / num_slots) & 1);
             t_wait += clock64() - t2;
             if (tid == 0 && g0 == lo && k0 == 0) TRACE(l, step, 5);
+            if (tid == 0 && k0 == 0 && g0 - lo < 32) TRACE(l, step, 8 + 2 * ((g0 - lo) / 8));
             if constexpr (cuda_cores) {
               if (warp < n && (s.mode & 2) == 0) {
                 const uint8_t* rows = ring + slot * slot_bytes;
@@ -603,6 +809,7 @@ stream_layers(const int64_t* __restrict__ weights,  // [layers][4] bf16 [N, K] r
                 h[row] = own_h[row - lo];
             }
           }
+          if (tid == 0 && g0 - lo < 32) TRACE(l, step, 9 + 2 * ((g0 - lo) / 8));
         }
       }  // the weighted op
       // publish this CTA's rows of op t: the barrier orders the warps' stores before the release
@@ -610,9 +817,14 @@ stream_layers(const int64_t* __restrict__ weights,  // [layers][4] bf16 [N, K] r
       consumers_sync();
       if (tid == 0 && !ll) {  // as CUTLASS's GenericBarrier: a gpu-scope fence, then the add
         const long long t3 = clock64();
-        asm volatile("fence.acq_rel.gpu;" ::: "memory");
-        t_fence += clock64() - t3;
-        asm volatile("red.relaxed.gpu.global.add.u32 [%0], 1;" ::"l"(&counters[l * steps + step]) : "memory");
+        if (s.mode & 128) {  // one release add (cumulative: covers the stores the barrier ordered before it)
+          asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(&counters[l * steps + step]) : "memory");
+          t_fence += clock64() - t3;
+        } else {
+          asm volatile("fence.acq_rel.gpu;" ::: "memory");
+          t_fence += clock64() - t3;
+          asm volatile("red.relaxed.gpu.global.add.u32 [%0], 1;" ::"l"(&counters[l * steps + step]) : "memory");
+        }
       }
       if (tid == 0) TRACE(l, step, 7);
     }

@@ -237,6 +237,64 @@ __device__ __forceinline__ void rope4(float* v4, const Attn& a, int lane) {
 }
 __device__ __forceinline__ float round_bf16(float v) { return __bfloat162float(__float2bfloat16(v)); }
 
+// The new token's k (roped, rounded to bf16 as the cache stores it) and v for kv head g, from qkv.
+__device__ __forceinline__ void load_new_token(const Attn& a, const __nv_bfloat16* qkv, int g, int lane, float* k_new,
+                                               float* v_new) {
+  load_head_dims(qkv + (a.q_heads + g) * HEAD_DIM, lane, k_new);
+  rope4(k_new, a, lane);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) k_new[i] = round_bf16(k_new[i]);
+  load_head_dims(qkv + (a.q_heads + a.kv_heads + g) * HEAD_DIM, lane, v_new);
+}
+// Positions [batch, min(batch + N, end)) of one kv head (cache rows at head_base), every load issued
+// before the first use: a load per dependent iteration would pay a memory round trip (1-2 us under
+// a saturated HBM) per position. Position new_pos (-1: none in range) comes from registers.
+template <int N>
+__device__ __forceinline__ void load_kv_batch(const Attn& a, size_t head_base, int batch, int end, int new_pos,
+                                              int lane, const float* k_new, const float* v_new, float (*k)[4],
+                                              float (*v)[4]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+    const int pos = batch + i;
+    if (pos >= end) break;
+    if (pos == new_pos) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        k[i][e] = k_new[e];
+        v[i][e] = v_new[e];
+      }
+    } else {
+      load_head_dims(a.k_cache + head_base + (size_t)pos * HEAD_DIM, lane, k[i]);
+      load_head_dims(a.v_cache + head_base + (size_t)pos * HEAD_DIM, lane, v[i]);
+    }
+  }
+}
+// One position of an online softmax over a head: the score (the lanes' 4 dims each, summed by a
+// butterfly), then the running max, sum and weighted values.
+__device__ __forceinline__ void online_softmax_step(const float* q, const float* k, const float* v, float scale,
+                                                    float& m, float& sum, float* acc) {
+  float score = (q[0] * k[0] + q[1] * k[1]) + (q[2] * k[2] + q[3] * k[3]);
+  for (int o = 16; o; o >>= 1) score += __shfl_xor_sync(0xffffffff, score, o);
+  score *= scale;
+  const float m_new = fmaxf(m, score), corr = expf(m - m_new), p = expf(score - m_new);
+  sum = sum * corr + p;
+#pragma unroll
+  for (int e = 0; e < 4; ++e) acc[e] = acc[e] * corr + p * v[e];
+  m = m_new;
+}
+// The new token's k and v into the cache at position S - 1, for the steps after this one.
+__device__ __forceinline__ void write_new_token(const Attn& a, size_t head_base, int lane, const float* k_new,
+                                                const float* v_new) {
+  __nv_bfloat16* kc = a.k_cache + head_base + (size_t)(a.context - 1) * HEAD_DIM;
+  __nv_bfloat16* vc = a.v_cache + head_base + (size_t)(a.context - 1) * HEAD_DIM;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int dim = (i < 2 ? 0 : 64) + 2 * lane + (i & 1);
+    kc[dim] = __float2bfloat16(k_new[i]);
+    vc[dim] = __float2bfloat16(v_new[i]);
+  }
+}
+
 // Step 1: CTA c takes kv head c / J and the J-th share of the positions (J = CTAs / kv_heads); warp
 // w < heads per kv head runs one q head over them with an online softmax and writes its partial.
 __device__ __forceinline__ void attention_partials(const Attn& a, const __nv_bfloat16* qkv, int layer, int c, int G,
@@ -249,47 +307,18 @@ __device__ __forceinline__ void attention_partials(const Attn& a, const __nv_bfl
   load_head_dims(qkv + h * HEAD_DIM, lane, q);
   rope4(q, a, lane);
   const bool has_new = p1 == S;  // the share that holds the new token
-  if (has_new) {
-    load_head_dims(qkv + (a.q_heads + g) * HEAD_DIM, lane, k_new);
-    rope4(k_new, a, lane);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) k_new[i] = round_bf16(k_new[i]);
-    load_head_dims(qkv + (a.q_heads + a.kv_heads + g) * HEAD_DIM, lane, v_new);
-  }
+  if (has_new) load_new_token(a, qkv, g, lane, k_new, v_new);
   const size_t head_base = (size_t)(layer * a.kv_heads + g) * a.s_max * HEAD_DIM;
   const float scale = rsqrtf((float)HEAD_DIM);
   float m = NEG_INF, sum = 0.f, acc[4] = {0.f, 0.f, 0.f, 0.f};
-  // Positions in batches of 4, every load of a batch issued before its first use: a load per
-  // dependent iteration would pay a memory round trip (1-2 us under a saturated HBM) per position.
-  // Batches of 8 spilled (9 warps leave 168 registers a thread).
+  // Positions in batches of 4 (8 spilled: 9 warps leave 168 registers a thread)
   for (int batch = p0; batch < p1; batch += 4) {
     float k[4][4], v[4][4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int pos = batch + i;
-      if (pos >= p1) break;
-      if (has_new && pos == S - 1) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          k[i][e] = k_new[e];
-          v[i][e] = v_new[e];
-        }
-      } else {
-        load_head_dims(a.k_cache + head_base + (size_t)pos * HEAD_DIM, lane, k[i]);
-        load_head_dims(a.v_cache + head_base + (size_t)pos * HEAD_DIM, lane, v[i]);
-      }
-    }
+    load_kv_batch<4>(a, head_base, batch, p1, has_new ? S - 1 : -1, lane, k_new, v_new, k, v);
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       if (batch + i >= p1) break;
-      float score = (q[0] * k[i][0] + q[1] * k[i][1]) + (q[2] * k[i][2] + q[3] * k[i][3]);
-      for (int o = 16; o; o >>= 1) score += __shfl_xor_sync(0xffffffff, score, o);
-      score *= scale;
-      const float m_new = fmaxf(m, score), corr = expf(m - m_new), p = expf(score - m_new);
-      sum = sum * corr + p;
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc[e] = acc[e] * corr + p * v[i][e];
-      m = m_new;
+      online_softmax_step(q, k[i], v[i], scale, m, sum, acc);
     }
   }
   float* out = a.part + ((size_t)c * R + warp) * (HEAD_DIM + 2);
@@ -301,16 +330,7 @@ __device__ __forceinline__ void attention_partials(const Attn& a, const __nv_bfl
     out[HEAD_DIM] = m;
     out[HEAD_DIM + 1] = sum;
   }
-  if (has_new && warp == 0) {  // the new token's k and v into the cache, for the steps after this one
-    __nv_bfloat16* kc = a.k_cache + head_base + (size_t)(S - 1) * HEAD_DIM;
-    __nv_bfloat16* vc = a.v_cache + head_base + (size_t)(S - 1) * HEAD_DIM;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int dim = (i < 2 ? 0 : 64) + 2 * lane + (i & 1);
-      kc[dim] = __float2bfloat16(k_new[i]);
-      vc[dim] = __float2bfloat16(v_new[i]);
-    }
-  }
+  if (has_new && warp == 0) write_new_token(a, head_base, lane, k_new, v_new);
 }
 
 // Step 2: the CTA's share of the q_heads * 128 outputs, a warp per output, lanes over the J partials
@@ -377,13 +397,7 @@ __device__ __forceinline__ void attention_partials_folded(const Attn& a, const _
     rope4(q[r], a, lane);
   }
   const bool has_new = p1 == S;
-  if (has_new) {
-    load_head_dims(qkv + (a.q_heads + g) * HEAD_DIM, lane, k_new);
-    rope4(k_new, a, lane);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) k_new[i] = round_bf16(k_new[i]);
-    load_head_dims(qkv + (a.q_heads + a.kv_heads + g) * HEAD_DIM, lane, v_new);
-  }
+  if (has_new) load_new_token(a, qkv, g, lane, k_new, v_new);
   const size_t head_base = (size_t)(layer * a.kv_heads + g) * a.s_max * HEAD_DIM;
   const float scale = rsqrtf((float)HEAD_DIM);
   float m[FOLD_R], sum[FOLD_R], acc[FOLD_R][4];
@@ -393,37 +407,14 @@ __device__ __forceinline__ void attention_partials_folded(const Attn& a, const _
     sum[r] = 0.f;
     acc[r][0] = acc[r][1] = acc[r][2] = acc[r][3] = 0.f;
   }
-  for (int batch = w0; batch < w1; batch += FOLD_BATCH) {  // loads of a batch issued before their first use
+  for (int batch = w0; batch < w1; batch += FOLD_BATCH) {
     float k[FOLD_BATCH][4], v[FOLD_BATCH][4];
-#pragma unroll
-    for (int i = 0; i < FOLD_BATCH; ++i) {
-      const int pos = batch + i;
-      if (pos >= w1) break;
-      if (has_new && pos == S - 1) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          k[i][e] = k_new[e];
-          v[i][e] = v_new[e];
-        }
-      } else {
-        load_head_dims(a.k_cache + head_base + (size_t)pos * HEAD_DIM, lane, k[i]);
-        load_head_dims(a.v_cache + head_base + (size_t)pos * HEAD_DIM, lane, v[i]);
-      }
-    }
+    load_kv_batch<FOLD_BATCH>(a, head_base, batch, w1, has_new ? S - 1 : -1, lane, k_new, v_new, k, v);
 #pragma unroll
     for (int i = 0; i < FOLD_BATCH; ++i) {
       if (batch + i >= w1) break;
 #pragma unroll
-      for (int r = 0; r < FOLD_R; ++r) {
-        float score = (q[r][0] * k[i][0] + q[r][1] * k[i][1]) + (q[r][2] * k[i][2] + q[r][3] * k[i][3]);
-        for (int o = 16; o; o >>= 1) score += __shfl_xor_sync(0xffffffff, score, o);
-        score *= scale;
-        const float m_new = fmaxf(m[r], score), corr = expf(m[r] - m_new), pr = expf(score - m_new);
-        sum[r] = sum[r] * corr + pr;
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc[r][e] = acc[r][e] * corr + pr * v[i][e];
-        m[r] = m_new;
-      }
+      for (int r = 0; r < FOLD_R; ++r) online_softmax_step(q[r], k[i], v[i], scale, m[r], sum[r], acc[r]);
     }
   }
   // the CTA's 8 warp partials of each head into one (fixed order: warp 0 to 7)
@@ -459,16 +450,7 @@ __device__ __forceinline__ void attention_partials_folded(const Attn& a, const _
     }
     consumers_sync();
   }
-  if (has_new && warp == 0) {  // the new token's k and v into the cache
-    __nv_bfloat16* kc = a.k_cache + head_base + (size_t)(S - 1) * HEAD_DIM;
-    __nv_bfloat16* vc = a.v_cache + head_base + (size_t)(S - 1) * HEAD_DIM;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int dim = (i < 2 ? 0 : 64) + 2 * lane + (i & 1);
-      kc[dim] = __float2bfloat16(k_new[i]);
-      vc[dim] = __float2bfloat16(v_new[i]);
-    }
-  }
+  if (has_new && warp == 0) write_new_token(a, head_base, lane, k_new, v_new);
 }
 
 // o's input when folded: x[u] = bf16(sum_j acc_j[u] w_j / sum_j l_j w_j), w_j = e^(m_j - M) over

@@ -41,7 +41,8 @@ struct Shapes {
              // bit 6: attention between qkv and o (else o reads q);
              // bit 7: publish with one red.release.gpu instead of fence.acq_rel.gpu + red.relaxed.gpu;
              // bit 8: the norm's weights loaded before the dependency wait;
-             // bit 9: attention's merge folded into o's staging (with bit 6)
+             // bit 9: attention's merge folded into o's staging (with bit 6);
+             // bit 10: the consumers only walk the ring (timing only, with bit 1 and without bit 0)
   int in_flight;  // chunks the producer keeps issued but not landed, at most (0: the whole ring)
 };
 
@@ -537,6 +538,9 @@ stream_layers(const int64_t* __restrict__ weights,  // [layers][4] bf16 [N, K] r
   const Attn attn{k_cache, v_cache, attn_part, attn_out, rope_cos, rope_sin, context, s_max, q_heads, kv_heads};
   const bool with_attention = mode & 64;
   const bool fold = with_attention && (mode & 512);
+  // mode bit 10, timing only, with bits 1 (no arithmetic) and 0 off (no waits): the consumers only
+  // walk the ring, no staging, attention or publish: what the stream costs with nothing between chunks
+  const bool bare = mode & 1024;
   const int steps = with_attention ? 6 : 4;  // per layer: qkv, [attention, merge,] o, gate_up, down
   // weighted op t (0 qkv, 1 o, 2 gate_up, 3 down) <-> step; attention is t -1, its merge -2
   const auto step_of = [&](int t) { return with_attention && t > 0 ? t + 2 : t; };
@@ -675,15 +679,18 @@ stream_layers(const int64_t* __restrict__ weights,  // [layers][4] bf16 [N, K] r
       t_dep += t1 - t0;
       if (tid == 0) TRACE(l, step, 3);
       if (t == -1) {
-        if (fold)
+        if (bare) {
+        } else if (fold) {
           attention_partials_folded(attn, qkv, l, c, warp, lane, reinterpret_cast<float*>(x));
-        else
+        } else {
           attention_partials(attn, qkv, l, c, G, warp, lane);
+        }
       } else if (t == -2) {
-        attention_merge(attn, c, G, warp, lane);
+        if (!bare) attention_merge(attn, c, G, warp, lane);
       } else {
         // stage the input vector in shared memory (bf16)
-        if (t == 0 || t == 2) {  // rmsnorm(h) * weight; h read once (hidden <= 8 * 256)
+        if (bare) {
+        } else if (t == 0 || t == 2) {  // rmsnorm(h) * weight; h read once (hidden <= 8 * 256)
           const auto* nw = reinterpret_cast<const __nv_bfloat16*>(norms[l * 2 + t / 2]);
           float hv[8], ss = 0.f;
 #pragma unroll
@@ -797,7 +804,7 @@ stream_layers(const int64_t* __restrict__ weights,  // [layers][4] bf16 [N, K] r
       // publish this CTA's rows of op t: the barrier orders the warps' stores before the release
       if (tid == 0) TRACE(l, step, 6);
       consumers_sync();
-      if (tid == 0 && !ll) {  // as CUTLASS's GenericBarrier: a gpu-scope fence, then the add
+      if (tid == 0 && !ll && !bare) {  // as CUTLASS's GenericBarrier: a gpu-scope fence, then the add
         const long long t3 = clock64();
         if (s.mode & 128) {  // one release add (cumulative: covers the stores the barrier ordered before it)
           asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(&counters[l * steps + step]) : "memory");

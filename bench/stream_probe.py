@@ -234,7 +234,9 @@ SWEEP_MODES = {17: "fence + add", 17 | 128: "release add", 17 | 256: "norm weigh
                17 | 128 | 256 | 512: "release add, norm weights early, merge folded",
                21 | 256 | 512: "norm weights early, merge folded, one copy per chunk (timing only)",
                18: "no arithmetic, no waits", 18 | 256: "norm weights early, no arithmetic, no waits",
-               18 | 256 | 512: "norm weights early, merge folded, no arithmetic, no waits"}
+               18 | 256 | 512: "norm weights early, merge folded, no arithmetic, no waits",
+               18 | 1024: "the ring walk alone: no arithmetic, staging, attention or publish (timing only)",
+               22 | 1024: "the ring walk alone, one copy per chunk (timing only)"}
 IN_FLIGHT = (0, 2)  # the producer's cap on chunks issued and not landed (0: the whole ring)
 
 

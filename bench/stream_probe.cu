@@ -42,7 +42,9 @@ struct Shapes {
              // bit 7: publish with one red.release.gpu instead of fence.acq_rel.gpu + red.relaxed.gpu;
              // bit 8: the norm's weights loaded before the dependency wait;
              // bit 9: attention's merge folded into o's staging (with bit 6);
-             // bit 10: the consumers only walk the ring (timing only, with bit 1 and without bit 0)
+             // bit 10: the consumers only walk the ring (timing only, with bit 1 and without bit 0);
+             // bit 11: with bit 2, the weights are packed in stream order (host: pack_weights), so one
+             //         copy per chunk lands the right rows: correct sums (CUDA-core consumers only)
   int in_flight;  // chunks the producer keeps issued but not landed, at most (0: the whole ring)
 };
 
@@ -625,8 +627,9 @@ stream_layers(const int64_t* __restrict__ weights,  // [layers][4] bf16 [N, K] r
       __syncwarp();
       if (s.mode & 4) {
         if (lane == 0)
-          bulk_copy(ring + slot * slot_bytes, w + (long long)g0 * op.k + (long long)k0 * rows, rows * op.kc * 2,
-                    &full[slot], policy);
+          // the packed layout (host: pack_weights): a CTA's chunks in stream order, each rows x kc
+          bulk_copy(ring + slot * slot_bytes, w + (long long)(t == 2 ? 2 : 1) * g0 * op.k + (long long)k0 * rows,
+                    rows * op.kc * 2, &full[slot], policy);
       } else if (lane < rows) {
         const int dst_row = (t == 2 && lane >= n) ? 8 + lane - n : lane;  // up rows from row 8
         bulk_copy(ring + slot * slot_bytes + dst_row * (op.kc * 2 + 16),
@@ -733,7 +736,9 @@ stream_layers(const int64_t* __restrict__ weights,  // [layers][4] bf16 [N, K] r
           const int n = min(8, hi - g0);
           float d[4][4] = {}, e[4][4] = {};  // tensor cores: gate (or the op's rows), up; four sets each
           float a8[8] = {}, u8[8] = {};      // CUDA cores: this warp's row, its up row
-          const int pitch = op.kc * 2 + 16;
+          // row pitch in the slot: padded for ldmatrix, or as packed chunks land (mode bit 11)
+          const bool packed = s.mode & 2048;
+          const int pitch = packed ? op.kc * 2 : op.kc * 2 + 16;
           for (int k0 = 0; k0 < op.k; k0 += op.kc, ++it) {
             const int slot = it % num_slots;
             const long long t2 = clock64();
@@ -745,7 +750,7 @@ stream_layers(const int64_t* __restrict__ weights,  // [layers][4] bf16 [N, K] r
               if (warp < n && (s.mode & 2) == 0) {
                 const uint8_t* rows = ring + slot * slot_bytes;
                 dot_chunk(rows + warp * pitch, x + k0, op.kc, lane, a8);
-                if (t == 2) dot_chunk(rows + (8 + warp) * pitch, x + k0, op.kc, lane, u8);
+                if (t == 2) dot_chunk(rows + ((packed ? n : 8) + warp) * pitch, x + k0, op.kc, lane, u8);
               }
             } else if ((s.mode & 2) == 0) {
               const uint32_t rows_addr = smem_addr(ring + slot * slot_bytes);

@@ -95,6 +95,27 @@ def reference(h, layers, hidden, inter, attn=None):
     return h
 
 
+def pack_weights(w, units, k, kc, gate_up, grid):
+    """The layout mode bit 11 reads: CTA c's chunks of this op in stream order (its share of the
+    units in groups of 8, each group's k range in chunks of kc columns), each chunk its rows x kc
+    contiguous (gate_up: the group's gate rows, then its up rows). Chunk (g0, k0) then starts at
+    r g0 k + k0 rows elements, r = 2 for gate_up, which is where the producer copies it from."""
+    r = 2 if gate_up else 1
+    out = torch.empty(w.numel(), dtype=w.dtype, device=w.device)
+    off = 0
+    for c in range(grid):
+        lo, hi = c * units // grid, (c + 1) * units // grid
+        for g0 in range(lo, hi, 8):
+            n = min(8, hi - g0)
+            rows = torch.cat([w[g0:g0 + n], w[units + g0:units + g0 + n]]) if gate_up else w[g0:g0 + n]
+            block = rows.view(r * n, k // kc, kc).permute(1, 0, 2).reshape(-1)
+            assert off == r * g0 * k
+            out[off:off + block.numel()] = block
+            off += block.numel()
+    assert off == w.numel()
+    return out
+
+
 def ring_table(kernels, grid, bw):
     src = torch.empty(2**31, dtype=torch.uint8, device="cuda").random_()
     sink = torch.zeros(1, device="cuda")
@@ -176,6 +197,17 @@ def main():
     def h_out(mode):  # the final h: plain, or the low 32 bits of the tagged words
         return (h_ll & 0xFFFFFFFF).to(torch.int32).view(torch.float32) if mode & 8 else h
 
+    packed = {}  # mode bit 11: the weights packed for one config, by (kc_qo, kc_gu, kc_down)
+
+    def packed_table(kc_qo, kc_gu, kc_down):
+        if (kc_qo, kc_gu, kc_down) not in packed:
+            keep = [[pack_weights(ly[0], Q, H, kc_qo, False, grid), pack_weights(ly[1], H, H, kc_qo, False, grid),
+                     pack_weights(ly[2], I, H, kc_gu, True, grid), pack_weights(ly[3], H, I, kc_down, False, grid)]
+                    for ly in layers]
+            table = torch.tensor([[w.data_ptr() for w in ws] for ws in keep], dtype=torch.int64, device=dev)
+            packed[kc_qo, kc_gu, kc_down] = (keep, table)
+        return packed[kc_qo, kc_gu, kc_down][1]
+
     def run(mode, slots, kc_qo, kc_gu, kc_down, prefetch=0, trace=None, in_flight=0):
         mode |= 64 if attention else 0
         h.copy_(h0)
@@ -188,7 +220,8 @@ def main():
         # the kernel's layout: ring, x [max K] bf16, full/empty barriers, 296 + 400 floats (norm partials 8,
         # own h rows 16, bias rows 16, per-warp row sums 2 x 2 x 8 x 8)
         smem = slots * slot_bytes + max(H, I) * 2 + 16 * slots + 4 * (296 + 400)  # + the folded merge's weights
-        launch(kernels["stream_layers_cuda_cores" if mode & 16 else "stream_layers"], grid, smem, weights, norms, biases, h, qkv, act, counters,
+        table = packed_table(kc_qo, kc_gu, kc_down) if mode & 2048 else weights
+        launch(kernels["stream_layers_cuda_cores" if mode & 16 else "stream_layers"], grid, smem, table, norms, biases, h, qkv, act, counters,
                L, H, I, Q, kc_qo, kc_gu, kc_down, mode, slots, slot_bytes, prof, h_ll, qkv_ll, act_ll,
                np.uint32(seq[0]), prefetch, np.uint64(0 if trace is None else trace.data_ptr()), L // 2,
                k_cache, v_cache, attn_part, attn_out, rope_cos, rope_sin, S, s_max, HQ, HKV, in_flight)
@@ -235,6 +268,8 @@ SWEEP_MODES = {17: "fence + add", 17 | 128: "release add", 17 | 256: "norm weigh
                21 | 256 | 512: "norm weights early, merge folded, one copy per chunk (timing only)",
                18: "no arithmetic, no waits", 18 | 256: "norm weights early, no arithmetic, no waits",
                18 | 256 | 512: "norm weights early, merge folded, no arithmetic, no waits",
+               21 | 256 | 2048: "packed weights (one copy per chunk), norm weights early",
+               21 | 256 | 512 | 2048: "packed weights, norm weights early, merge folded",
                18 | 1024: "the ring walk alone: no arithmetic, staging, attention or publish (timing only)",
                22 | 1024: "the ring walk alone, one copy per chunk (timing only)"}
 IN_FLIGHT = (0, 2)  # the producer's cap on chunks issued and not landed (0: the whole ring)
@@ -245,7 +280,8 @@ def variants_sweep(run, prof, grid, layers, floor_us, h_out, want, attention):
     (mode, in_flight) of the modes that compute."""
     cfg = CONFIGS[0]
     sweep = {m: label for m, label in SWEEP_MODES.items() if attention or not m & 512}
-    for mode in [m for m in (17, 17 | 128, 17 | 256, 17 | 256 | 512) if m in sweep]:  # the reference's answer, repeatably
+    for mode in [m for m in (17, 17 | 128, 17 | 256, 17 | 256 | 512, 21 | 256 | 2048, 21 | 256 | 512 | 2048)
+                 if m in sweep]:  # the reference's answer, repeatably
         run(mode, *cfg, in_flight=2)
         first = h_out(mode).clone()
         run(mode, *cfg, in_flight=2)
@@ -256,7 +292,7 @@ def variants_sweep(run, prof, grid, layers, floor_us, h_out, want, attention):
         for in_flight in IN_FLIGHT:
             t = cuda_time(lambda: run(mode, *cfg, in_flight=in_flight), warmup=2, repeats=10)  # noqa: B023
             us = t / layers * 1e6
-            if not mode & 6:  # computes, and on the real rows
+            if not mode & 2 and (not mode & 4 or mode & 2048):  # computes, and on the right rows
                 best = min(best, (us, mode, in_flight))
             pr = prof[:grid].double().mean(0)
             rows.append({"variant": label, "in_flight_chunks": in_flight or f"ring ({cfg[0]})",

@@ -1,10 +1,12 @@
 """bench/stream_probe.py's float32 reference, which the CUDA probe is checked against on the GPU:
 its rope is the engine's rotate-half rope, and its attention step is grouped-query attention over
-the cache plus the new token (the new key roped and rounded to bf16, as the cache stores keys)."""
+the cache plus the new token (the new key roped and rounded to bf16, as the cache stores keys).
+Also its packed weight layout (mode bit 11): each chunk where the producer's one copy reads it."""
+import pytest
 import torch
 import torch.nn.functional as F
 
-from bench.stream_probe import reference, rope
+from bench.stream_probe import pack_weights, reference, rope
 from engine.fused import rotate
 
 
@@ -44,3 +46,25 @@ def test_attention_step_is_grouped_query_attention_over_cache_and_new_token():
     values = torch.cat([v_cache[:, :, :context - 1].float(), v.view(1, hkv, 1, 128)], 2)
     want = F.scaled_dot_product_attention(q, keys, values, enable_gqa=True).reshape(-1).bfloat16().float()
     assert (got - want).abs().max() < 1e-2 * want.abs().max()   # h + o rounds in float32 only
+
+
+@pytest.mark.parametrize("gate_up", [False, True])
+def test_packed_chunks_sit_where_the_producer_copies_them(gate_up):
+    """Ragged shares (23 units over 5 CTAs: groups of 8 and fewer) and several k chunks: chunk
+    (g0, k0) of rows r n is at r g0 k + k0 r n (the producer's one copy, stream_probe.cu), holding
+    the group's rows (gate_up: its n gate rows, then its n up rows, as the consumers read them)."""
+    grid, units, k, kc = 5, 23, 12, 4
+    r = 2 if gate_up else 1
+    w = torch.arange(r * units * k, dtype=torch.float32).view(r * units, k)
+    packed = pack_weights(w, units, k, kc, gate_up, grid)
+    seen = 0
+    for c in range(grid):
+        lo, hi = c * units // grid, (c + 1) * units // grid
+        for g0 in range(lo, hi, 8):
+            n = min(8, hi - g0)
+            for k0 in range(0, k, kc):
+                chunk = packed[r * g0 * k + k0 * r * n:][:r * n * kc].view(r * n, kc)
+                want = [w[g0:g0 + n]] + ([w[units + g0:units + g0 + n]] if gate_up else [])
+                assert torch.equal(chunk, torch.cat(want)[:, k0:k0 + kc])
+                seen += chunk.numel()
+    assert seen == w.numel()

@@ -13,6 +13,8 @@ attention out and o reads q), o, gate_up, down. Prints:
 Compiled with NVRTC through CuPy (on the device image), so no build step.
 
     python bench/stream_probe.py [--layers 28] [--context 512|0] [--ring-only]
+    python bench/stream_probe.py --variants [--context 512|0]   (stop 21: SWEEP_MODES against the
+        producer's in-flight cap, then three timelines; no ring table)
 """
 import argparse
 import sys

@@ -457,8 +457,9 @@ __device__ __forceinline__ void attention_partials_folded(const Attn& a, const _
 }
 
 // o's input when folded: x[u] = bf16(sum_j acc_j[u] w_j / sum_j l_j w_j), w_j = e^(m_j - M) over
-// the FOLD_SHARES partials of u's head. All loads of the acc values in one batch; weights [heads]
-// [FOLD_SHARES] and 1/L [heads] through shared memory `wts` (q_heads * (2 FOLD_SHARES + 1) floats).
+// the FOLD_SHARES partials of u's head, in two passes of loads. Through shared memory `wts`
+// (q_heads * (3 FOLD_SHARES + 1) floats): the partials' m and l, then the weights w [heads]
+// [FOLD_SHARES] and L = sum_j l_j w_j [heads].
 __device__ __forceinline__ void stage_folded_attention(const Attn& a, __nv_bfloat16* x, float* wts, int tid) {
   constexpr int T = NUM_CONSUMER_WARPS * 32, PER = 3;  // outputs per thread and pass: q_heads * 128 <= 6 T
   const int units = a.q_heads * HEAD_DIM, pairs = a.q_heads * FOLD_SHARES;

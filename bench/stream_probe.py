@@ -148,7 +148,8 @@ def main():
     p.add_argument("--q-heads", type=int, default=12)
     p.add_argument("--kv-heads", type=int, default=2)
     p.add_argument("--variants", action="store_true",
-                   help="only the variants sweep (publish form, norm weights early, in-flight cap), then timelines")
+                   help="only the variants sweep (SWEEP_MODES: publish form, norm weights early, merge folded, "
+                        "packed weights, the ring walk alone; each with and without the in-flight cap), then timelines")
     args = p.parse_args()
     kernels = build()
     dev = "cuda"
@@ -263,7 +264,8 @@ def main():
 
 # the variants sweep (CUDA-core consumers, counters): mode -> label. Bits past stream_probe.cu's
 # struct Shapes: 128 publish with one release add, 256 the norm's weights loaded before the wait,
-# 512 attention's merge folded into o's staging (attention runs only).
+# 512 attention's merge folded into o's staging (attention runs only), 1024 the consumers only walk
+# the ring (timing only), 2048 packed weights (with 4: one copy per chunk, right sums).
 SWEEP_MODES = {17: "fence + add", 17 | 128: "release add", 17 | 256: "norm weights early",
                17 | 256 | 512: "norm weights early, merge folded",
                17 | 128 | 256 | 512: "release add, norm weights early, merge folded",

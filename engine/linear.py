@@ -13,14 +13,17 @@ paths, use the library's GEMM.
   independent of M from 1 to 17, so a verify step of q + 1 rows costs about what one GEMM of
   q + 1 rows costs, not q + 1 decode steps. That is measured, not promised by oneDNN: the first
   use of each (shape, dtype, bias, threads) checks it on random rows (`_rows_are_invariant`). Where
-  it fails, and for tiny weights, a float32 step runs as one-row products instead
-  (`rows_as_decode`: the very call a decode step makes, batched; invariant by construction, but
-  q + 1 passes over the weight). bf16/f16 steps never take oneDNN (`_pack` says why) and run one
-  aligned one-row F.linear per row.
+  it fails, and for tiny weights, a float32 step runs as one batched call of one-row products
+  (`batched_one_row_products`, a bmm), again only where the same kind of check finds its rows
+  equal to one-row F.linear (`_batched_rows_are_invariant`): on a 16-thread Xeon (torch 2.11) they
+  were not, at N = 256, K = 64 (MKL splits one product over its threads, a batch over its items).
+  Everything else, bf16/f16 steps among it (`_pack` says why), runs each row as the very call a
+  one-row decode step makes (`one_row_products`: invariant by construction, but q + 1 calls).
 """
 from __future__ import annotations
 
 import weakref
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -66,14 +69,30 @@ def project_rows_cpu(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
     packed = packed_weight(layer)
     if packed is not None:
         return torch.ops.mkldnn._linear_pointwise(x, packed, layer.bias, "none", [], "")
-    if x.dtype != torch.float32:
-        # bf16/f16: the batched products' rows were seen to differ from one-row F.linear under the
-        # full test suite (CI, an AVX512-BF16 CPU), so each row gets the very call a decode step
-        # makes, on a 64-byte aligned copy (a SIMD kernel may split its sums by the address)
-        return torch.cat([F.linear(_aligned(x[i : i + 1]), layer.weight, layer.bias) for i in range(x.shape[0])])
+    if x.shape[0] > 1 and x.dtype == torch.float32 and _batched_rows_are_invariant(layer.weight, layer.bias):
+        return batched_one_row_products(x, layer)
+    return one_row_products(x, layer)
+
+
+def one_row_products(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
+    """x: [M, K] -> [M, N], each row through one F.linear of one row: the call a decode step (M = 1)
+    makes, on a 64-byte aligned copy (a SIMD kernel may split its sums by the address), so a row's
+    bits cannot depend on M, whatever kernel or thread split the BLAS library picks for the call."""
     if x.shape[0] == 1:
-        return F.linear(x, layer.weight, layer.bias)
-    return rows_as_decode(x, layer)
+        return F.linear(_aligned(x), layer.weight, layer.bias)
+    return torch.cat([F.linear(_aligned(x[i : i + 1]), layer.weight, layer.bias) for i in range(x.shape[0])])
+
+
+def batched_one_row_products(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
+    """x: [M, K] -> [M, N] as M one-row products in one bmm over a stride-0 view of the weight:
+    1.5-5x faster than M calls at SmolLM2's down and at tiny test weights (2-core EPYC), and its
+    rows equal one-row F.linear's where `_batched_rows_are_invariant` says so, not everywhere."""
+    M = x.shape[0]
+    weight = layer.weight.t().unsqueeze(0).expand(M, -1, -1)  # [M, K, N], a view
+    x = _aligned(x.contiguous()).unsqueeze(1)  # [M, 1, K]
+    if layer.bias is None:
+        return torch.bmm(x, weight).squeeze(1)
+    return torch.baddbmm(layer.bias.view(1, 1, -1).expand(M, 1, -1), x, weight).squeeze(1)
 
 
 def _aligned(row: torch.Tensor) -> torch.Tensor:
@@ -83,18 +102,6 @@ def _aligned(row: torch.Tensor) -> torch.Tensor:
 def rows_are_invariant(layer: nn.Linear) -> bool:
     """Whether small CPU steps through `layer` run as one oneDNN product (else one-row products)."""
     return packed_weight(layer) is not None
-
-
-def rows_as_decode(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
-    """x: [M, K] -> [M, N] as M one-row products in one batched call. MKL runs each with the
-    kernel of a one-row F.linear, so every row matches that call bitwise, while a plain [M, K]
-    GEMM's rows move in the last bits with M. The weight stays hot in cache across the products."""
-    M = x.shape[0]
-    weight = layer.weight.t().unsqueeze(0).expand(M, -1, -1)  # [M, K, N], a view
-    x = x.unsqueeze(1)  # [M, 1, K]
-    if layer.bias is None:
-        return torch.bmm(x, weight).squeeze(1)
-    return torch.baddbmm(layer.bias.view(1, 1, -1).expand(M, 1, -1), x, weight).squeeze(1)
 
 
 # layer -> ((weight data_ptr, version), oneDNN-packed weight or None where oneDNN is not invariant)
@@ -122,7 +129,7 @@ def _pack(weight: torch.Tensor):
     # float32 only: a bf16/f16 product rounds its float32 sums to 8 or 11 bits, which hides an
     # M-dependent summation order from the random-row check below almost always (on an
     # AVX512-BF16 CPU it passed, then rows differed at M = 9 on other data), so reduced precision
-    # takes the one-row products, which are invariant by construction
+    # takes `one_row_products`, which are invariant by construction
     if (weight.dtype != torch.float32 or weight.numel() < ONEDNN_MIN_WEIGHTS
             or not torch.backends.mkldnn.is_available()):
         return None
@@ -145,6 +152,23 @@ def _rows_are_invariant(packed, weight: torch.Tensor, bias) -> bool:
         run = lambda rows: torch.ops.mkldnn._linear_pointwise(rows, packed, b, "none", [], "")  # noqa: E731
         alone = torch.cat([run(x[i : i + 1]) for i in range(CPU_INVARIANT_ROWS)])
         _invariant[key] = all(torch.equal(run(x[:M]), alone[:M]) for M in range(2, CPU_INVARIANT_ROWS + 1))
+    return _invariant[key]
+
+
+def _batched_rows_are_invariant(weight: torch.Tensor, bias) -> bool:
+    """Whether `batched_one_row_products` gives, for M = 2..17 random rows, exactly the rows of
+    `one_row_products`; checked once per (shape, dtype, bias, threads), like `_rows_are_invariant`."""
+    N, K = weight.shape
+    key = ("bmm", N, K, weight.dtype, bias is not None, torch.get_num_threads())
+    if key not in _invariant:
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(CPU_INVARIANT_ROWS, K, generator=g).to(weight.dtype)
+        b = None if bias is None else torch.randn(N, generator=g).to(bias.dtype)
+        layer = SimpleNamespace(weight=weight, bias=b)  # the order of the sums does not depend on the values
+        with torch.no_grad():
+            alone = one_row_products(x, layer)
+            _invariant[key] = all(torch.equal(batched_one_row_products(x[:M], layer), alone[:M])
+                                  for M in range(2, CPU_INVARIANT_ROWS + 1))
     return _invariant[key]
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from engine import linear
@@ -112,6 +113,45 @@ def test_verify_lanes_equal_decode_steps_bitwise(arch, width):
     tokens = torch.randint(0, 512, (1, 90), generator=torch.Generator().manual_seed(width))
     decoded, verified = decode_then_verify_logits(model, tokens[:, :40], tokens[:, 40:], width)
     assert torch.equal(decoded, verified)
+
+
+def test_batched_route_is_taken_only_where_its_rows_equal_one_row_calls(monkeypatch):
+    """Without oneDNN, a float32 step runs as one bmm of one-row products only after a check on
+    random rows. A batched call whose rows move with M (a plain [M, K] GEMM stands in here for a
+    BLAS that splits a batch unlike a lone product) is refused, and each row then runs alone."""
+    monkeypatch.setattr(linear, "_pack", lambda weight: None)
+    monkeypatch.setattr(linear, "_invariant", {})
+    layer = linear_layer((256, 64), True, torch.float32)
+    monkeypatch.setattr(linear, "batched_one_row_products", lambda x, lay: F.linear(x, lay.weight, lay.bias))
+    assert not linear._batched_rows_are_invariant(layer.weight, layer.bias)
+    x = torch.randn(1, 17, 64, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        one_by_one = torch.cat([project(x[:, t : t + 1], layer) for t in range(17)], dim=1)
+        for T in (2, 9, 17):
+            assert torch.equal(project(x[:, :T], layer), one_by_one[:, :T])
+
+
+@pytest.mark.parametrize("threads", [1, 3, 16])
+def test_verify_lanes_equal_decode_steps_at_any_thread_count(threads):
+    """A BLAS library splits one product over its threads and a batch of products over the items,
+    so a row can depend on the thread count as well as on M: on a 16-thread Xeon (torch 2.11) a
+    batched one-row bmm differed from one-row F.linear at N = 256, K = 64, which moved the logits
+    of every tiny model's verify lanes. 16 threads on a 2-core machine still split the work 16 ways."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        layer = linear_layer((256, 64), False, torch.float32)  # this tiny MLP's gate/up
+        x = torch.randn(1, 17, 64, generator=torch.Generator().manual_seed(2))
+        with torch.no_grad():
+            one_by_one = torch.cat([project(x[:, t : t + 1], layer) for t in range(17)], dim=1)
+            assert torch.equal(project(x, layer), one_by_one)
+        model = ours_from_hf(hf_model("llama"))
+        tokens = torch.randint(0, 512, (1, 90), generator=torch.Generator().manual_seed(threads))
+        for width in (8, 16):
+            decoded, verified = decode_then_verify_logits(model, tokens[:, :40], tokens[:, 40:], width)
+            assert torch.equal(decoded, verified), f"width {width}"
+    finally:
+        torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("width", [3, 16])

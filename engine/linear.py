@@ -106,7 +106,7 @@ def rows_are_invariant(layer: nn.Linear) -> bool:
 
 # layer -> ((weight data_ptr, version), oneDNN-packed weight or None where oneDNN is not invariant)
 _packed: "weakref.WeakKeyDictionary[nn.Linear, tuple]" = weakref.WeakKeyDictionary()
-# (N, K, dtype, bias?, threads) -> whether oneDNN's rows were found independent of M
+# (route, N, K, dtype, bias?, threads) -> whether that route's rows were found independent of M
 _invariant: dict[tuple, bool] = {}
 
 
@@ -140,34 +140,34 @@ def _pack(weight: torch.Tensor):
 
 
 def _rows_are_invariant(packed, weight: torch.Tensor, bias) -> bool:
-    """Whether every row of oneDNN's product over M = 1..17 rows equals the same row computed
-    alone, checked once per shape on random rows (the kernel's summation order does not depend
-    on the values, so random rows expose any M-dependent order)."""
-    N, K = weight.shape
-    key = (N, K, weight.dtype, bias is not None, torch.get_num_threads())
-    if key not in _invariant:
-        g = torch.Generator().manual_seed(0)
-        x = torch.randn(CPU_INVARIANT_ROWS, K, generator=g).to(weight.dtype)
-        b = None if bias is None else torch.randn(N, generator=g).to(bias.dtype)
-        run = lambda rows: torch.ops.mkldnn._linear_pointwise(rows, packed, b, "none", [], "")  # noqa: E731
-        alone = torch.cat([run(x[i : i + 1]) for i in range(CPU_INVARIANT_ROWS)])
-        _invariant[key] = all(torch.equal(run(x[:M]), alone[:M]) for M in range(2, CPU_INVARIANT_ROWS + 1))
-    return _invariant[key]
+    """Whether oneDNN's product over the packed weight gives every row of M = 2..17 rows exactly
+    as it gives that row alone."""
+    run = lambda rows, b: torch.ops.mkldnn._linear_pointwise(rows, packed, b, "none", [], "")  # noqa: E731
+    return _rows_match_alone("onednn", weight, bias, run,
+                             lambda x, b: torch.cat([run(x[i : i + 1], b) for i in range(x.shape[0])]))
 
 
 def _batched_rows_are_invariant(weight: torch.Tensor, bias) -> bool:
-    """Whether `batched_one_row_products` gives, for M = 2..17 random rows, exactly the rows of
-    `one_row_products`; checked once per (shape, dtype, bias, threads), like `_rows_are_invariant`."""
+    """Whether `batched_one_row_products` gives, for M = 2..17 rows, exactly the rows of
+    `one_row_products`."""
+    layer = lambda b: SimpleNamespace(weight=weight, bias=b)  # noqa: E731
+    return _rows_match_alone("bmm", weight, bias, lambda rows, b: batched_one_row_products(rows, layer(b)),
+                             lambda x, b: one_row_products(x, layer(b)))
+
+
+def _rows_match_alone(route: str, weight: torch.Tensor, bias, batched, alone) -> bool:
+    """Whether batched(x[:M], b) == alone(x, b)[:M] for M = 2..17 on random rows x and bias b,
+    checked once per (route, shape, dtype, bias?, threads): a kernel's summation order does not
+    depend on the values, so random rows expose any M-dependent order."""
     N, K = weight.shape
-    key = ("bmm", N, K, weight.dtype, bias is not None, torch.get_num_threads())
+    key = (route, N, K, weight.dtype, bias is not None, torch.get_num_threads())
     if key not in _invariant:
         g = torch.Generator().manual_seed(0)
         x = torch.randn(CPU_INVARIANT_ROWS, K, generator=g).to(weight.dtype)
         b = None if bias is None else torch.randn(N, generator=g).to(bias.dtype)
-        layer = SimpleNamespace(weight=weight, bias=b)  # the order of the sums does not depend on the values
         with torch.no_grad():
-            alone = one_row_products(x, layer)
-            _invariant[key] = all(torch.equal(batched_one_row_products(x[:M], layer), alone[:M])
+            rows_alone = alone(x, b)
+            _invariant[key] = all(torch.equal(batched(x[:M], b), rows_alone[:M])
                                   for M in range(2, CPU_INVARIANT_ROWS + 1))
     return _invariant[key]
 

@@ -73,12 +73,15 @@ def fmt(v) -> str:
 
 def linear_config(values: str):
     """A kernels.small_matmul config from a bench spec's right-hand side:
-    `bn,bk,splits,stages[,preload]` or `gemv,rows[,warps]`, then any `field:value` of
+    `bn,bk,splits,stages[,preload]`, `gemv,rows[,warps]` or `stream[,ring_kb[,ctas_per_sm]]`, then any `field:value` of
     SmallLinearConfig (`num_warps:8`, `trigger:2`)."""
     from kernels.small_matmul.triton_kernel import SmallLinearConfig
 
     items = values.split(",")
     named = {name: int(value) for name, value in (item.split(":") for item in items if ":" in item)}
+    if items[0] == "stream":     # kernels.stream_linear; `stream[,ring_kb[,ctas_per_sm]]`
+        sizes = dict(zip(("ring_kb", "stream_ctas"), (int(v) for v in items[1:] if ":" not in v)))
+        return SmallLinearConfig(16, 128, 1, stream=True, **{**sizes, **named})
     if items[0] == "gemv":
         rows, warps = (*(int(v) for v in items[1:] if ":" not in v), 4)[:2]
         return SmallLinearConfig(rows, 128, 1, num_warps=warps, gemv=True, **named)

@@ -64,6 +64,9 @@ class SmallLinearConfig:
     gemv: bool = False     # block_n whole weight rows per program on the CUDA cores (see _gemv_rows)
     trigger: int | None = None   # this weight's PDL trigger point, 1 or 2 (kernels._pdl); None: the
                                  # "linear" knob's (kernels._backend.pdl_trigger_point)
+    stream: bool = False   # run kernels.stream_linear (bulk-copy weight ring, one CTA per SM) instead
+    ring_kb: int = 192     # its ring of shared-memory slots, in KB
+    stream_ctas: int = 1   # its CTAs per SM (1 or 2)
 
     def __post_init__(self):
         if self.trigger not in (None, 1, 2):   # 0 would run launches two deep under the early reads
@@ -146,9 +149,18 @@ def choose_config(N: int, K: int, dtype: torch.dtype, device: torch.device, *, g
         config = TUNED.get((rows, K, 2))
     if config is None:
         config = heuristic_config(rows, K, dtype, multiprocessor_count(device))
+    if config.stream and not stream_runs(device, dtype):
+        config = heuristic_config(rows, K, dtype, multiprocessor_count(device))
     if gated:
         config = dataclasses.replace(config, block_n=max(32, config.block_n), splits=1)
     return config
+
+
+def stream_runs(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether a `stream=True` config can run here: kernels.stream_linear on an sm_90+ GPU, bf16/f16."""
+    from kernels.stream_linear import cuda_supported
+
+    return not interpreting() and dtype in (torch.bfloat16, torch.float16) and cuda_supported(device)
 
 
 class RopeTarget(NamedTuple):
@@ -654,6 +666,12 @@ def small_linear_triton(
         config = choose_config(N, K, x.dtype, x.device, gated=gated)
     k_per_split = config.k_per_split(K)
     splits = triton.cdiv(K, k_per_split)
+    if config.stream and rope is None:
+        from kernels.stream_linear import stream_linear
+
+        return stream_linear(x, weight, bias, row_sumsq=row_sumsq, eps=eps, residual=residual, gated=gated,
+                             emit_norm_weight=emit_norm_weight, ring_bytes=config.ring_kb * 1024,
+                             ctas_per_sm=config.stream_ctas, backend="cuda")
     if gated and (splits > 1 or config.block_n % 32 or config.gemv):
         raise ValueError(f"a gated projection needs no k split, no gemv and block_n % 32 == 0 (config {config})")
     out_n = config.block_n // 2 if gated else config.block_n

@@ -1,0 +1,176 @@
+"""A few-row linear whose weights stream through shared memory by bulk copies (CUDA, sm_90+).
+
+    out = stream_linear(x, weight)                          # x [M, K], weight [N, K] -> [M, N]
+    act = stream_linear(post.weighted, w_gate_up, row_sumsq=post.sumsq, eps=eps, gated=True)
+    h, inputs = stream_linear(act, w_down, residual=h, emit_norm_weight=next_norm.weight)
+
+The same operation and fusions as kernels.small_matmul.small_linear (its reference,
+small_linear_reference, is this kernel's twin), for the decode step's weight-bound projections:
+one CTA per SM, a producer thread bulk-copying whole weight rows into a ring of shared-memory
+slots from the moment the CTA starts (weights depend on no kernel), eight consumer warps on the
+CUDA cores. Design and measurements: stream_linear.cu and kernels/small_matmul/NOTES.md, "Stop 23".
+
+Rows are batch-invariant: row m of an M-row call equals the one-row call on x[m] bit for bit, for
+every M up to MAX_ROWS, so a verify step reproduces the decode steps' logits.
+
+The kernel is chosen per weight shape by kernels.small_matmul's table (`SmallLinearConfig(stream=
+True)`); small_linear routes there, so callers keep one entry point.
+"""
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kernels.small_matmul.reference import NormInputs, small_linear_reference
+
+MAX_ROWS = 32
+CONSUMER_WARPS = 8
+THREADS = (CONSUMER_WARPS + 1) * 32
+SLOT_TARGET_BYTES = 24 * 1024      # a bulk copy of 8-32 KB streams at copy speed (NOTES, stop 20)
+MAX_SHARED_MEM = 227 * 1024        # sm_90's opt-in limit per block
+SHARED_MEM_PER_SM = 228 * 1024     # of which 1 KB per resident block is the system's
+X_STAGE_BYTES = 64 * 1024          # x up to this size is copied into shared memory once
+DEFAULT_RING_BYTES = 192 * 1024
+_M_BUCKETS = (1, 2, 4, 8, 17, 32)   # 17: a verify step of 16 drafts and the last token
+_SOURCE = Path(__file__).with_name("stream_linear.cu")
+
+
+@dataclass(frozen=True)
+class StreamPlan:
+    """How one call is laid out: CTAs, units per chunk, ring slots, shared memory bytes."""
+    grid: int
+    chunk_units: int
+    slot_bytes: int
+    num_slots: int
+    stage_x: bool
+    shared_mem: int
+    m_bucket: int
+
+
+def plan(M: int, N: int, K: int, itemsize: int, *, gated: bool, emit: bool, sms: int,
+         ring_bytes: int = DEFAULT_RING_BYTES, ctas_per_sm: int = 1) -> StreamPlan:
+    """The launch for x [M, K] and N output units (rows, or gate/up pairs when gated). A chunk is
+    the largest power-of-two count of units (at most the 8 consumer warps) whose rows fit
+    SLOT_TARGET_BYTES, and never less than one unit; the ring holds as many slots as ring_bytes
+    and the CTA's share of shared memory allow, at least two. x is staged in shared memory when it
+    takes at most X_STAGE_BYTES. Raises ValueError where the kernel cannot run the shape."""
+    if not 1 <= M <= MAX_ROWS:
+        raise ValueError(f"stream_linear takes 1..{MAX_ROWS} rows, got {M}")
+    if (K * itemsize) % 16:
+        raise ValueError(f"stream_linear needs rows of a multiple of 16 bytes (K * {itemsize} = {K * itemsize})")
+    if ctas_per_sm not in (1, 2):
+        raise ValueError(f"ctas_per_sm is 1 or 2, got {ctas_per_sm}")
+    unit_bytes = K * itemsize * (2 if gated else 1)
+    chunk_units = 1
+    while chunk_units < CONSUMER_WARPS and 2 * chunk_units * unit_bytes <= SLOT_TARGET_BYTES:
+        chunk_units *= 2
+    slot_bytes = chunk_units * unit_bytes
+    grid = min(sms * ctas_per_sm, N)
+    limit = MAX_SHARED_MEM if ctas_per_sm == 1 else SHARED_MEM_PER_SM // 2 - 1024
+    x_bytes = M * K * itemsize
+    stage_x = x_bytes <= X_STAGE_BYTES
+    # the kernel's layout after the ring: 256 B of mbarriers, the squares (16 B aligned), x
+    squares = (-(-N // grid) * M * 4 + 15) // 16 * 16 if emit else 0
+    tail = 256 + squares + (x_bytes if stage_x else 0)
+    num_slots = min(16, max(2, ring_bytes // slot_bytes))
+    while num_slots > 2 and num_slots * slot_bytes + tail > limit:
+        num_slots -= 1
+    shared_mem = num_slots * slot_bytes + tail
+    if shared_mem > limit:
+        raise ValueError(f"stream_linear: a weight row of {unit_bytes} B does not fit two ring slots in shared memory")
+    bucket = next(b for b in _M_BUCKETS if b >= M)
+    return StreamPlan(grid, chunk_units, slot_bytes, num_slots, stage_x, shared_mem, bucket)
+
+
+class _Args(ctypes.Structure):
+    """stream_linear.cu's `struct Args`, field for field."""
+    _fields_ = [("weight", ctypes.c_void_p), ("x", ctypes.c_void_p), ("bias", ctypes.c_void_p),
+                ("row_sumsq", ctypes.c_void_p), ("residual", ctypes.c_void_p), ("emit_weight", ctypes.c_void_p),
+                ("out", ctypes.c_void_p), ("weighted", ctypes.c_void_p), ("sumsq_parts", ctypes.c_void_p),
+                ("M", ctypes.c_int), ("N", ctypes.c_int), ("K", ctypes.c_int), ("P", ctypes.c_int),
+                ("eps", ctypes.c_float),
+                ("gated", ctypes.c_int), ("chunk_units", ctypes.c_int), ("num_slots", ctypes.c_int),
+                ("use_pdl", ctypes.c_int), ("stage_x", ctypes.c_int)]
+
+
+def _pointer(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def stream_linear(
+    x: torch.Tensor,                     # [M, K], M = 1..32, bf16/f16, contiguous
+    weight: torch.Tensor,                # [N, K] contiguous ([2N, K] gate then up when gated)
+    bias: torch.Tensor | None = None,    # [N]
+    *,
+    row_sumsq: torch.Tensor | None = None,         # [P, M] f32 (x = norm_weight * h)
+    eps: float = 1e-6,
+    residual: torch.Tensor | None = None,          # [M, N]
+    gated: bool = False,
+    emit_norm_weight: torch.Tensor | None = None,  # [N]
+    ring_bytes: int = DEFAULT_RING_BYTES,
+    ctas_per_sm: int = 1,
+    backend: str = "auto",                         # "auto" | "cuda" | "reference"
+):
+    """x @ weight.T with small_linear's fusions -> [M, N], or (out, NormInputs) with
+    emit_norm_weight (its sumsq has one part per CTA). "auto" runs the CUDA kernel on an sm_90+
+    GPU and small_linear_reference elsewhere."""
+    from kernels.small_matmul import check_fusion_inputs, check_linear_inputs
+
+    check_linear_inputs(x, weight[: weight.shape[0] // 2] if gated else weight, bias)
+    check_fusion_inputs(x, weight, bias, row_sumsq, residual, gated, emit_norm_weight)
+    if backend not in ("auto", "cuda", "reference"):
+        raise ValueError(f"backend must be auto, cuda or reference, got {backend!r}")
+    if backend == "reference" or (backend == "auto" and not cuda_supported(x.device)):
+        return small_linear_reference(x, weight, bias, row_sumsq=row_sumsq, eps=eps, residual=residual, gated=gated,
+                                      emit_norm_weight=emit_norm_weight)
+    if not cuda_supported(x.device):
+        raise ValueError(f"stream_linear's CUDA kernel needs an sm_90+ GPU, not {x.device}")
+    if x.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"stream_linear's CUDA kernel takes bf16 or f16, got {x.dtype}")
+    return _launch(x.contiguous(), weight.contiguous(), bias, row_sumsq, eps, residual, gated, emit_norm_weight,
+                   ring_bytes, ctas_per_sm)
+
+
+def cuda_supported(device: torch.device) -> bool:
+    """An sm_90+ CUDA device (bulk copies, mbarrier transaction counts, griddepcontrol)."""
+    if device.type != "cuda":
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def _kernels(device: torch.device, dtype: torch.dtype):
+    from kernels._cuda_launch import compile_kernels
+
+    names = tuple(f"stream_linear_m{b}" for b in _M_BUCKETS)
+    return compile_kernels(_SOURCE.read_text(), names, device, ("-DSCALAR_F16",) if dtype == torch.float16 else (),
+                           max_shared_mem=MAX_SHARED_MEM)
+
+
+def _launch(x, weight, bias, row_sumsq, eps, residual, gated, emit_norm_weight, ring_bytes, ctas_per_sm):
+    from kernels._backend import multiprocessor_count, pdl_enabled
+
+    M, K = x.shape
+    N = weight.shape[0] // 2 if gated else weight.shape[0]
+    emit = emit_norm_weight is not None
+    p = plan(M, N, K, x.element_size(), gated=gated, emit=emit, sms=multiprocessor_count(x.device),
+             ring_bytes=ring_bytes, ctas_per_sm=ctas_per_sm)
+    out = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    weighted = torch.empty_like(out) if emit else None
+    sumsq_parts = torch.empty(p.grid, M, dtype=torch.float32, device=x.device) if emit else None
+    pdl = pdl_enabled(x.device)
+    args = _Args(weight.data_ptr(), x.data_ptr(), _pointer(bias), _pointer(row_sumsq), _pointer(residual),
+                 _pointer(emit_norm_weight), out.data_ptr(), _pointer(weighted), _pointer(sumsq_parts),
+                 M, N, K, row_sumsq.shape[0] if row_sumsq is not None else 0, float(eps),
+                 int(gated), p.chunk_units, p.num_slots, int(pdl), int(p.stage_x))
+    kernel = _kernels(x.device, x.dtype)[f"stream_linear_m{p.m_bucket}"]
+    kernel.launch(p.grid, THREADS, p.shared_mem, args, pdl=pdl)
+    if emit:
+        return out, NormInputs(weighted, sumsq_parts)
+    return out
+
+
+__all__ = ["stream_linear", "plan", "StreamPlan", "cuda_supported", "MAX_ROWS"]

@@ -1,0 +1,289 @@
+// stream_linear: a few-row linear (decode and verify) whose weights stream through a ring of shared
+// memory slots filled by bulk copies (TMA), one CTA per SM.
+//
+// Why: at batch 1 a projection is a weight stream. The Triton tiles (kernels/small_matmul) stream
+// 16-26 GB/s per program through cp.async (kernels/small_matmul/NOTES.md, stop 15). One producer
+// thread per SM issuing bulk copies of contiguous 8-32 KB chunks pulls the copy bandwidth or more
+// (NOTES, stop 20). Weight rows are contiguous in nn.Linear's layout, so a chunk of whole rows is
+// one copy, no repacking. Measured (NOTES, stop 23): alone, Qwen2.5-1.5B's gate_up 16.2 us against
+// the Triton tiles' 19.8 and its lm_head 112 against 122; in whole decode steps equal or slower,
+// so kernels/small_matmul's table does not route to it.
+//
+// Layout (grid = G CTAs, 9 warps each):
+//   units: output rows (plain) or (gate row u, up row N + u) pairs (gated); CTA b owns units
+//   [b * U / G, (b + 1) * U / G), in chunks of chunk_units units.
+//   warp 8, lane 0: the producer. It streams the CTA's chunks into num_slots slots and never
+//   waits on the previous kernel: weights depend on no kernel, so under programmatic dependent
+//   launch the ring fills while the kernel before is still running.
+//   warps 0-7: consumers, in min(8 / chunk_units, num_slots) groups of chunk_units warps; group g
+//   takes chunks g, g + groups, ... through slots of its own; warp i of a group takes the chunk's
+//   unit i. They wait for the previous kernel (griddepcontrol.wait) before reading x, the
+//   residual or the norm sums; x is then copied into shared memory when small (stage_x).
+//
+// Bits: a row's sum is one lane-strided fmaf chain per lane (k = 8 lane + 256 i + j, in order),
+// then a fixed butterfly; lane 0's value is used. Nothing depends on M or on other rows, so row m
+// of a verify step equals the decode step's row bit for bit (tests/kernels/test_stream_linear.py).
+// Every M bucket (MB) compiles the same per-row instruction sequence.
+//
+// No headers: NVRTC has no C library, and cuda_bf16.h / cuda_fp16.h are not on its path
+// everywhere, so the 16-bit values are raw bits converted with PTX.
+typedef unsigned long long uint64_t;
+typedef unsigned int uint32_t;
+typedef unsigned short uint16_t;
+typedef unsigned char uint8_t;
+typedef uint16_t scalar_t;   // bf16 bits, or f16 bits with -DSCALAR_F16
+
+#define CONSUMER_WARPS 8
+#define THREADS ((CONSUMER_WARPS + 1) * 32)
+
+__device__ __forceinline__ float to_float(uint16_t v) {
+#ifdef SCALAR_F16
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(v));
+  return f;
+#else
+  return __uint_as_float((uint32_t)v << 16);
+#endif
+}
+__device__ __forceinline__ uint16_t to_scalar(float v) {  // round to nearest even
+  uint16_t h;
+#ifdef SCALAR_F16
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(v));
+#else
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(v));
+#endif
+  return h;
+}
+__device__ __forceinline__ float round_to_scalar(float v) { return to_float(to_scalar(v)); }
+
+// 8 values from one 16-byte word, by bit operations on its four 32-bit lanes: taking the word's
+// address to index it as 16-bit values made the compiler split the load into eight 2-byte loads
+// (2.6x slower as a whole, bench/stream_linear.py)
+__device__ __forceinline__ void unpack2(uint32_t r, float* out) {
+#ifdef SCALAR_F16
+  out[0] = to_float((uint16_t)(r & 0xffffu));
+  out[1] = to_float((uint16_t)(r >> 16));
+#else
+  out[0] = __uint_as_float(r << 16);
+  out[1] = __uint_as_float(r & 0xffff0000u);
+#endif
+}
+__device__ __forceinline__ void unpack8(const uint4& raw, float* out) {
+  unpack2(raw.x, out);
+  unpack2(raw.y, out + 2);
+  unpack2(raw.z, out + 4);
+  unpack2(raw.w, out + 6);
+}
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
+  uint32_t done = 0;
+  do {
+    asm volatile(
+        "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+        : "=r"(done) : "r"(smem_addr(bar)), "r"(parity) : "memory");
+  } while (!done);
+}
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_addr(bar)) : "memory");
+}
+__device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)), "r"(bytes)
+               : "memory");
+}
+__device__ __forceinline__ void bulk_copy(void* dst, const void* src, uint32_t bytes, uint64_t* bar,
+                                          uint64_t policy) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;"
+      ::"r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(smem_addr(bar)), "l"(policy) : "memory");
+}
+__device__ __forceinline__ void consumers_sync() {  // the 256 consumer threads only
+  asm volatile("bar.sync 1, %0;" ::"n"(CONSUMER_WARPS * 32) : "memory");
+}
+
+// acc[m] = row . x[m] for m < M, on lane 0 after the butterfly (every lane holds a sum; lane 0's
+// order is the defined one). row: K values in shared memory; x: [M, K] in global or shared memory.
+template <int MB>
+__device__ __forceinline__ void dot_row(const scalar_t* row, const scalar_t* x, int M, int K,
+                                        int lane, float* acc) {
+#pragma unroll
+  for (int m = 0; m < MB; ++m) acc[m] = 0.f;
+#pragma unroll 4
+  for (int k = lane * 8; k < K; k += 256) {
+    float w[8];
+    unpack8(*reinterpret_cast<const uint4*>(row + k), w);
+#pragma unroll
+    for (int m = 0; m < MB; ++m) {
+      if (m < M) {
+        float xv[8];
+        unpack8(*reinterpret_cast<const uint4*>(x + (size_t)m * K + k), xv);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) acc[m] = __fmaf_rn(w[j], xv[j], acc[m]);
+      }
+    }
+  }
+#pragma unroll
+  for (int m = 0; m < MB; ++m) {
+#pragma unroll
+    for (int offset = 16; offset >= 1; offset >>= 1) acc[m] = __fadd_rn(acc[m], __shfl_xor_sync(0xffffffffu, acc[m], offset));
+  }
+}
+
+struct Args {
+  const scalar_t* weight;     // [rows, K]: rows = N, or 2N (gate rows, then up rows) when gated
+  const scalar_t* x;          // [M, K]
+  const scalar_t* bias;       // [N] or null
+  const float* row_sumsq;     // [P, M] or null: x = norm_weight * h, scale by rsqrt(sum / K + eps)
+  const scalar_t* residual;   // [M, N] or null
+  const scalar_t* emit_weight;  // [N] or null: also write NormInputs of out
+  scalar_t* out;              // [M, N]
+  scalar_t* weighted;         // [M, N] (emit): emit_weight * out
+  float* sumsq_parts;         // [G, M] (emit): this CTA's sum of out^2 over its units, in unit order
+  int M, N, K, P;
+  float eps;
+  int gated, chunk_units, num_slots, use_pdl;
+  int stage_x;                // copy x into shared memory after the wait (M * K small enough)
+};
+
+template <int MB>
+__device__ __forceinline__ void stream_linear_body(const Args& a) {
+  extern __shared__ __align__(128) uint8_t smem[];
+  const int K = a.K, M = a.M, N = a.N;
+  const int cu = a.chunk_units, S = a.num_slots;
+  const size_t part_bytes = (size_t)cu * K * sizeof(scalar_t);    // one row block of a slot
+  const size_t slot_bytes = part_bytes * (a.gated ? 2 : 1);
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + (size_t)S * slot_bytes);
+  uint64_t* empty = full + S;
+  // after the ring: 256 B of mbarriers (16 slots at most), the squares, then the staged x
+  float* unit_sq = reinterpret_cast<float*>(full + 32);            // [units of this CTA, M] (emit)
+  const int max_units = (N + gridDim.x - 1) / gridDim.x;
+  const size_t sq_bytes = a.emit_weight != nullptr ? ((size_t)max_units * M * 4 + 15) / 16 * 16 : 0;
+  scalar_t* x_staged = reinterpret_cast<scalar_t*>(reinterpret_cast<uint8_t*>(unit_sq) + sq_bytes);  // [M, K]
+
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int G = gridDim.x, b = blockIdx.x;
+  const int u0 = (int)((long long)b * N / G), u1 = (int)((long long)(b + 1) * N / G);
+  const int num_chunks = (u1 - u0 + cu - 1) / cu;
+  // Each group owns S / groups slots of its own, a single-consumer ring: chunk c goes to group
+  // c % groups, as that group's chunk j = c / groups, into its slot j % per_group. Groups sharing
+  // slots would break the parity waits: a parity tells only adjacent phases of a slot apart, and
+  // copies may land, and groups may finish, out of order (the shared ring faulted on the H200).
+  // No more groups than slots; the warps of further groups idle.
+  const int groups = min(CONSUMER_WARPS / cu, S);
+  const int per_group = S / groups;
+
+  if (tid == 0) {
+    for (int i = 0; i < S; ++i) { mbar_init(&full[i], 1); mbar_init(&empty[i], cu); }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+
+  if (warp == CONSUMER_WARPS) {  // the producer: weights only, so no wait on the kernel before
+    if (lane) return;
+    uint64_t policy;
+    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+    for (int c = 0; c < num_chunks; ++c) {
+      const int j = c / groups, slot = (c % groups) * per_group + j % per_group;
+      const int first = u0 + c * cu, count = min(cu, u1 - first);
+      const uint32_t bytes = (uint32_t)count * K * sizeof(scalar_t);
+      mbar_wait(&empty[slot], ((j / per_group) & 1) ^ 1);
+      mbar_expect_tx(&full[slot], a.gated ? 2 * bytes : bytes);
+      uint8_t* dst = smem + (size_t)slot * slot_bytes;
+      bulk_copy(dst, a.weight + (size_t)first * K, bytes, &full[slot], policy);
+      if (a.gated) bulk_copy(dst + part_bytes, a.weight + (size_t)(N + first) * K, bytes, &full[slot], policy);
+    }
+    return;
+  }
+
+  if (a.use_pdl) {  // x, the residual and the norm sums come from the kernels before
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" :::);
+  }
+  if (a.stage_x) {  // x from shared memory: the loop's loads stay off the L2, which the stream keeps busy
+    const int n16 = M * K / 8;
+    for (int i = tid; i < n16; i += CONSUMER_WARPS * 32)
+      reinterpret_cast<uint4*>(x_staged)[i] = reinterpret_cast<const uint4*>(a.x)[i];
+    consumers_sync();
+  }
+  float scale[MB];
+#pragma unroll
+  for (int m = 0; m < MB; ++m) {
+    scale[m] = 1.f;
+    if (a.row_sumsq != nullptr && m < M) {  // the parts (one per CTA of the kernel before: up to
+      // a few hundred) summed across the lanes, each lane's in order, then lane 0's butterfly
+      float total = 0.f;
+      for (int p = lane; p < a.P; p += 32) total = __fadd_rn(total, a.row_sumsq[(size_t)p * M + m]);
+#pragma unroll
+      for (int offset = 16; offset >= 1; offset >>= 1) total = __fadd_rn(total, __shfl_xor_sync(0xffffffffu, total, offset));
+      total = __shfl_sync(0xffffffffu, total, 0);
+      scale[m] = rsqrtf(__fadd_rn(__fdiv_rn(total, (float)K), a.eps));
+    }
+  }
+
+  const int group = warp / cu, index = warp % cu;
+  for (int c = group; group < groups && c < num_chunks; c += groups) {
+    const int j = c / groups, slot = group * per_group + j % per_group;
+    const int unit = u0 + c * cu + index;
+    mbar_wait(&full[slot], (j / per_group) & 1);
+    if (unit < u1) {
+      const scalar_t* rows = reinterpret_cast<const scalar_t*>(smem + (size_t)slot * slot_bytes);
+      float acc[MB], up[MB];
+      // the same arithmetic whichever memory x is read from
+      if (a.stage_x) {
+        dot_row<MB>(rows + (size_t)index * K, x_staged, M, K, lane, acc);
+        if (a.gated) dot_row<MB>(rows + (size_t)(cu + index) * K, x_staged, M, K, lane, up);
+      } else {
+        dot_row<MB>(rows + (size_t)index * K, a.x, M, K, lane, acc);
+        if (a.gated) dot_row<MB>(rows + (size_t)(cu + index) * K, a.x, M, K, lane, up);
+      }
+      if (lane == 0) {
+#pragma unroll
+        for (int m = 0; m < MB; ++m) {
+          if (m < M) {
+            float v = __fmul_rn(acc[m], scale[m]);
+            if (a.bias != nullptr) v = __fadd_rn(v, to_float(a.bias[unit]));
+            v = round_to_scalar(v);
+            if (a.gated) {  // silu(gate) * up, gate, up and silu(gate) rounded as the reference does
+              const float u = round_to_scalar(__fmul_rn(up[m], scale[m]));
+              const float silu = round_to_scalar(__fdiv_rn(v, __fadd_rn(1.f, expf(-v))));
+              v = round_to_scalar(__fmul_rn(silu, u));
+            }
+            if (a.residual != nullptr) v = round_to_scalar(__fadd_rn(v, to_float(a.residual[(size_t)m * N + unit])));
+            a.out[(size_t)m * N + unit] = to_scalar(v);
+            if (a.emit_weight != nullptr) {
+              a.weighted[(size_t)m * N + unit] = to_scalar(__fmul_rn(v, to_float(a.emit_weight[unit])));
+              unit_sq[(size_t)(unit - u0) * M + m] = __fmul_rn(v, v);
+            }
+          }
+        }
+      }
+    }
+    __syncwarp();
+    if (lane == 0) mbar_arrive(&empty[slot]);
+  }
+
+  if (a.emit_weight != nullptr) {  // this CTA's part of the sums of squares, in unit order
+    consumers_sync();
+    if (tid < M) {
+      float total = 0.f;
+      for (int u = 0; u < u1 - u0; ++u) total = __fadd_rn(total, unit_sq[(size_t)u * M + tid]);
+      a.sumsq_parts[(size_t)b * M + tid] = total;
+    }
+  }
+}
+
+#define STREAM_LINEAR_KERNEL(MB)                                                             \
+  extern "C" __global__ void __launch_bounds__(THREADS, 1) stream_linear_m##MB(const Args a) { \
+    stream_linear_body<MB>(a);                                                                 \
+  }
+STREAM_LINEAR_KERNEL(1)
+STREAM_LINEAR_KERNEL(2)
+STREAM_LINEAR_KERNEL(4)
+STREAM_LINEAR_KERNEL(8)
+STREAM_LINEAR_KERNEL(17)
+STREAM_LINEAR_KERNEL(32)

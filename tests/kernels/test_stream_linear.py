@@ -1,0 +1,168 @@
+"""kernels.stream_linear: the launch plan and the reference route everywhere; the CUDA kernel on an
+sm_90+ GPU (against small_linear_reference, batch invariance, the emitted norm inputs, CUDA graphs,
+and the routing from small_linear's table)."""
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+import torch
+
+from kernels.small_matmul.reference import rms_scale, small_linear_reference
+from kernels.stream_linear import MAX_SHARED_MEM, _Args, cuda_supported, plan, stream_linear
+from tests.kernels.conftest import REL_ERR, rel_err
+
+SM90 = torch.cuda.is_available() and cuda_supported(torch.device("cuda"))
+needs_sm90 = pytest.mark.skipif(not SM90, reason="needs an sm_90+ GPU (bulk copies, griddepcontrol)")
+
+
+def test_args_struct_matches_the_kernels_layout():
+    # stream_linear.cu's struct Args: 9 pointers, 4 ints, a float, 4 ints -> 108 bytes, padded to 8
+    assert ctypes.sizeof(_Args) == 112
+    assert _Args.eps.offset == 9 * 8 + 4 * 4
+
+
+@pytest.mark.parametrize("M,N,K,gated,emit", [
+    (1, 8960, 1536, True, False),     # Qwen2.5-1.5B gate/up: 4 pairs (24 KB) a chunk
+    (17, 1536, 8960, False, True),    # its down: one 17.5 KB row a chunk
+    (1, 151936, 1536, False, False),  # its lm_head: 8 rows a chunk
+    (17, 4096, 14336, False, True),   # Llama-3-8B down: 28 KB rows, still two slots or more
+    (3, 7, 64, False, False),         # fewer units than multiprocessors: one CTA each
+])
+def test_plan_fits_shared_memory_and_covers_every_unit(M, N, K, gated, emit):
+    p = plan(M, N, K, 2, gated=gated, emit=emit, sms=132)
+    assert p.grid == min(132, N)
+    assert p.num_slots >= 2 and p.shared_mem <= MAX_SHARED_MEM
+    assert 8 % p.chunk_units == 0 and p.slot_bytes == p.chunk_units * K * 2 * (2 if gated else 1)
+    assert p.m_bucket >= M
+    # every CTA owns at least one unit, and the shares tile [0, N)
+    bounds = [b * N // p.grid for b in range(p.grid + 1)]
+    assert bounds[0] == 0 and bounds[-1] == N and all(hi > lo for lo, hi in zip(bounds, bounds[1:]))
+
+
+def test_plan_refuses_what_the_kernel_cannot_run():
+    with pytest.raises(ValueError, match="1..32 rows"):
+        plan(33, 64, 64, 2, gated=False, emit=False, sms=4)
+    with pytest.raises(ValueError, match="multiple of 16 bytes"):
+        plan(1, 64, 60, 2, gated=False, emit=False, sms=4)
+    with pytest.raises(ValueError, match="does not fit"):
+        plan(1, 64, 64 * 1024, 2, gated=False, emit=False, sms=4)
+
+
+def test_reference_route_off_the_gpu_is_small_linear_reference():
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 64, generator=gen).to(torch.bfloat16)
+    w = torch.randn(96, 64, generator=gen).to(torch.bfloat16)
+    sumsq = torch.rand(2, 3, generator=gen) * 64
+    out = stream_linear(x, w, row_sumsq=sumsq, gated=True, backend="reference")
+    assert torch.equal(out, small_linear_reference(x, w, row_sumsq=sumsq, gated=True))
+    if not SM90:
+        assert torch.equal(stream_linear(x, w, row_sumsq=sumsq, gated=True), out)   # "auto" falls back
+        with pytest.raises(ValueError, match="sm_90"):
+            stream_linear(x, w, backend="cuda")
+
+
+def _inputs(M, N, K, fusion, dtype, seed=0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    rows = 2 * N if fusion == "gated" else N
+    w = (torch.randn(rows, K, generator=gen, device="cuda") * K**-0.5).to(dtype)
+    x = torch.randn(M, K, generator=gen, device="cuda").to(dtype)
+    kwargs = {}
+    if fusion == "bias":
+        kwargs["bias"] = torch.randn(N, generator=gen, device="cuda").to(dtype)
+    if fusion == "gated":
+        kwargs.update(gated=True, row_sumsq=torch.rand(3, M, generator=gen, device="cuda") * K)
+    if fusion == "residual":
+        kwargs.update(residual=torch.randn(M, N, generator=gen, device="cuda").to(dtype),
+                      emit_norm_weight=torch.randn(N, generator=gen, device="cuda").to(dtype))
+    return x, w, kwargs
+
+
+def _rows(kwargs, lo, hi):
+    """The kwargs of rows lo..hi of a call."""
+    return {k: v[lo:hi] if k == "residual" else v[:, lo:hi].contiguous() if k == "row_sumsq" else v
+            for k, v in kwargs.items()}
+
+
+def _out(result):
+    return result[0] if isinstance(result, tuple) else result
+
+
+SHAPES = [(64, 256, "plain"), (200, 1536, "bias"), (96, 1536, "gated"), (300, 8960, "residual"), (1000, 72, "plain")]
+
+
+@needs_sm90
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("N,K,fusion", SHAPES)
+@pytest.mark.parametrize("M", [1, 5, 17, 32])
+def test_kernel_matches_the_reference(M, N, K, fusion, dtype):
+    x, w, kwargs = _inputs(M, N, K, fusion, dtype)
+    got, want = stream_linear(x, w, **kwargs), small_linear_reference(x, w, **kwargs)
+    assert rel_err(_out(got), _out(want)) < REL_ERR[dtype]
+    if fusion == "residual":
+        assert rel_err(got[1].weighted, want[1].weighted) < REL_ERR[dtype]
+        assert got[1].sumsq.shape[1] == M
+        # the parts add up to the rows' sums of squares, and they feed rms_scale as any NormInputs do
+        torch.testing.assert_close(rms_scale(got[1].sumsq, N, 1e-6), rms_scale(want[1].sumsq, N, 1e-6),
+                                   rtol=1e-2, atol=0)
+
+
+@needs_sm90
+@pytest.mark.parametrize("N,K,fusion", SHAPES)
+def test_rows_equal_one_row_calls_bit_for_bit(N, K, fusion):
+    """A verify step's rows (M = 17, and 32, another M bucket) equal the decode steps' one-row calls."""
+    for M in (17, 32):
+        x, w, kwargs = _inputs(M, N, K, fusion, torch.bfloat16, seed=M)
+        full = stream_linear(x, w, **kwargs)
+        for m in (0, 7, M - 1):
+            alone = stream_linear(x[m:m + 1], w, **_rows(kwargs, m, m + 1))
+            assert torch.equal(_out(alone)[0], _out(full)[m]), (M, m)
+            if fusion == "residual":
+                assert torch.equal(alone[1].weighted[0], full[1].weighted[m])
+        few = stream_linear(x[:3], w, **_rows(kwargs, 0, 3))   # bucket 4 against bucket 17 or 32
+        assert torch.equal(_out(few), _out(full)[:3])
+
+
+@needs_sm90
+@pytest.mark.parametrize("ring_kb", [40, 64, 96])
+def test_a_ring_of_fewer_slots_than_consumer_groups(ring_kb):
+    """K = 8960 rows are one unit a chunk, so eight one-warp groups; a 40-96 KB ring holds 2-5 slots.
+    The groups past the slot count idle (a parity wait cannot tell a slot's chunk c from c + 2S)."""
+    x, w, kwargs = _inputs(17, 300, 8960, "residual", torch.bfloat16)
+    got = stream_linear(x, w, ring_bytes=ring_kb * 1024, **kwargs)
+    assert torch.equal(got[0], stream_linear(x, w, **kwargs)[0])
+    assert rel_err(got[0], small_linear_reference(x, w, **kwargs)[0]) < REL_ERR[torch.bfloat16]
+
+
+@needs_sm90
+def test_kernel_replays_in_a_cuda_graph():
+    x, w, kwargs = _inputs(1, 8960, 1536, "gated", torch.bfloat16)
+    static_x = x.clone()
+    eager = stream_linear(static_x, w, **kwargs)
+    graph = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        stream_linear(static_x, w, **kwargs)
+    torch.cuda.current_stream().wait_stream(side)
+    with torch.cuda.graph(graph):
+        captured = stream_linear(static_x, w, **kwargs)
+    new_x = torch.randn_like(x)
+    static_x.copy_(new_x)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, stream_linear(new_x, w, **kwargs))
+    assert not torch.equal(captured, eager)
+
+
+@needs_sm90
+def test_small_linear_routes_a_stream_config_to_the_kernel():
+    from kernels.small_matmul import small_linear
+    from kernels.small_matmul.triton_kernel import SmallLinearConfig, small_linear_triton
+
+    x, w, kwargs = _inputs(2, 300, 8960, "residual", torch.bfloat16)
+    routed = small_linear_triton(x, w, None, config=SmallLinearConfig(16, 128, 1, stream=True), **kwargs)
+    direct = stream_linear(x, w, **kwargs)
+    assert torch.equal(routed[0], direct[0]) and torch.equal(routed[1].sumsq, direct[1].sumsq)
+    tiles = small_linear(x, w, **kwargs)   # the table's Triton config for this shape: same maths
+    assert rel_err(tiles[0], direct[0]) < REL_ERR[torch.bfloat16]

@@ -48,7 +48,9 @@ def build():
     src = Path(__file__).with_name("stream_probe.cu").read_text()
     # two builds: the consumers on tensor cores, or on CUDA cores (mode bit 16; one kernel with both
     # spilled)
-    mods = [cupy.RawModule(code=src, options=("-std=c++17", "-lineinfo", f"-DCONSUMER_CUDA_CORES={cores}"))
+    ring_header = Path(__file__).resolve().parents[1] / "kernels" / "stream_linear"   # bulk_ring.cuh
+    mods = [cupy.RawModule(code=src, options=("-std=c++17", "-lineinfo", f"-I{ring_header}",
+                                              f"-DCONSUMER_CUDA_CORES={cores}"))
             for cores in (0, 1)]
     return {"stream_layers": mods[0].get_function("stream_layers"),
             "stream_layers_cuda_cores": mods[1].get_function("stream_layers"),

@@ -146,8 +146,8 @@ def _kernels(device: torch.device, dtype: torch.dtype):
     from kernels._cuda_launch import compile_kernels
 
     names = tuple(f"stream_linear_m{b}" for b in _M_BUCKETS)
-    return compile_kernels(_SOURCE.read_text(), names, device, ("-DSCALAR_F16",) if dtype == torch.float16 else (),
-                           max_shared_mem=MAX_SHARED_MEM)
+    options = (f"-I{_SOURCE.parent}", *(("-DSCALAR_F16",) if dtype == torch.float16 else ()))   # bulk_ring.cuh
+    return compile_kernels(_SOURCE.read_text(), names, device, options, max_shared_mem=MAX_SHARED_MEM)
 
 
 def _launch(x, weight, bias, row_sumsq, eps, residual, gated, emit_norm_weight, ring_bytes, ctas_per_sm):

@@ -1,5 +1,6 @@
 """Where one decode layer's time goes, program by program: the start, wait return and end of every
-small_linear, split-K reduce, attention split and merge program (kernels._trace, %globaltimer) in
+small_linear, split-K reduce, attention split and merge program, and of every kernels.stream_linear
+CTA with `N,K=stream` variants (kernels._trace, %globaltimer) in
 one replayed greedy decode step (one CUDA graph), and the multiprocessors they ran on.
 
     python bench/timeline.py --shape qwen2.5-1.5b [--context 512] [--csv programs.csv] [--variants "table;..."]

@@ -1,7 +1,8 @@
 """Per-program timestamps of the decode kernels, for bench/timeline.py.
 
 With a `Recorder` open (`recording(device)`), every launch of the small_linear, split-K reduce,
-decode-attention split and merge kernels reserves one row per program in the recorder's buffer,
+decode-attention split and merge kernels (and kernels.stream_linear's CUDA kernel, one row per
+CTA, END once all its consumer warps are done) reserves one row per program in the recorder's buffer,
 and each program writes there, from %globaltimer (ns; one clock for every multiprocessor, 32 ns
 ticks on the H200):
 

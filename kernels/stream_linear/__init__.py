@@ -93,7 +93,8 @@ class _Args(ctypes.Structure):
                 ("M", ctypes.c_int), ("N", ctypes.c_int), ("K", ctypes.c_int), ("P", ctypes.c_int),
                 ("eps", ctypes.c_float),
                 ("gated", ctypes.c_int), ("chunk_units", ctypes.c_int), ("num_slots", ctypes.c_int),
-                ("use_pdl", ctypes.c_int), ("stage_x", ctypes.c_int)]
+                ("use_pdl", ctypes.c_int), ("stage_x", ctypes.c_int),
+                ("trace", ctypes.c_void_p), ("trace_row", ctypes.c_int)]
 
 
 def _pointer(t: torch.Tensor | None) -> int | None:
@@ -150,6 +151,20 @@ def _kernels(device: torch.device, dtype: torch.dtype):
     return compile_kernels(_SOURCE.read_text(), names, device, options, max_shared_mem=MAX_SHARED_MEM)
 
 
+def _trace_rows(N: int, K: int, gated: bool, residual: bool, grid: int) -> tuple[int | None, int]:
+    """(rows pointer, first row) in kernels._trace's open recorder, one row per CTA, for
+    bench/timeline.py; (None, 0) when none is open (or without triton, which _trace imports)."""
+    from kernels._backend import triton_available
+
+    if not triton_available():
+        return None, 0
+    from kernels import _trace
+
+    kind = " gated" if gated else " residual" if residual else ""
+    args = _trace.trace_args(f"stream {N}x{K}{kind}", (grid,), torch.empty(0))
+    return (args["Trace"].data_ptr(), args["trace_row"]) if args["TRACE"] else (None, 0)
+
+
 def _launch(x, weight, bias, row_sumsq, eps, residual, gated, emit_norm_weight, ring_bytes, ctas_per_sm):
     from kernels._backend import multiprocessor_count, pdl_enabled
 
@@ -165,7 +180,8 @@ def _launch(x, weight, bias, row_sumsq, eps, residual, gated, emit_norm_weight, 
     args = _Args(weight.data_ptr(), x.data_ptr(), _pointer(bias), _pointer(row_sumsq), _pointer(residual),
                  _pointer(emit_norm_weight), out.data_ptr(), _pointer(weighted), _pointer(sumsq_parts),
                  M, N, K, row_sumsq.shape[0] if row_sumsq is not None else 0, float(eps),
-                 int(gated), p.chunk_units, p.num_slots, int(pdl), int(p.stage_x))
+                 int(gated), p.chunk_units, p.num_slots, int(pdl), int(p.stage_x),
+                 *_trace_rows(N, K, gated, residual is not None, p.grid))
     kernel = _kernels(x.device, x.dtype)[f"stream_linear_m{p.m_bucket}"]
     kernel.launch(p.grid, THREADS, p.shared_mem, args, pdl=pdl)
     if emit:

@@ -76,6 +76,16 @@ __device__ __forceinline__ void unpack8(const uint4& raw, float* out) {
 }
 
 #include "bulk_ring.cuh"   // mbar_*, bulk_copy, smem_addr
+__device__ __forceinline__ long long global_timer() {  // ns, one clock for every SM
+  long long t;
+  asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
+  return t;
+}
+__device__ __forceinline__ long long sm_id() {
+  unsigned s;
+  asm volatile("mov.u32 %0, %smid;" : "=r"(s));
+  return s;
+}
 __device__ __forceinline__ void consumers_sync() {  // the 256 consumer threads only
   asm volatile("bar.sync 1, %0;" ::"n"(CONSUMER_WARPS * 32) : "memory");
 }
@@ -122,6 +132,8 @@ struct Args {
   float eps;
   int gated, chunk_units, num_slots, use_pdl;
   int stage_x;                // copy x into shared memory after the wait (M * K small enough)
+  long long* trace;           // null, or kernels._trace rows: [G, 4] from trace_row (START, WAITED, END, SM)
+  int trace_row;
 };
 
 template <int MB>
@@ -140,6 +152,11 @@ __device__ __forceinline__ void stream_linear_body(const Args& a) {
   scalar_t* x_staged = reinterpret_cast<scalar_t*>(reinterpret_cast<uint8_t*>(unit_sq) + sq_bytes);  // [M, K]
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  long long* mark = a.trace != nullptr ? a.trace + (size_t)(a.trace_row + blockIdx.x) * 4 : nullptr;
+  if (mark != nullptr && tid == 0) {
+    mark[0] = global_timer();
+    mark[3] = sm_id();
+  }
   const int G = gridDim.x, b = blockIdx.x;
   const int u0 = (int)((long long)b * N / G), u1 = (int)((long long)(b + 1) * N / G);
   const int num_chunks = (u1 - u0 + cu - 1) / cu;
@@ -178,6 +195,7 @@ __device__ __forceinline__ void stream_linear_body(const Args& a) {
     asm volatile("griddepcontrol.wait;" ::: "memory");
     asm volatile("griddepcontrol.launch_dependents;" :::);
   }
+  if (mark != nullptr && tid == 0) mark[1] = global_timer();
   if (a.stage_x) {  // x from shared memory: the loop's loads stay off the L2, which the stream keeps busy
     const int n16 = M * K / 8;
     for (int i = tid; i < n16; i += CONSUMER_WARPS * 32)
@@ -248,6 +266,10 @@ __device__ __forceinline__ void stream_linear_body(const Args& a) {
       for (int u = 0; u < u1 - u0; ++u) total = __fadd_rn(total, unit_sq[(size_t)u * M + tid]);
       a.sumsq_parts[(size_t)b * M + tid] = total;
     }
+  }
+  if (mark != nullptr) {  // END once every consumer is done
+    consumers_sync();
+    if (tid == 0) mark[2] = global_timer();
   }
 }
 

@@ -17,9 +17,11 @@ needs_sm90 = pytest.mark.skipif(not SM90, reason="needs an sm_90+ GPU (bulk copi
 
 
 def test_args_struct_matches_the_kernels_layout():
-    # stream_linear.cu's struct Args: 9 pointers, 4 ints, a float, 4 ints -> 108 bytes, padded to 8
-    assert ctypes.sizeof(_Args) == 112
+    # stream_linear.cu's struct Args: 9 pointers, 4 ints, a float, 5 ints, the trace pointer and its
+    # row -> 124 bytes, padded to 8
+    assert ctypes.sizeof(_Args) == 128
     assert _Args.eps.offset == 9 * 8 + 4 * 4
+    assert _Args.trace.offset == 112
 
 
 @pytest.mark.parametrize("M,N,K,gated,emit", [
@@ -153,6 +155,24 @@ def test_kernel_replays_in_a_cuda_graph():
     torch.cuda.synchronize()
     assert torch.equal(captured, stream_linear(new_x, w, **kwargs))
     assert not torch.equal(captured, eager)
+
+
+@needs_sm90
+def test_trace_rows_hold_each_ctas_start_wait_and_end():
+    from kernels import _trace
+
+    x, w, kwargs = _inputs(1, 300, 1536, "gated", torch.bfloat16)
+    with _trace.recording(x.device) as recorder:
+        traced = stream_linear(x, w, **kwargs)
+    torch.cuda.synchronize()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    (launch,) = recorder.launches
+    assert launch.label == "stream 300x1536 gated" and launch.programs == min(sms, 300)
+    rows = recorder.rows[launch.first_row:launch.first_row + launch.programs].cpu()
+    start, waited, end, sm = rows.unbind(1)
+    assert (start > 0).all() and (waited >= start).all() and (end >= waited).all()
+    assert (sm >= 0).all() and (sm < sms).all()
+    assert torch.equal(traced, stream_linear(x, w, **kwargs))   # the marks change no value
 
 
 @needs_sm90

@@ -664,14 +664,14 @@ def small_linear_triton(
     N = weight.shape[0] // 2 if gated else weight.shape[0]
     if config is None:
         config = choose_config(N, K, x.dtype, x.device, gated=gated)
-    k_per_split = config.k_per_split(K)
-    splits = triton.cdiv(K, k_per_split)
     if config.stream and rope is None:
         from kernels.stream_linear import stream_linear
 
         return stream_linear(x, weight, bias, row_sumsq=row_sumsq, eps=eps, residual=residual, gated=gated,
                              emit_norm_weight=emit_norm_weight, ring_bytes=config.ring_kb * 1024,
                              ctas_per_sm=config.stream_ctas, backend="cuda")
+    k_per_split = config.k_per_split(K)
+    splits = triton.cdiv(K, k_per_split)
     if gated and (splits > 1 or config.block_n % 32 or config.gemv):
         raise ValueError(f"a gated projection needs no k split, no gemv and block_n % 32 == 0 (config {config})")
     out_n = config.block_n // 2 if gated else config.block_n

@@ -131,8 +131,9 @@ def stream_linear(
         raise ValueError(f"stream_linear's CUDA kernel needs an sm_90+ GPU, not {x.device}")
     if x.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"stream_linear's CUDA kernel takes bf16 or f16, got {x.dtype}")
-    return _launch(x.contiguous(), weight.contiguous(), bias, row_sumsq, eps, residual, gated, emit_norm_weight,
-                   ring_bytes, ctas_per_sm)
+    # the kernel reads every [rows, cols] operand at a row pitch of cols (the checks allow others)
+    return _launch(x.contiguous(), weight.contiguous(), bias, row_sumsq, eps,
+                   None if residual is None else residual.contiguous(), gated, emit_norm_weight, ring_bytes, ctas_per_sm)
 
 
 def cuda_supported(device: torch.device) -> bool:
@@ -151,7 +152,8 @@ def _kernels(device: torch.device, dtype: torch.dtype):
     return compile_kernels(_SOURCE.read_text(), names, device, options, max_shared_mem=MAX_SHARED_MEM)
 
 
-def _trace_rows(N: int, K: int, gated: bool, residual: bool, grid: int) -> tuple[int | None, int]:
+def _trace_rows(N: int, K: int, gated: bool, residual: bool, grid: int, any_tensor: torch.Tensor
+                ) -> tuple[int | None, int]:
     """(rows pointer, first row) in kernels._trace's open recorder, one row per CTA, for
     bench/timeline.py; (None, 0) when none is open (or without triton, which _trace imports)."""
     from kernels._backend import triton_available
@@ -161,7 +163,7 @@ def _trace_rows(N: int, K: int, gated: bool, residual: bool, grid: int) -> tuple
     from kernels import _trace
 
     kind = " gated" if gated else " residual" if residual else ""
-    args = _trace.trace_args(f"stream {N}x{K}{kind}", (grid,), torch.empty(0))
+    args = _trace.trace_args(f"stream {N}x{K}{kind}", (grid,), any_tensor)
     return (args["Trace"].data_ptr(), args["trace_row"]) if args["TRACE"] else (None, 0)
 
 
@@ -181,7 +183,7 @@ def _launch(x, weight, bias, row_sumsq, eps, residual, gated, emit_norm_weight, 
                  _pointer(emit_norm_weight), out.data_ptr(), _pointer(weighted), _pointer(sumsq_parts),
                  M, N, K, row_sumsq.shape[0] if row_sumsq is not None else 0, float(eps),
                  int(gated), p.chunk_units, p.num_slots, int(pdl), int(p.stage_x),
-                 *_trace_rows(N, K, gated, residual is not None, p.grid))
+                 *_trace_rows(N, K, gated, residual is not None, p.grid, out))
     kernel = _kernels(x.device, x.dtype)[f"stream_linear_m{p.m_bucket}"]
     kernel.launch(p.grid, THREADS, p.shared_mem, args, pdl=pdl)
     if emit:

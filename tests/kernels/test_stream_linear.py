@@ -137,6 +137,17 @@ def test_a_ring_of_fewer_slots_than_consumer_groups(ring_kb):
 
 
 @needs_sm90
+def test_a_residual_with_padded_rows_reads_as_its_values():
+    """The checks accept a residual whose rows are strided (stride(1) == 1 only); the kernel reads
+    rows at a pitch of N, so the wrapper hands it a contiguous copy."""
+    x, w, kwargs = _inputs(3, 300, 1536, "residual", torch.bfloat16)
+    padded = torch.zeros(3, 320, dtype=torch.bfloat16, device="cuda")
+    padded[:, :300] = kwargs["residual"]
+    got = stream_linear(x, w, **{**kwargs, "residual": padded[:, :300]})
+    assert torch.equal(got[0], stream_linear(x, w, **kwargs)[0])
+
+
+@needs_sm90
 def test_kernel_replays_in_a_cuda_graph():
     x, w, kwargs = _inputs(1, 8960, 1536, "gated", torch.bfloat16)
     static_x = x.clone()

@@ -23,6 +23,7 @@ A variant is space-separated settings, "table" for none:
                                   attention half, PROGRAMS programs, one row per thread every STEP_NS
   mlp=I,H,programs,bk,bn,warps,stages[,field:value]   kernels.fused_mlp's config for that MLP shape
                                   (programs 0: one per multiprocessor; it sets BATCHD_FUSED_MLP=1)
+  mlp=I,H,stream[,ring_kb][,field:value]  the same on the bulk-copy stream kernel (kernels/fused_mlp/stream_mlp.cu)
   skip=merge|reduce               a what-if, not a config: the step runs without that launch (the
                                   attention merge; small_linear's split-K reduce), its consumer reading
                                   whatever the buffer holds. The ids are garbage; the tok/s bounds what
@@ -150,9 +151,14 @@ def apply_variant(spec: str, tuned: dict) -> None:
 
 def mlp_config(values: str):
     """`I,H,programs,block_k,block_n,warps,stages[,field:value...]` -> (I, H, FusedMlpConfig); programs
-    0: one per multiprocessor (`remainder:0` holds a slice in one padded power-of-2 tile)."""
+    0: one per multiprocessor (`remainder:0` holds a slice in one padded power-of-2 tile).
+    `I,H,stream[,ring_kb][,field:value...]`: the slices on kernels/fused_mlp/stream_mlp.cu."""
     items = values.split(",")
     named = {name: int(value) for name, value in (item.split(":") for item in items if ":" in item)}
+    if len(items) >= 3 and items[2] == "stream":
+        plain = [v for v in items[3:] if ":" not in v]
+        ring = {"ring_kb": int(plain[0])} if plain else {}
+        return int(items[0]), int(items[1]), mlp_kernel.FusedMlpConfig(stream=True, **ring, **named)
     intermediate, hidden, programs, block_k, block_n, warps, stages = (int(v) for v in items if ":" not in v)
     return intermediate, hidden, mlp_kernel.FusedMlpConfig(programs, block_k, block_n, warps, stages, **named)
 

@@ -50,6 +50,8 @@ class FusedMlpConfig:
     num_stages: int = 5
     reduce_block: int = 32   # output columns per reduce program
     remainder: bool = True   # a slice as a full tile + a remainder tile; False: one padded power-of-2 tile
+    stream: bool = False     # the slices on stream_mlp.cu (bulk-copy weight ring, one CTA per SM) instead
+    ring_kb: int = 128       # its ring of shared-memory slots (stream only)
 
     def slices(self, intermediate: int, device: torch.device) -> int:
         """P, the number of slices (and programs per 16 rows): never more than I / 8 rows' worth."""
@@ -243,6 +245,29 @@ def _mlp_reduce_kernel(
     trace_mark(Trace, trace_row, END, TRACE)
 
 
+def _triton_partials(x, row_sumsq, gate_up, down_t, eps: float, config: FusedMlpConfig, pdl: bool) -> torch.Tensor:
+    """_fused_mlp_kernel's partials [P, M, H] f32, P slices of the intermediate axis."""
+    M, H = x.shape
+    I = down_t.shape[0]
+    if H % config.block_k or H % config.block_n:
+        raise ValueError(f"the fused MLP needs H ({H}) a multiple of block_k and block_n (config {config})")
+    programs = config.slices(I, x.device)
+    block_t, block_r = config.tiles(I, programs)
+    upcast, precision = dot_flags(x.dtype)
+    part = torch.empty(programs, M, H, dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(M, BLOCK_M), programs)
+    _fused_mlp_kernel[grid](
+        x, row_sumsq, gate_up, down_t, part,
+        M, H, I, eps, row_sumsq.shape[0], programs, x.stride(0),
+        PARTS_P2=triton.next_power_of_2(row_sumsq.shape[0]), USE_PDL=pdl, TRIGGER=pdl_trigger_point("linear"),
+        UPCAST_DOT=upcast, DOT_PRECISION=precision,
+        BLOCK_M=BLOCK_M, BLOCK_T=block_t, BLOCK_R=block_r, BLOCK_K=config.block_k, BLOCK_N=config.block_n,
+        **trace_args(f"mlp {I}x{H} in {programs} slices", grid, part),
+        num_warps=config.num_warps, num_stages=config.num_stages, **launch_options(pdl),
+    )
+    return part
+
+
 def fused_mlp_triton(
     x: torch.Tensor,                 # [M, H] norm_weight * h
     row_sumsq: torch.Tensor,         # [parts, M] f32
@@ -262,23 +287,14 @@ def fused_mlp_triton(
     I = down_t.shape[0]
     if config is None:
         config = choose_mlp_config(I, H, x.dtype, x.device)
-    if H % config.block_k or H % config.block_n:
-        raise ValueError(f"the fused MLP needs H ({H}) a multiple of block_k and block_n (config {config})")
-    programs = config.slices(I, x.device)
-    block_t, block_r = config.tiles(I, programs)
-    upcast, precision = dot_flags(x.dtype)
     pdl = pdl_enabled(x.device)
-    part = torch.empty(programs, M, H, dtype=torch.float32, device=x.device)
-    grid = (triton.cdiv(M, BLOCK_M), programs)
-    _fused_mlp_kernel[grid](
-        x, row_sumsq, gate_up, down_t, part,
-        M, H, I, eps, row_sumsq.shape[0], programs, x.stride(0),
-        PARTS_P2=triton.next_power_of_2(row_sumsq.shape[0]), USE_PDL=pdl, TRIGGER=pdl_trigger_point("linear"),
-        UPCAST_DOT=upcast, DOT_PRECISION=precision,
-        BLOCK_M=BLOCK_M, BLOCK_T=block_t, BLOCK_R=block_r, BLOCK_K=config.block_k, BLOCK_N=config.block_n,
-        **trace_args(f"mlp {I}x{H} in {programs} slices", grid, part),
-        num_warps=config.num_warps, num_stages=config.num_stages, **launch_options(pdl),
-    )
+    if config.stream:
+        from kernels.fused_mlp.stream_kernel import stream_mlp_partials
+
+        part = stream_mlp_partials(x, row_sumsq, gate_up, down_t, eps=eps, ring_bytes=config.ring_kb << 10)
+    else:
+        part = _triton_partials(x, row_sumsq, gate_up, down_t, eps, config, pdl)
+    programs = part.shape[0]
     out = torch.empty(M, H, dtype=x.dtype, device=x.device)
     emit = emit_norm_weight is not None
     block = config.reduce_block

@@ -34,7 +34,7 @@ MAX_SHARED_MEM = 227 * 1024        # sm_90's opt-in limit per block
 SHARED_MEM_PER_SM = 228 * 1024     # of which 1 KB per resident block is the system's
 X_STAGE_BYTES = 64 * 1024          # x up to this size is copied into shared memory once
 DEFAULT_RING_BYTES = 192 * 1024
-_M_BUCKETS = (1, 2, 4, 8, 17, 32)   # 17: a verify step of 16 drafts and the last token
+M_BUCKETS = (1, 2, 4, 8, 17, 32)   # 17: a verify step of 16 drafts and the last token
 _SOURCE = Path(__file__).with_name("stream_linear.cu")
 
 
@@ -81,7 +81,7 @@ def plan(M: int, N: int, K: int, itemsize: int, *, gated: bool, emit: bool, sms:
     shared_mem = num_slots * slot_bytes + tail
     if shared_mem > limit:
         raise ValueError(f"stream_linear: a weight row of {unit_bytes} B does not fit two ring slots in shared memory")
-    bucket = next(b for b in _M_BUCKETS if b >= M)
+    bucket = next(b for b in M_BUCKETS if b >= M)
     return StreamPlan(grid, chunk_units, slot_bytes, num_slots, stage_x, shared_mem, bucket)
 
 
@@ -147,7 +147,7 @@ def cuda_supported(device: torch.device) -> bool:
 def _kernels(device: torch.device, dtype: torch.dtype):
     from kernels._cuda_launch import compile_kernels
 
-    names = tuple(f"stream_linear_m{b}" for b in _M_BUCKETS)
+    names = tuple(f"stream_linear_m{b}" for b in M_BUCKETS)
     options = (f"-I{_SOURCE.parent}", *(("-DSCALAR_F16",) if dtype == torch.float16 else ()))   # bulk_ring.cuh
     return compile_kernels(_SOURCE.read_text(), names, device, options, max_shared_mem=MAX_SHARED_MEM)
 

@@ -24,99 +24,7 @@
 // then a fixed butterfly; lane 0's value is used. Nothing depends on M or on other rows, so row m
 // of a verify step equals the decode step's row bit for bit (tests/kernels/test_stream_linear.py).
 // Every M bucket (MB) compiles the same per-row instruction sequence.
-//
-// No headers: NVRTC has no C library, and cuda_bf16.h / cuda_fp16.h are not on its path
-// everywhere, so the 16-bit values are raw bits converted with PTX.
-typedef unsigned long long uint64_t;
-typedef unsigned int uint32_t;
-typedef unsigned short uint16_t;
-typedef unsigned char uint8_t;
-typedef uint16_t scalar_t;   // bf16 bits, or f16 bits with -DSCALAR_F16
-
-#define CONSUMER_WARPS 8
-#define THREADS ((CONSUMER_WARPS + 1) * 32)
-
-__device__ __forceinline__ float to_float(uint16_t v) {
-#ifdef SCALAR_F16
-  float f;
-  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(v));
-  return f;
-#else
-  return __uint_as_float((uint32_t)v << 16);
-#endif
-}
-__device__ __forceinline__ uint16_t to_scalar(float v) {  // round to nearest even
-  uint16_t h;
-#ifdef SCALAR_F16
-  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(v));
-#else
-  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(v));
-#endif
-  return h;
-}
-__device__ __forceinline__ float round_to_scalar(float v) { return to_float(to_scalar(v)); }
-
-// 8 values from one 16-byte word, by bit operations on its four 32-bit lanes: taking the word's
-// address to index it as 16-bit values made the compiler split the load into eight 2-byte loads
-// (2.6x slower as a whole, bench/stream_linear.py)
-__device__ __forceinline__ void unpack2(uint32_t r, float* out) {
-#ifdef SCALAR_F16
-  out[0] = to_float((uint16_t)(r & 0xffffu));
-  out[1] = to_float((uint16_t)(r >> 16));
-#else
-  out[0] = __uint_as_float(r << 16);
-  out[1] = __uint_as_float(r & 0xffff0000u);
-#endif
-}
-__device__ __forceinline__ void unpack8(const uint4& raw, float* out) {
-  unpack2(raw.x, out);
-  unpack2(raw.y, out + 2);
-  unpack2(raw.z, out + 4);
-  unpack2(raw.w, out + 6);
-}
-
-#include "bulk_ring.cuh"   // mbar_*, bulk_copy, smem_addr
-__device__ __forceinline__ long long global_timer() {  // ns, one clock for every SM
-  long long t;
-  asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
-  return t;
-}
-__device__ __forceinline__ long long sm_id() {
-  unsigned s;
-  asm volatile("mov.u32 %0, %smid;" : "=r"(s));
-  return s;
-}
-__device__ __forceinline__ void consumers_sync() {  // the 256 consumer threads only
-  asm volatile("bar.sync 1, %0;" ::"n"(CONSUMER_WARPS * 32) : "memory");
-}
-
-// acc[m] = row . x[m] for m < M, on lane 0 after the butterfly (every lane holds a sum; lane 0's
-// order is the defined one). row: K values in shared memory; x: [M, K] in global or shared memory.
-template <int MB>
-__device__ __forceinline__ void dot_row(const scalar_t* row, const scalar_t* x, int M, int K,
-                                        int lane, float* acc) {
-#pragma unroll
-  for (int m = 0; m < MB; ++m) acc[m] = 0.f;
-#pragma unroll 4
-  for (int k = lane * 8; k < K; k += 256) {
-    float w[8];
-    unpack8(*reinterpret_cast<const uint4*>(row + k), w);
-#pragma unroll
-    for (int m = 0; m < MB; ++m) {
-      if (m < M) {
-        float xv[8];
-        unpack8(*reinterpret_cast<const uint4*>(x + (size_t)m * K + k), xv);
-#pragma unroll
-        for (int j = 0; j < 8; ++j) acc[m] = __fmaf_rn(w[j], xv[j], acc[m]);
-      }
-    }
-  }
-#pragma unroll
-  for (int m = 0; m < MB; ++m) {
-#pragma unroll
-    for (int offset = 16; offset >= 1; offset >>= 1) acc[m] = __fadd_rn(acc[m], __shfl_xor_sync(0xffffffffu, acc[m], offset));
-  }
-}
+#include "stream_common.cuh"   // scalar_t, unpack8, dot_row, mbar_*, bulk_copy, timers
 
 struct Args {
   const scalar_t* weight;     // [rows, K]: rows = N, or 2N (gate rows, then up rows) when gated
@@ -203,19 +111,7 @@ __device__ __forceinline__ void stream_linear_body(const Args& a) {
     consumers_sync();
   }
   float scale[MB];
-#pragma unroll
-  for (int m = 0; m < MB; ++m) {
-    scale[m] = 1.f;
-    if (a.row_sumsq != nullptr && m < M) {  // the parts (one per CTA of the kernel before: up to
-      // a few hundred) summed across the lanes, each lane's in order, then lane 0's butterfly
-      float total = 0.f;
-      for (int p = lane; p < a.P; p += 32) total = __fadd_rn(total, a.row_sumsq[(size_t)p * M + m]);
-#pragma unroll
-      for (int offset = 16; offset >= 1; offset >>= 1) total = __fadd_rn(total, __shfl_xor_sync(0xffffffffu, total, offset));
-      total = __shfl_sync(0xffffffffu, total, 0);
-      scale[m] = rsqrtf(__fadd_rn(__fdiv_rn(total, (float)K), a.eps));
-    }
-  }
+  row_scales<MB>(a.row_sumsq, a.P, M, K, a.eps, lane, scale);
 
   const int group = warp / cu, index = warp % cu;
   for (int c = group; group < groups && c < num_chunks; c += groups) {
@@ -240,11 +136,7 @@ __device__ __forceinline__ void stream_linear_body(const Args& a) {
             float v = __fmul_rn(acc[m], scale[m]);
             if (a.bias != nullptr) v = __fadd_rn(v, to_float(a.bias[unit]));
             v = round_to_scalar(v);
-            if (a.gated) {  // silu(gate) * up, gate, up and silu(gate) rounded as the reference does
-              const float u = round_to_scalar(__fmul_rn(up[m], scale[m]));
-              const float silu = round_to_scalar(__fdiv_rn(v, __fadd_rn(1.f, expf(-v))));
-              v = round_to_scalar(__fmul_rn(silu, u));
-            }
+            if (a.gated) v = silu_mul_rounded(v, round_to_scalar(__fmul_rn(up[m], scale[m])));
             if (a.residual != nullptr) v = round_to_scalar(__fadd_rn(v, to_float(a.residual[(size_t)m * N + unit])));
             a.out[(size_t)m * N + unit] = to_scalar(v);
             if (a.emit_weight != nullptr) {
@@ -274,7 +166,7 @@ __device__ __forceinline__ void stream_linear_body(const Args& a) {
 }
 
 #define STREAM_LINEAR_KERNEL(MB)                                                             \
-  extern "C" __global__ void __launch_bounds__(THREADS, 1) stream_linear_m##MB(const Args a) { \
+  extern "C" __global__ void __launch_bounds__(THREADS, MB <= 8 ? 2 : 1) stream_linear_m##MB(const Args a) { \
     stream_linear_body<MB>(a);                                                                 \
   }
 STREAM_LINEAR_KERNEL(1)

@@ -70,18 +70,23 @@ def test_kernel_attention_logits_close_to_sdpa(model):
     assert err < 2e-2
 
 
-@pytest.mark.parametrize("mlp", ["chain", "fused"])
+@pytest.mark.parametrize("mlp", ["chain", "fused", "stream"])
 @pytest.mark.parametrize("width", [8, 17], ids=lambda w: f"w{w}")
 @pytest.mark.parametrize("shape", ["smollm2-135m", "qwen2.5-0.5b", "qwen2.5-1.5b", "llama-3-8b"])
 def test_verify_rows_equal_decode_steps_bitwise(shape, width, mlp, monkeypatch):
     """Greedy output may not change with speculation: row i of a q-token verify step must be the
     very logits that one-token decode produces at that position (batch-invariant projections,
-    fixed attention splits), with the MLP as the chain of small_matmul launches (the default) or
-    as kernels.fused_mlp (BATCHD_FUSED_MLP=1)."""
-    monkeypatch.setenv("BATCHD_FUSED_MLP", "1" if mlp == "fused" else "0")
+    fixed attention splits), with the MLP as the chain of small_matmul launches (the default), as
+    kernels.fused_mlp (BATCHD_FUSED_MLP=1), or as its bulk-copy stream kernel (a stream config)."""
+    from kernels.fused_mlp import triton_kernel as mlp_kernel
+
+    monkeypatch.setenv("BATCHD_FUSED_MLP", "0" if mlp == "chain" else "1")
     config = preset(shape)
+    if mlp == "stream":
+        monkeypatch.setitem(mlp_kernel.TUNED, (config.intermediate_size, config.hidden_size, 2),
+                            mlp_kernel.FusedMlpConfig(stream=True))
     engine = Engine(build_model(config, "cuda", torch.bfloat16, seed=2), None, max_context=1024, eos_ids=set())
-    assert engine.fused_mlp == (mlp == "fused")
+    assert engine.fused_mlp == (mlp != "chain")
     tokens = torch.randint(0, config.vocab_size, (1, 400), device="cuda", generator=None)
     with torch.inference_mode():
         engine.cache.reset()

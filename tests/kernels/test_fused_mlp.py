@@ -163,3 +163,95 @@ def test_cuda_model_shapes_in_a_graph(shape):
     one, _ = fused_mlp(x[:1], sumsq[:, :1].contiguous(), gate_up, down_t, residual=residual[:1],
                        emit_norm_weight=next_norm)
     assert torch.equal(one, eager[:1])
+
+
+# ---- the bulk-copy stream kernel (kernels/fused_mlp/stream_mlp.cu) ----
+
+def stream_config(ring_kb=128):
+    from kernels.fused_mlp.triton_kernel import FusedMlpConfig
+
+    return FusedMlpConfig(stream=True, ring_kb=ring_kb)
+
+
+@pytest.mark.parametrize("M, I, H", [(1, 8960, 1536), (17, 8960, 1536), (32, 8960, 1536), (17, 14336, 4096),
+                                     (1, 1536, 576), (3, 40, 64)])
+def test_stream_plan_fits_shared_memory_and_covers_every_row(M, I, H):
+    from kernels.fused_mlp.stream_kernel import COLUMNS_PER_THREAD_GROUP, plan_stream_mlp
+    from kernels.stream_linear import MAX_SHARED_MEM
+
+    p = plan_stream_mlp(M, I, H, 2, sms=132, ring_bytes=128 << 10)
+    assert p.grid == min(132, I) and p.m_bucket >= M
+    assert 2 <= p.num_slots <= 16 and p.shared_mem <= MAX_SHARED_MEM
+    assert 8 % p.chunk_units == 0 and p.slot_bytes == p.chunk_units * 2 * H * 2
+    assert p.col_groups * COLUMNS_PER_THREAD_GROUP >= H       # every output column has a thread
+    bounds = [b * I // p.grid for b in range(p.grid + 1)]
+    assert bounds[-1] == I and all(hi > lo for lo, hi in zip(bounds, bounds[1:]))
+
+
+def test_stream_plan_refuses_what_the_kernel_cannot_run():
+    from kernels.fused_mlp.stream_kernel import plan_stream_mlp
+
+    with pytest.raises(ValueError, match="1..32 rows"):
+        plan_stream_mlp(33, 64, 64, 2, sms=4, ring_bytes=1 << 16)
+    with pytest.raises(ValueError, match="multiple of 8"):
+        plan_stream_mlp(1, 64, 60, 2, sms=4, ring_bytes=1 << 16)
+    with pytest.raises(ValueError, match="does not fit"):
+        plan_stream_mlp(1, 64, 40000, 2, sms=4, ring_bytes=1 << 16)
+
+
+def test_stream_args_struct_matches_the_kernels_layout():
+    import ctypes
+
+    from kernels.fused_mlp.stream_kernel import _MlpArgs
+
+    # 5 pointers, 4 ints, a float, 4 ints, the trace pointer (8-aligned) and its row -> 96 bytes
+    assert _MlpArgs.eps.offset == 5 * 8 + 4 * 4
+    assert _MlpArgs.trace.offset == 80 and ctypes.sizeof(_MlpArgs) == 96
+
+
+def _sm90():
+    from kernels.stream_linear import cuda_supported
+
+    return torch.cuda.is_available() and cuda_supported(torch.device("cuda"))
+
+
+needs_sm90 = pytest.mark.skipif(not _sm90(), reason="needs an sm_90+ GPU (bulk copies, griddepcontrol)")
+
+
+@needs_sm90
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
+@pytest.mark.parametrize("M, H, I, ring_kb", [
+    (1, 1536, 8960, 128),    # Qwen2.5-1.5B: 4 pairs a chunk, 5 slots (slot 4 idle in the gate/up phase)
+    (17, 1536, 8960, 192),   # a verify step, 8 slots
+    (32, 1536, 8960, 48),    # 2 slots: one per consumer group, x read from global memory
+    (5, 4096, 14336, 192),   # Llama-3-8B: one pair a chunk, 8 groups, two column groups a thread
+    (3, 576, 1536, 72),      # SmolLM2-135M: 8 pairs a chunk, 11-12 rows a CTA, 4 slots
+    (2, 64, 40, 8),          # fewer rows than multiprocessors: one row a CTA
+])
+def test_stream_kernel_matches_reference_and_its_rows_are_batch_invariant(M, H, I, ring_kb, dtype):
+    x, sumsq, gate_up, down_t, residual, next_norm = make(M, H, I, dtype, seed=M)
+    run = lambda rows: fused_mlp(x[rows], sumsq[:, rows].contiguous(), gate_up, down_t,  # noqa: E731
+                                 residual=residual[rows], emit_norm_weight=next_norm, config=stream_config(ring_kb))
+    got, got_inputs = run(slice(0, M))
+    want, want_inputs = fused_mlp_reference(x, sumsq, gate_up, down_t, residual, emit_norm_weight=next_norm)
+    assert rel_err(got, want) < 2 * REL_ERR[dtype]
+    assert rel_err(got_inputs.weighted, want_inputs.weighted) < 2 * REL_ERR[dtype]
+    for rows in {slice(0, 1), slice(M - 1, M), slice(M // 2, M)}:
+        out, inputs = run(rows)
+        assert torch.equal(out, got[rows]) and torch.equal(inputs.weighted, got_inputs.weighted[rows])
+    again, _ = run(slice(0, M))
+    assert torch.equal(again, got)                      # no race: the same bits every launch
+
+
+@needs_sm90
+def test_stream_kernel_in_a_cuda_graph_and_beside_the_triton_slices():
+    x, sumsq, gate_up, down_t, residual, _ = make(5, 1536, 8960, torch.bfloat16, seed=7)
+    run = lambda: fused_mlp(x, sumsq, gate_up, down_t, residual=residual, config=stream_config())  # noqa: E731
+    eager = run()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = run()
+    graph.replay()
+    assert torch.equal(captured, eager)
+    triton_out = fused_mlp(x, sumsq, gate_up, down_t, residual=residual)       # the Triton slices
+    assert rel_err(eager, triton_out) < 2 * REL_ERR[torch.bfloat16]

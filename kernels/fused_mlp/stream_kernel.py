@@ -1,0 +1,132 @@
+"""The fused MLP's slice kernel with bulk-copy weight streaming (CUDA, sm_90+): stream_mlp.cu.
+
+    part = stream_mlp_partials(x, row_sumsq, gate_up, down_t, eps=eps)   # [G, M, H] f32
+
+It computes what triton_kernel._fused_mlp_kernel computes (act for a slice of the intermediate
+axis, times the slice's down rows), into the same float32 partials, so triton_kernel's ordered
+reduce finishes both. A FusedMlpConfig with stream=True routes fused_mlp here. Design:
+stream_mlp.cu; measurements: kernels/small_matmul/NOTES.md, "Stop 25".
+"""
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kernels.stream_linear import (CONSUMER_WARPS, MAX_ROWS, MAX_SHARED_MEM, SLOT_TARGET_BYTES, THREADS,
+                                   X_STAGE_BYTES, M_BUCKETS)
+
+_SOURCE = Path(__file__).with_name("stream_mlp.cu")
+_COMMON = Path(__file__).resolve().parents[1] / "stream_linear"     # stream_common.cuh, bulk_ring.cuh
+COLUMNS_PER_THREAD_GROUP = 8 * CONSUMER_WARPS * 32                  # H columns one COL_GROUPS step covers
+
+
+@dataclass(frozen=True)
+class StreamMlpPlan:
+    """One call's launch: CTAs (= slices), gate/up pairs per chunk, ring slots, shared memory."""
+    grid: int
+    chunk_units: int
+    slot_bytes: int
+    num_slots: int
+    stage_x: bool
+    shared_mem: int
+    m_bucket: int
+    col_groups: int
+
+
+def plan_stream_mlp(M: int, intermediate: int, hidden: int, itemsize: int, *, sms: int,
+                    ring_bytes: int) -> StreamMlpPlan:
+    """The launch for x [M, H] and I intermediate rows. A slot holds cu (gate, up) row pairs or 2 cu
+    down rows, cu the largest power of two up to 8 whose pairs fit SLOT_TARGET_BYTES (at least 1);
+    the ring as many slots as ring_bytes and shared memory allow (2-16). Raises ValueError where
+    the kernel cannot run the shape."""
+    if not 1 <= M <= MAX_ROWS:
+        raise ValueError(f"the stream MLP takes 1..{MAX_ROWS} rows, got {M}")
+    if hidden % 8:
+        raise ValueError(f"the stream MLP needs H a multiple of 8 (16-byte row pieces), got {hidden}")
+    pair_bytes = 2 * hidden * itemsize
+    chunk_units = 1
+    while chunk_units < CONSUMER_WARPS and 2 * chunk_units * pair_bytes <= SLOT_TARGET_BYTES:
+        chunk_units *= 2
+    slot_bytes = chunk_units * pair_bytes
+    grid = min(sms, intermediate)
+    x_bytes = M * hidden * itemsize
+    stage_x = x_bytes <= X_STAGE_BYTES
+    act_bytes = (-(-intermediate // grid) * M + 3) // 4 * 16      # [rows, M] f32, 16 B aligned
+    tail = 256 + act_bytes + (x_bytes if stage_x else 0)
+    num_slots = min(16, max(2, ring_bytes // slot_bytes))
+    while num_slots > 2 and num_slots * slot_bytes + tail > MAX_SHARED_MEM:
+        num_slots -= 1
+    shared_mem = num_slots * slot_bytes + tail
+    if shared_mem > MAX_SHARED_MEM:
+        raise ValueError(f"the stream MLP: H = {hidden} does not fit two ring slots in shared memory")
+    bucket = next(b for b in M_BUCKETS if b >= M)
+    return StreamMlpPlan(grid, chunk_units, slot_bytes, num_slots, stage_x, shared_mem, bucket,
+                         -(-hidden // COLUMNS_PER_THREAD_GROUP))
+
+
+class _MlpArgs(ctypes.Structure):
+    """stream_mlp.cu's `struct MlpArgs`, field for field."""
+    _fields_ = [("gate_up", ctypes.c_void_p), ("down_t", ctypes.c_void_p), ("x", ctypes.c_void_p),
+                ("row_sumsq", ctypes.c_void_p), ("part", ctypes.c_void_p),
+                ("M", ctypes.c_int), ("H", ctypes.c_int), ("I", ctypes.c_int), ("P", ctypes.c_int),
+                ("eps", ctypes.c_float),
+                ("chunk_units", ctypes.c_int), ("num_slots", ctypes.c_int), ("use_pdl", ctypes.c_int),
+                ("stage_x", ctypes.c_int),
+                ("trace", ctypes.c_void_p), ("trace_row", ctypes.c_int)]
+
+
+def _kernels(device: torch.device, dtype: torch.dtype, col_groups: int):
+    from kernels._cuda_launch import compile_kernels
+
+    names = tuple(f"stream_mlp_m{b}" for b in M_BUCKETS)
+    options = (f"-I{_COMMON}", f"-DCOL_GROUPS={col_groups}", *(("-DSCALAR_F16",) if dtype == torch.float16 else ()))
+    return compile_kernels(_SOURCE.read_text(), names, device, options, max_shared_mem=MAX_SHARED_MEM)
+
+
+def _trace_rows(intermediate: int, hidden: int, grid: int, any_tensor: torch.Tensor) -> tuple[int | None, int]:
+    """(rows pointer, first row) in kernels._trace's open recorder, one row per CTA; (None, 0) when
+    none is open."""
+    from kernels import _trace
+
+    args = _trace.trace_args(f"stream mlp {intermediate}x{hidden} in {grid} slices", (grid,), any_tensor)
+    return (args["Trace"].data_ptr(), args["trace_row"]) if args["TRACE"] else (None, 0)
+
+
+def stream_mlp_partials(
+    x: torch.Tensor,             # [M, H] bf16/f16, contiguous: norm_weight * h
+    row_sumsq: torch.Tensor,     # [P, M] f32
+    gate_up: torch.Tensor,       # [2I, H] contiguous
+    down_t: torch.Tensor,        # [I, H] contiguous
+    *,
+    eps: float,
+    ring_bytes: int,
+) -> torch.Tensor:
+    """-> part [G, M, H] f32, G = min(multiprocessors, I): slice b's sum of act down_t. Shapes are
+    validated by kernels.fused_mlp.fused_mlp; this checks what only the CUDA kernel needs."""
+    from kernels._backend import multiprocessor_count, pdl_enabled
+    from kernels.stream_linear import cuda_supported
+
+    if not cuda_supported(x.device):
+        raise ValueError(f"the stream MLP's CUDA kernel needs an sm_90+ GPU, not {x.device}")
+    if x.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"the stream MLP's CUDA kernel takes bf16 or f16, got {x.dtype}")
+    x = x.contiguous()      # read at a row pitch of H
+    M, H = x.shape
+    intermediate = down_t.shape[0]
+    p = plan_stream_mlp(M, intermediate, H, x.element_size(), sms=multiprocessor_count(x.device),
+                        ring_bytes=ring_bytes)
+    part = torch.empty(p.grid, M, H, dtype=torch.float32, device=x.device)
+    pdl = pdl_enabled(x.device)
+    args = _MlpArgs(gate_up.data_ptr(), down_t.data_ptr(), x.data_ptr(), row_sumsq.data_ptr(), part.data_ptr(),
+                    M, H, intermediate, row_sumsq.shape[0], float(eps),
+                    p.chunk_units, p.num_slots, int(pdl), int(p.stage_x),
+                    *_trace_rows(intermediate, H, p.grid, part))
+    kernel = _kernels(x.device, x.dtype, p.col_groups)[f"stream_mlp_m{p.m_bucket}"]
+    kernel.launch(p.grid, THREADS, p.shared_mem, args, pdl=pdl)
+    return part
+
+
+__all__ = ["StreamMlpPlan", "plan_stream_mlp", "stream_mlp_partials"]

@@ -1,0 +1,141 @@
+// Device helpers shared by the bulk-copy streaming kernels (stream_linear.cu, kernels/fused_mlp/
+// stream_mlp.cu): 16-bit values as raw bits, the lane-strided row dot product whose order defines
+// the bits, and the timer and SM id that kernels._trace rows record.
+//
+// No headers: NVRTC has no C library, and cuda_bf16.h / cuda_fp16.h are not on its path
+// everywhere, so the 16-bit values are raw bits converted with PTX.
+#pragma once
+
+typedef unsigned long long uint64_t;
+typedef unsigned int uint32_t;
+typedef unsigned short uint16_t;
+typedef unsigned char uint8_t;
+typedef uint16_t scalar_t;   // bf16 bits, or f16 bits with -DSCALAR_F16
+
+#define CONSUMER_WARPS 8
+#define THREADS ((CONSUMER_WARPS + 1) * 32)
+
+__device__ __forceinline__ float to_float(uint16_t v) {
+#ifdef SCALAR_F16
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(v));
+  return f;
+#else
+  return __uint_as_float((uint32_t)v << 16);
+#endif
+}
+__device__ __forceinline__ uint16_t to_scalar(float v) {  // round to nearest even
+  uint16_t h;
+#ifdef SCALAR_F16
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(v));
+#else
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(v));
+#endif
+  return h;
+}
+__device__ __forceinline__ float round_to_scalar(float v) { return to_float(to_scalar(v)); }
+
+// 8 values from one 16-byte word, by bit operations on its four 32-bit lanes: taking the word's
+// address to index it as 16-bit values made the compiler split the load into eight 2-byte loads
+// (2.6x slower as a whole, bench/stream_linear.py)
+__device__ __forceinline__ void unpack2(uint32_t r, float* out) {
+#ifdef SCALAR_F16
+  out[0] = to_float((uint16_t)(r & 0xffffu));
+  out[1] = to_float((uint16_t)(r >> 16));
+#else
+  out[0] = __uint_as_float(r << 16);
+  out[1] = __uint_as_float(r & 0xffff0000u);
+#endif
+}
+__device__ __forceinline__ void unpack8(const uint4& raw, float* out) {
+  unpack2(raw.x, out);
+  unpack2(raw.y, out + 2);
+  unpack2(raw.z, out + 4);
+  unpack2(raw.w, out + 6);
+}
+
+#include "bulk_ring.cuh"   // mbar_*, bulk_copy, smem_addr
+__device__ __forceinline__ long long global_timer() {  // ns, one clock for every SM
+  long long t;
+  asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
+  return t;
+}
+__device__ __forceinline__ long long sm_id() {
+  unsigned s;
+  asm volatile("mov.u32 %0, %smid;" : "=r"(s));
+  return s;
+}
+__device__ __forceinline__ void consumers_sync() {  // the 256 consumer threads only
+  asm volatile("bar.sync 1, %0;" ::"n"(CONSUMER_WARPS * 32) : "memory");
+}
+
+// acc[m] = row . x[m] for m < M, on lane 0 after the butterfly (every lane holds a sum; lane 0's
+// order is the defined one). row: K values in shared memory; x: [M, K] in global or shared memory.
+template <int MB>
+__device__ __forceinline__ void dot_row(const scalar_t* row, const scalar_t* x, int M, int K,
+                                        int lane, float* acc) {
+#pragma unroll
+  for (int m = 0; m < MB; ++m) acc[m] = 0.f;
+#pragma unroll 4
+  for (int k = lane * 8; k < K; k += 256) {
+    float w[8];
+    unpack8(*reinterpret_cast<const uint4*>(row + k), w);
+#pragma unroll
+    for (int m = 0; m < MB; ++m) {
+      if (m < M) {
+        float xv[8];
+        unpack8(*reinterpret_cast<const uint4*>(x + (size_t)m * K + k), xv);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) acc[m] = __fmaf_rn(w[j], xv[j], acc[m]);
+      }
+    }
+  }
+#pragma unroll
+  for (int m = 0; m < MB; ++m) {
+#pragma unroll
+    for (int offset = 16; offset >= 1; offset >>= 1) acc[m] = __fadd_rn(acc[m], __shfl_xor_sync(0xffffffffu, acc[m], offset));
+  }
+}
+
+// scale[m]: the folded RMSNorm's row scale rsqrt(sum of h^2 / K + eps), or 1 without row_sumsq
+// ([P, M] f32: one part per CTA or program of the kernel before, up to a few hundred). The parts are
+// summed across the lanes, each lane's in order, then lane 0's butterfly; every lane gets the same
+// value. A lane's first 16 / MB parts of a row are loaded before any is added: a loop of dependent
+// adds issued one L2 round trip per part (6 for the 192 parts of o's gemv, about 3 us under a full
+// memory system; NOTES, stop 25). The order of the adds is the same either way.
+template <int MB>
+__device__ __forceinline__ void row_scales(const float* row_sumsq, int P, int M, int K, float eps, int lane,
+                                           float* scale) {
+  constexpr int PARTS_IN_FLIGHT = MB >= 16 ? 1 : 16 / MB;   // 16 registers of loads in flight
+  float first[MB][PARTS_IN_FLIGHT];
+#pragma unroll
+  for (int m = 0; m < MB; ++m) {
+#pragma unroll
+    for (int i = 0; i < PARTS_IN_FLIGHT; ++i) {
+      const int p = lane + 32 * i;
+      first[m][i] = row_sumsq != nullptr && m < M && p < P ? row_sumsq[(size_t)p * M + m] : 0.f;
+    }
+  }
+#pragma unroll
+  for (int m = 0; m < MB; ++m) {
+    scale[m] = 1.f;
+    if (row_sumsq != nullptr && m < M) {
+      float total = 0.f;
+#pragma unroll
+      for (int i = 0; i < PARTS_IN_FLIGHT; ++i)
+        if (lane + 32 * i < P) total = __fadd_rn(total, first[m][i]);
+      for (int p = lane + 32 * PARTS_IN_FLIGHT; p < P; p += 32) total = __fadd_rn(total, row_sumsq[(size_t)p * M + m]);
+#pragma unroll
+      for (int offset = 16; offset >= 1; offset >>= 1) total = __fadd_rn(total, __shfl_xor_sync(0xffffffffu, total, offset));
+      total = __shfl_sync(0xffffffffu, total, 0);
+      scale[m] = rsqrtf(__fadd_rn(__fdiv_rn(total, (float)K), eps));
+    }
+  }
+}
+
+// silu(gate) * up for a gate and an up already rounded to the model dtype: silu(gate) and the
+// product rounded as the reference (kernels.small_matmul.reference) rounds them
+__device__ __forceinline__ float silu_mul_rounded(float gate, float up) {
+  const float silu = round_to_scalar(__fdiv_rn(gate, __fadd_rn(1.f, expf(-gate))));
+  return round_to_scalar(__fmul_rn(silu, up));
+}

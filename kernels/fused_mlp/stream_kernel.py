@@ -103,9 +103,10 @@ def stream_mlp_partials(
     *,
     eps: float,
     ring_bytes: int,
+    ctas: int = 0,               # CTAs (slices); 0: one per multiprocessor
 ) -> torch.Tensor:
-    """-> part [G, M, H] f32, G = min(multiprocessors, I): slice b's sum of act down_t. Shapes are
-    validated by kernels.fused_mlp.fused_mlp; this checks what only the CUDA kernel needs."""
+    """-> part [G, M, H] f32, G = min(ctas or multiprocessors, I): slice b's sum of act down_t.
+    Shapes are validated by kernels.fused_mlp.fused_mlp; this checks what only the CUDA kernel needs."""
     from kernels._backend import multiprocessor_count, pdl_enabled
     from kernels.stream_linear import cuda_supported
 
@@ -116,7 +117,8 @@ def stream_mlp_partials(
     x = x.contiguous()      # read at a row pitch of H
     M, H = x.shape
     intermediate = down_t.shape[0]
-    p = plan_stream_mlp(M, intermediate, H, x.element_size(), sms=multiprocessor_count(x.device),
+    p = plan_stream_mlp(M, intermediate, H, x.element_size(), sms=min(ctas or multiprocessor_count(x.device),
+                                                                      multiprocessor_count(x.device)),
                         ring_bytes=ring_bytes)
     part = torch.empty(p.grid, M, H, dtype=torch.float32, device=x.device)
     pdl = pdl_enabled(x.device)

@@ -120,21 +120,9 @@ __device__ __forceinline__ void stream_mlp_body(const MlpArgs& a) {
     asm volatile("griddepcontrol.launch_dependents;" :::);
   }
   if (mark != nullptr && tid == 0) mark[1] = global_timer();
-  // x into shared memory (the dot products' loads then stay off the L2) and the norm's row scales:
-  // a thread's first piece of x is in flight while the scales' parts load
-  const scalar_t* x = a.x;
-  const int n16 = a.stage_x ? M * H / 8 : 0;
-  uint4 piece;
-  if (tid < n16) piece = reinterpret_cast<const uint4*>(a.x)[tid];
   float scale[MB];
-  row_scales<MB>(a.row_sumsq, a.P, M, H, a.eps, lane, scale);
-  if (a.stage_x) {
-    if (tid < n16) reinterpret_cast<uint4*>(x_staged)[tid] = piece;
-    for (int i = tid + CONSUMER_THREADS; i < n16; i += CONSUMER_THREADS)
-      reinterpret_cast<uint4*>(x_staged)[i] = reinterpret_cast<const uint4*>(a.x)[i];
-    consumers_sync();
-    x = x_staged;
-  }
+  const scalar_t* x = stage_x_and_row_scales<MB>(a.x, x_staged, a.stage_x, M, H, a.row_sumsq, a.P, a.eps, tid, lane,
+                                                 scale);
 
   // phase 1: act[r][m] for the CTA's rows, stream_linear's gated arithmetic
   const int group = warp / cu, index = warp % cu;

@@ -43,7 +43,7 @@ if interpreting():
 
 @dataclass(frozen=True)
 class FusedMlpConfig:
-    programs: int = 0        # slices of the intermediate axis; 0: one per multiprocessor
+    programs: int = 0        # slices of the intermediate axis; 0: one per multiprocessor (stream: CTAs, at most that)
     block_k: int = 64        # gate/up columns per k step
     block_n: int = 64        # down's output columns per step
     num_warps: int = 4
@@ -291,7 +291,8 @@ def fused_mlp_triton(
     if config.stream:
         from kernels.fused_mlp.stream_kernel import stream_mlp_partials
 
-        part = stream_mlp_partials(x, row_sumsq, gate_up, down_t, eps=eps, ring_bytes=config.ring_kb << 10)
+        part = stream_mlp_partials(x, row_sumsq, gate_up, down_t, eps=eps, ring_bytes=config.ring_kb << 10,
+                                   ctas=config.programs)
     else:
         part = _triton_partials(x, row_sumsq, gate_up, down_t, eps, config, pdl)
     programs = part.shape[0]

@@ -95,6 +95,9 @@ class SmallLinearConfig:
         return per_split, triton.cdiv(K, self.block_k) - (self.effective_splits(K) - 1) * per_split
 
 
+# Qwen2.5-1.5B's gate_up runs on kernels.stream_linear (128 KB ring) since stop 25: 858 against the
+# Triton tiles' 836 tok/s, once its folded norm's parts were loaded in flight together (NOTES.md,
+# "Stop 25"); off sm_90 or in f32 that entry falls back to the heuristic (choose_config).
 # Measured on one H200 (132 SMs, copy bandwidth 4.27 TB/s) by `python bench/small_matmul.py --tune`,
 # bf16 at M = 1, weights streamed from HBM; f16 uses the bf16 entry (same bytes). `preload` from
 # `python bench/step_sweep.py` (preload=) on whole decode steps: it pays on weights of 100 MB and more
@@ -111,7 +114,7 @@ TUNED: dict[tuple[int, int, int], SmallLinearConfig] = {
     # Qwen2.5-1.5B
     (2048, 1536, 2): SmallLinearConfig(16, 256, 1, num_warps=4, num_stages=4, swap=True),      # qkv (stop 16)
     (1536, 1536, 2): SmallLinearConfig(8, 128, 1, num_warps=4, gemv=True),                     # o (stop 13)
-    (17920, 1536, 2): SmallLinearConfig(128, 128, 1, num_warps=4, num_stages=3, swap=True),    # gate_up
+    (17920, 1536, 2): SmallLinearConfig(16, 128, 1, stream=True, ring_kb=128),                 # gate_up (stop 25)
     (1536, 8960, 2): SmallLinearConfig(64, 128, 10, num_warps=4, num_stages=3, swap=True, preload=2),   # down (stop 16)
     (151936, 1536, 2): SmallLinearConfig(64, 128, 1, num_warps=4, num_stages=3, swap=True),    # lm_head
     # Llama-3-8B

@@ -139,3 +139,23 @@ __device__ __forceinline__ float silu_mul_rounded(float gate, float up) {
   const float silu = round_to_scalar(__fdiv_rn(gate, __fadd_rn(1.f, expf(-gate))));
   return round_to_scalar(__fmul_rn(silu, up));
 }
+
+// The consumers' start once the kernel before is done: x [M, K] copied into shared memory when
+// `stage` (the dot products' loads then stay off the L2, which the stream keeps busy), and the
+// norm's row scales. A thread's first 16-byte piece of x is in flight while the scales' parts load,
+// so the two cost one L2 round trip, not two. Returns the x to read (staged or global).
+template <int MB>
+__device__ __forceinline__ const scalar_t* stage_x_and_row_scales(const scalar_t* x, scalar_t* x_staged, bool stage,
+                                                                  int M, int K, const float* row_sumsq, int P,
+                                                                  float eps, int tid, int lane, float* scale) {
+  const int n16 = stage ? M * K / 8 : 0;
+  uint4 piece;
+  if (tid < n16) piece = reinterpret_cast<const uint4*>(x)[tid];
+  row_scales<MB>(row_sumsq, P, M, K, eps, lane, scale);
+  if (!stage) return x;
+  if (tid < n16) reinterpret_cast<uint4*>(x_staged)[tid] = piece;
+  for (int i = tid + CONSUMER_WARPS * 32; i < n16; i += CONSUMER_WARPS * 32)
+    reinterpret_cast<uint4*>(x_staged)[i] = reinterpret_cast<const uint4*>(x)[i];
+  consumers_sync();
+  return x_staged;
+}

@@ -104,14 +104,9 @@ __device__ __forceinline__ void stream_linear_body(const Args& a) {
     asm volatile("griddepcontrol.launch_dependents;" :::);
   }
   if (mark != nullptr && tid == 0) mark[1] = global_timer();
-  if (a.stage_x) {  // x from shared memory: the loop's loads stay off the L2, which the stream keeps busy
-    const int n16 = M * K / 8;
-    for (int i = tid; i < n16; i += CONSUMER_WARPS * 32)
-      reinterpret_cast<uint4*>(x_staged)[i] = reinterpret_cast<const uint4*>(a.x)[i];
-    consumers_sync();
-  }
   float scale[MB];
-  row_scales<MB>(a.row_sumsq, a.P, M, K, a.eps, lane, scale);
+  const scalar_t* x = stage_x_and_row_scales<MB>(a.x, x_staged, a.stage_x, M, K, a.row_sumsq, a.P, a.eps, tid, lane,
+                                                 scale);
 
   const int group = warp / cu, index = warp % cu;
   for (int c = group; group < groups && c < num_chunks; c += groups) {
@@ -121,14 +116,8 @@ __device__ __forceinline__ void stream_linear_body(const Args& a) {
     if (unit < u1) {
       const scalar_t* rows = reinterpret_cast<const scalar_t*>(smem + (size_t)slot * slot_bytes);
       float acc[MB], up[MB];
-      // the same arithmetic whichever memory x is read from
-      if (a.stage_x) {
-        dot_row<MB>(rows + (size_t)index * K, x_staged, M, K, lane, acc);
-        if (a.gated) dot_row<MB>(rows + (size_t)(cu + index) * K, x_staged, M, K, lane, up);
-      } else {
-        dot_row<MB>(rows + (size_t)index * K, a.x, M, K, lane, acc);
-        if (a.gated) dot_row<MB>(rows + (size_t)(cu + index) * K, a.x, M, K, lane, up);
-      }
+      dot_row<MB>(rows + (size_t)index * K, x, M, K, lane, acc);   // x staged or global: the same arithmetic
+      if (a.gated) dot_row<MB>(rows + (size_t)(cu + index) * K, x, M, K, lane, up);
       if (lane == 0) {
 #pragma unroll
         for (int m = 0; m < MB; ++m) {

@@ -11,7 +11,9 @@ weight transposed when it uses this path (engine.model.Transformer.use_fused_mlp
 PyTorch twin (reference.py). The engine uses it on the MLP shapes where it measured faster than the
 chain of small_matmul launches on the H200 (`fused_mlp_wanted`; BATCHD_FUSED_MLP=1 forces it, 0
 turns it off): Qwen2.5-0.5B, +18%; at Qwen2.5-1.5B, Llama-3-8B and SmolLM2-135M the chain is
-faster (kernels/small_matmul/NOTES.md, "Stop 19").
+faster (kernels/small_matmul/NOTES.md, "Stop 19"). `FusedMlpConfig(stream=True)` runs the slices on
+a bulk-copy weight ring instead (stream_mlp.cu, stream_kernel.py; sm_90+, bf16/f16): correct and
+batch-invariant, but slower than the chain in whole steps (NOTES, "Stop 25"), so in no table entry.
 """
 from __future__ import annotations
 

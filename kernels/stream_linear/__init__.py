@@ -14,7 +14,8 @@ Rows are batch-invariant: row m of an M-row call equals the one-row call on x[m]
 every M up to MAX_ROWS, so a verify step reproduces the decode steps' logits.
 
 The kernel is chosen per weight shape by kernels.small_matmul's table (`SmallLinearConfig(stream=
-True)`); small_linear routes there, so callers keep one entry point.
+True)`: Qwen2.5-1.5B's gate_up since stop 25); small_linear routes there, so callers keep one entry
+point, and a stream entry falls back to Triton tiles where this kernel cannot run.
 """
 from __future__ import annotations
 
@@ -138,7 +139,7 @@ def stream_linear(
 
 def cuda_supported(device: torch.device) -> bool:
     """An sm_90+ CUDA device (bulk copies, mbarrier transaction counts, griddepcontrol)."""
-    if device.type != "cuda":
+    if device.type != "cuda" or not torch.cuda.is_available():
         return False
     index = device.index if device.index is not None else torch.cuda.current_device()
     return torch.cuda.get_device_capability(index)[0] >= 9

@@ -6,8 +6,10 @@
 // thread per SM issuing bulk copies of contiguous 8-32 KB chunks pulls the copy bandwidth or more
 // (NOTES, stop 20). Weight rows are contiguous in nn.Linear's layout, so a chunk of whole rows is
 // one copy, no repacking. Measured (NOTES, stop 23): alone, Qwen2.5-1.5B's gate_up 16.2 us against
-// the Triton tiles' 19.8 and its lm_head 112 against 122; in whole decode steps equal or slower,
-// so kernels/small_matmul's table does not route to it.
+// the Triton tiles' 19.8 and its lm_head 112 against 122. In whole decode steps, once the folded
+// norm's parts loaded in flight together (stream_common.cuh, row_scales), Qwen2.5-1.5B's gate_up
+// gained: 860 against 834 tok/s (NOTES, stop 25), so kernels/small_matmul's table routes that
+// weight here; the others stay on the Triton tiles.
 //
 // Layout (grid = G CTAs, 9 warps each):
 //   units: output rows (plain) or (gate row u, up row N + u) pairs (gated); CTA b owns units

@@ -675,3 +675,16 @@ def test_a_config_trigger_overrides_the_linear_knob_for_that_weight_only(monkeyp
     assert trigger(C(8, 128, 1, gemv=True, trigger=1)) == 1
     with pytest.raises(ValueError, match="1 or 2"):
         trigger(C(8, 128, 1, gemv=True, trigger=0))
+
+
+def test_a_stream_table_entry_falls_back_to_triton_tiles_where_the_kernel_cannot_run(monkeypatch):
+    """Qwen2.5-1.5B's gate_up streams through kernels.stream_linear (stop 25), a CUDA kernel for
+    sm_90+ in bf16/f16; on another GPU the same weight takes the heuristic's Triton tiles, whole
+    (no k split: silu needs the whole sum)."""
+    from kernels.small_matmul import triton_kernel
+
+    assert triton_kernel.TUNED[(17920, 1536, 2)].stream
+    monkeypatch.setattr(triton_kernel, "multiprocessor_count", lambda device: 108)   # an A100
+    monkeypatch.setattr(triton_kernel, "stream_runs", lambda device, dtype: False)
+    config = triton_kernel.choose_config(8960, 1536, torch.bfloat16, torch.device("cuda"), gated=True)
+    assert not config.stream and config.splits == 1

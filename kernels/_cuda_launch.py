@@ -19,6 +19,7 @@ import torch
 # cuda.h: CUlaunchAttributeID, CUfunction_attribute
 _LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
 _FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
+_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT = 9
 
 
 class _LaunchAttributeValue(ctypes.Union):
@@ -56,11 +57,14 @@ def _check(result: int, what: str) -> None:
 class CudaKernel:
     """One compiled kernel on one device; `launch` enqueues it on the current stream."""
 
-    def __init__(self, function: ctypes.c_void_p, name: str, max_shared_mem: int):
+    def __init__(self, function: ctypes.c_void_p, name: str, max_shared_mem: int, shared_carveout: int | None = None):
         self.function, self.name = function, name
         if max_shared_mem > 48 * 1024:
             _check(_driver().cuFuncSetAttribute(function, _FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                                                 max_shared_mem), f"{name}: setting {max_shared_mem} B of shared memory")
+        if shared_carveout is not None:   # percent of the L1/shared split given to shared memory
+            _check(_driver().cuFuncSetAttribute(function, _FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
+                                                shared_carveout), f"{name}: setting a {shared_carveout}% carveout")
         self.max_shared_mem = max_shared_mem
 
     def launch(self, grid: int, threads: int, shared_mem: int, args: ctypes.Structure, *, pdl: bool) -> None:
@@ -83,16 +87,17 @@ _lock = threading.Lock()
 
 
 def compile_kernels(source: str, names: tuple[str, ...], device: torch.device, options: tuple[str, ...] = (),
-                    max_shared_mem: int = 0) -> dict[str, CudaKernel]:
+                    max_shared_mem: int = 0, shared_carveout: int | None = None) -> dict[str, CudaKernel]:
     """NVRTC-compile `source` for `device`'s architecture and load `names` from it (cached per
-    (source, names, device, options))."""
+    (source, names, device, options, attributes)). shared_carveout: the kernels' preferred share of
+    the L1/shared split in percent (None: the driver's choice)."""
     index = device.index if device.index is not None else torch.cuda.current_device()
-    return _compile_cached(source, names, index, options, max_shared_mem)
+    return _compile_cached(source, names, index, options, max_shared_mem, shared_carveout)
 
 
 @functools.cache
 def _compile_cached(source: str, names: tuple[str, ...], index: int, options: tuple[str, ...],
-                    max_shared_mem: int) -> dict[str, CudaKernel]:
+                    max_shared_mem: int, shared_carveout: int | None) -> dict[str, CudaKernel]:
     with _lock, torch.cuda.device(index):
         major, minor = torch.cuda.get_device_capability(index)
         arch = f"sm_{major}{minor}a" if major >= 9 else f"sm_{major}{minor}"   # 90a: griddepcontrol, bulk copies
@@ -104,7 +109,7 @@ def _compile_cached(source: str, names: tuple[str, ...], index: int, options: tu
         for name in names:
             function = ctypes.c_void_p()
             _check(_driver().cuModuleGetFunction(ctypes.byref(function), module, name.encode()), f"finding {name}")
-            kernels[name] = CudaKernel(function, name, max_shared_mem)
+            kernels[name] = CudaKernel(function, name, max_shared_mem, shared_carveout)
         return kernels
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from kernels.stream_linear import (CONSUMER_WARPS, MAX_ROWS, MAX_SHARED_MEM, SLOT_TARGET_BYTES, THREADS,
-                                   X_STAGE_BYTES, M_BUCKETS)
+                                   X_STAGE_BYTES, M_BUCKETS, launch_switches)
 
 _SOURCE = Path(__file__).with_name("stream_mlp.cu")
 _COMMON = Path(__file__).resolve().parents[1] / "stream_linear"     # stream_common.cuh, bulk_ring.cuh
@@ -82,8 +82,11 @@ def _kernels(device: torch.device, dtype: torch.dtype, col_groups: int):
     from kernels._cuda_launch import compile_kernels
 
     names = tuple(f"stream_mlp_m{b}" for b in M_BUCKETS)
-    options = (f"-I{_COMMON}", f"-DCOL_GROUPS={col_groups}", *(("-DSCALAR_F16",) if dtype == torch.float16 else ()))
-    return compile_kernels(_SOURCE.read_text(), names, device, options, max_shared_mem=MAX_SHARED_MEM)
+    defines, carveout = launch_switches()
+    options = (f"-I{_COMMON}", f"-DCOL_GROUPS={col_groups}", *(("-DSCALAR_F16",) if dtype == torch.float16 else ()),
+               *defines)
+    return compile_kernels(_SOURCE.read_text(), names, device, options, max_shared_mem=MAX_SHARED_MEM,
+                           shared_carveout=carveout)
 
 
 def _trace_rows(intermediate: int, hidden: int, grid: int, any_tensor: torch.Tensor) -> tuple[int | None, int]:

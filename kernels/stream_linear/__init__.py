@@ -145,12 +145,30 @@ def cuda_supported(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(index)[0] >= 9
 
 
+def launch_switches() -> tuple[tuple[str, ...], int | None]:
+    """(-D options, shared-memory carveout) of the stream kernels from two probes' switches, read
+    when a kernel is first compiled for them (bench/step_sweep.py sets them per variant):
+    BATCHD_STREAM_PRODUCER_TRIGGER=1: the producer thread also signals the dependent launch at its
+    start, not only the consumers after their wait; BATCHD_STREAM_CARVEOUT=PERCENT: the kernels'
+    preferred shared share of the L1/shared split (unset: the driver's choice)."""
+    import os
+
+    trigger = os.environ.get("BATCHD_STREAM_PRODUCER_TRIGGER", "0")
+    carveout = os.environ.get("BATCHD_STREAM_CARVEOUT", "")
+    if trigger not in ("0", "1") or not (carveout == "" or carveout.isdigit() and int(carveout) <= 100):
+        raise ValueError("BATCHD_STREAM_PRODUCER_TRIGGER is 0 or 1 and BATCHD_STREAM_CARVEOUT a percent (0-100), "
+                         f"got {trigger!r} and {carveout!r}")
+    return (("-DPRODUCER_TRIGGER",) if trigger == "1" else ()), (int(carveout) if carveout else None)
+
+
 def _kernels(device: torch.device, dtype: torch.dtype):
     from kernels._cuda_launch import compile_kernels
 
     names = tuple(f"stream_linear_m{b}" for b in M_BUCKETS)
-    options = (f"-I{_SOURCE.parent}", *(("-DSCALAR_F16",) if dtype == torch.float16 else ()))   # bulk_ring.cuh
-    return compile_kernels(_SOURCE.read_text(), names, device, options, max_shared_mem=MAX_SHARED_MEM)
+    defines, carveout = launch_switches()
+    options = (f"-I{_SOURCE.parent}", *(("-DSCALAR_F16",) if dtype == torch.float16 else ()), *defines)   # bulk_ring.cuh
+    return compile_kernels(_SOURCE.read_text(), names, device, options, max_shared_mem=MAX_SHARED_MEM,
+                           shared_carveout=carveout)
 
 
 def _trace_rows(N: int, K: int, gated: bool, residual: bool, grid: int, any_tensor: torch.Tensor

@@ -86,6 +86,9 @@ __device__ __forceinline__ void stream_linear_body(const Args& a) {
 
   if (warp == CONSUMER_WARPS) {  // the producer: weights only, so no wait on the kernel before
     if (lane) return;
+#ifdef PRODUCER_TRIGGER  // (a probe's switch, launch_switches) the dependents may launch from the start
+    if (a.use_pdl) asm volatile("griddepcontrol.launch_dependents;" :::);
+#endif
     uint64_t policy;
     asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
     for (int c = 0; c < num_chunks; ++c) {

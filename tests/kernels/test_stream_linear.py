@@ -197,3 +197,17 @@ def test_small_linear_routes_a_stream_config_to_the_kernel():
     assert torch.equal(routed[0], direct[0]) and torch.equal(routed[1].sumsq, direct[1].sumsq)
     tiles = small_linear(x, w, **kwargs)   # the table's Triton config for this shape: same maths
     assert rel_err(tiles[0], direct[0]) < REL_ERR[torch.bfloat16]
+
+
+def test_launch_switches_name_what_they_take(monkeypatch):
+    from kernels.stream_linear import launch_switches
+
+    monkeypatch.delenv("BATCHD_STREAM_PRODUCER_TRIGGER", raising=False)
+    monkeypatch.delenv("BATCHD_STREAM_CARVEOUT", raising=False)
+    assert launch_switches() == ((), None)                 # off: the driver's carveout, consumers trigger
+    monkeypatch.setenv("BATCHD_STREAM_PRODUCER_TRIGGER", "1")
+    monkeypatch.setenv("BATCHD_STREAM_CARVEOUT", "100")
+    assert launch_switches() == (("-DPRODUCER_TRIGGER",), 100)
+    monkeypatch.setenv("BATCHD_STREAM_CARVEOUT", "120")
+    with pytest.raises(ValueError, match="a percent"):
+        launch_switches()

@@ -519,6 +519,9 @@ def compile_decode_kernels_for_hopper() -> dict:
     from kernels.small_matmul import triton_kernel as tk
 
     table = lambda n, k, gated=False: tk.choose_config(n, k, torch.bfloat16, torch.device("cuda"), gated=gated)  # noqa: E731
+    # gate_up's entry streams through kernels.stream_linear (CUDA, stop 25); without an sm_90 GPU
+    # choose_config falls back to Triton tiles for the multiprocessors it is told of (the H200's 132)
+    tk.multiprocessor_count = lambda device: 132
     qkv = dict(rope=True, norm=True, bias=True)
     cases = {
         "qkv": (table(2048, 1536), 2048, 1536, qkv, {}),

@@ -179,7 +179,10 @@ class RopeTarget(NamedTuple):
 
 def rope_fits(config: SmallLinearConfig, N: int, K: int, head_dim: int) -> bool:
     """Rope goes into the projection's epilogue when a program's tile holds whole rope pairs of one
-    head (block_n / 2 divides D / 2) and there is no k split (the rotation needs the whole sum)."""
+    head (block_n / 2 divides D / 2) and there is no k split (the rotation needs the whole sum); on
+    kernels.stream_linear (a stream config) wherever the rows are whole heads of an even D."""
+    if config.stream:
+        return head_dim % 2 == 0 and N % head_dim == 0
     half = config.block_n // 2
     return config.effective_splits(K) == 1 and half >= 1 and (head_dim // 2) % half == 0 and N % config.block_n == 0
 
@@ -667,12 +670,12 @@ def small_linear_triton(
     N = weight.shape[0] // 2 if gated else weight.shape[0]
     if config is None:
         config = choose_config(N, K, x.dtype, x.device, gated=gated)
-    if config.stream and rope is None:
+    if config.stream:
         from kernels.stream_linear import stream_linear
 
         return stream_linear(x, weight, bias, row_sumsq=row_sumsq, eps=eps, residual=residual, gated=gated,
                              emit_norm_weight=emit_norm_weight, ring_bytes=config.ring_kb * 1024,
-                             ctas_per_sm=config.stream_ctas, backend="cuda")
+                             ctas_per_sm=config.stream_ctas, rope=rope, backend="cuda")
     k_per_split = config.k_per_split(K)
     splits = triton.cdiv(K, k_per_split)
     if gated and (splits > 1 or config.block_n % 32 or config.gemv):

@@ -52,24 +52,29 @@ class StreamPlan:
 
 
 def plan(M: int, N: int, K: int, itemsize: int, *, gated: bool, emit: bool, sms: int,
-         ring_bytes: int = DEFAULT_RING_BYTES, ctas_per_sm: int = 1) -> StreamPlan:
-    """The launch for x [M, K] and N output units (rows, or gate/up pairs when gated). A chunk is
-    the largest power-of-two count of units (at most the 8 consumer warps) whose rows fit
-    SLOT_TARGET_BYTES, and never less than one unit; the ring holds as many slots as ring_bytes
-    and the CTA's share of shared memory allow, at least two. x is staged in shared memory when it
-    takes at most X_STAGE_BYTES. Raises ValueError where the kernel cannot run the shape."""
+         ring_bytes: int = DEFAULT_RING_BYTES, ctas_per_sm: int = 1, rope_half: int = 0) -> StreamPlan:
+    """The launch for x [M, K] and N output units (rows, gate/up pairs when gated, or the rope
+    pairs (d, d + D/2) of each head when rope_half = D/2). A chunk is the largest power-of-two count
+    of units (at most the 8 consumer warps) whose rows fit SLOT_TARGET_BYTES, and never less than
+    one unit (with rope also a divisor of D/2, and CTAs take whole chunks); the ring holds as many
+    slots as ring_bytes and the CTA's share of shared memory allow, at least two. x is staged in
+    shared memory when it takes at most X_STAGE_BYTES. Raises ValueError where the kernel cannot
+    run the shape."""
     if not 1 <= M <= MAX_ROWS:
         raise ValueError(f"stream_linear takes 1..{MAX_ROWS} rows, got {M}")
     if (K * itemsize) % 16:
         raise ValueError(f"stream_linear needs rows of a multiple of 16 bytes (K * {itemsize} = {K * itemsize})")
     if ctas_per_sm not in (1, 2):
         raise ValueError(f"ctas_per_sm is 1 or 2, got {ctas_per_sm}")
-    unit_bytes = K * itemsize * (2 if gated else 1)
+    if rope_half and (gated or emit or N % rope_half):
+        raise ValueError(f"stream_linear's rope takes whole heads of {2 * rope_half} rows and no other fusion")
+    unit_bytes = K * itemsize * (2 if gated or rope_half else 1)
     chunk_units = 1
-    while chunk_units < CONSUMER_WARPS and 2 * chunk_units * unit_bytes <= SLOT_TARGET_BYTES:
+    while chunk_units < CONSUMER_WARPS and 2 * chunk_units * unit_bytes <= SLOT_TARGET_BYTES and (
+            not rope_half or rope_half % (2 * chunk_units) == 0):
         chunk_units *= 2
     slot_bytes = chunk_units * unit_bytes
-    grid = min(sms * ctas_per_sm, N)
+    grid = min(sms * ctas_per_sm, N // chunk_units if rope_half else N)
     limit = MAX_SHARED_MEM if ctas_per_sm == 1 else SHARED_MEM_PER_SM // 2 - 1024
     x_bytes = M * K * itemsize
     stage_x = x_bytes <= X_STAGE_BYTES
@@ -95,7 +100,12 @@ class _Args(ctypes.Structure):
                 ("eps", ctypes.c_float),
                 ("gated", ctypes.c_int), ("chunk_units", ctypes.c_int), ("num_slots", ctypes.c_int),
                 ("use_pdl", ctypes.c_int), ("stage_x", ctypes.c_int),
-                ("trace", ctypes.c_void_p), ("trace_row", ctypes.c_int)]
+                ("trace", ctypes.c_void_p), ("trace_row", ctypes.c_int),
+                ("rope_cos", ctypes.c_void_p), ("rope_sin", ctypes.c_void_p), ("positions", ctypes.c_void_p),
+                ("q_out", ctypes.c_void_p), ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p),
+                ("q_stride_b", ctypes.c_longlong), ("q_stride_h", ctypes.c_longlong), ("q_stride_t", ctypes.c_longlong),
+                ("c_stride_b", ctypes.c_longlong), ("c_stride_h", ctypes.c_longlong), ("c_stride_n", ctypes.c_longlong),
+                ("T", ctypes.c_int), ("heads", ctypes.c_int), ("kv_heads", ctypes.c_int), ("head_dim", ctypes.c_int)]
 
 
 def _pointer(t: torch.Tensor | None) -> int | None:
@@ -114,27 +124,39 @@ def stream_linear(
     emit_norm_weight: torch.Tensor | None = None,  # [N]
     ring_bytes: int = DEFAULT_RING_BYTES,
     ctas_per_sm: int = 1,
+    rope=None,                                     # kernels.small_matmul's RopeTarget: -> rotated q
     backend: str = "auto",                         # "auto" | "cuda" | "reference"
 ):
     """x @ weight.T with small_linear's fusions -> [M, N], or (out, NormInputs) with
-    emit_norm_weight (its sumsq has one part per CTA). "auto" runs the CUDA kernel on an sm_90+
-    GPU and small_linear_reference elsewhere."""
+    emit_norm_weight (its sumsq has one part per CTA), or with rope (the q/k/v projection: rows
+    m = b T + t of a [B, T] step) what kernels.rope_cache does after it: q and k rotated, k and v
+    rows into the caches at their positions, -> q [B, Hq, T, D]. "auto" runs the CUDA kernel on an
+    sm_90+ GPU and the references elsewhere."""
     from kernels.small_matmul import check_fusion_inputs, check_linear_inputs
 
     check_linear_inputs(x, weight[: weight.shape[0] // 2] if gated else weight, bias)
     check_fusion_inputs(x, weight, bias, row_sumsq, residual, gated, emit_norm_weight)
     if backend not in ("auto", "cuda", "reference"):
         raise ValueError(f"backend must be auto, cuda or reference, got {backend!r}")
+    if rope is not None and (gated or residual is not None or emit_norm_weight is not None):
+        raise ValueError("stream_linear's rope is the q/k/v projection's: no gate, residual or emitted norm")
     if backend == "reference" or (backend == "auto" and not cuda_supported(x.device)):
-        return small_linear_reference(x, weight, bias, row_sumsq=row_sumsq, eps=eps, residual=residual, gated=gated,
-                                      emit_norm_weight=emit_norm_weight)
+        out = small_linear_reference(x, weight, bias, row_sumsq=row_sumsq, eps=eps, residual=residual, gated=gated,
+                                     emit_norm_weight=emit_norm_weight)
+        if rope is None:
+            return out
+        from kernels.rope_cache import rope_and_store
+
+        return rope_and_store(out.view(rope.k_cache.shape[0], -1, out.shape[-1]), rope.cos, rope.sin, rope.positions,
+                              rope.k_cache, rope.v_cache, rope.num_heads, rope.num_kv_heads, backend="reference")
     if not cuda_supported(x.device):
         raise ValueError(f"stream_linear's CUDA kernel needs an sm_90+ GPU, not {x.device}")
     if x.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"stream_linear's CUDA kernel takes bf16 or f16, got {x.dtype}")
     # the kernel reads every [rows, cols] operand at a row pitch of cols (the checks allow others)
     return _launch(x.contiguous(), weight.contiguous(), bias, row_sumsq, eps,
-                   None if residual is None else residual.contiguous(), gated, emit_norm_weight, ring_bytes, ctas_per_sm)
+                   None if residual is None else residual.contiguous(), gated, emit_norm_weight, ring_bytes, ctas_per_sm,
+                   rope)
 
 
 def cuda_supported(device: torch.device) -> bool:
@@ -171,7 +193,7 @@ def _kernels(device: torch.device, dtype: torch.dtype):
                            shared_carveout=carveout)
 
 
-def _trace_rows(N: int, K: int, gated: bool, residual: bool, grid: int, any_tensor: torch.Tensor
+def _trace_rows(N: int, K: int, gated: bool, residual: bool, grid: int, any_tensor: torch.Tensor, rope: bool = False
                 ) -> tuple[int | None, int]:
     """(rows pointer, first row) in kernels._trace's open recorder, one row per CTA, for
     bench/timeline.py; (None, 0) when none is open (or without triton, which _trace imports)."""
@@ -181,20 +203,37 @@ def _trace_rows(N: int, K: int, gated: bool, residual: bool, grid: int, any_tens
         return None, 0
     from kernels import _trace
 
-    kind = " gated" if gated else " residual" if residual else ""
+    kind = " gated" if gated else " rope" if rope else " residual" if residual else ""
     args = _trace.trace_args(f"stream {N}x{K}{kind}", (grid,), any_tensor)
     return (args["Trace"].data_ptr(), args["trace_row"]) if args["TRACE"] else (None, 0)
 
 
-def _launch(x, weight, bias, row_sumsq, eps, residual, gated, emit_norm_weight, ring_bytes, ctas_per_sm):
+def _rope_args(rope, M: int, dtype: torch.dtype) -> tuple[torch.Tensor | None, tuple]:
+    """(q_out [B, Hq, T, D] or None, the Args fields from rope_cos on) for `rope` (None: zeros)."""
+    if rope is None:
+        return None, (None,) * 6 + (0,) * 6 + (1, 0, 0, 0)
+    k_cache = rope.k_cache
+    B, head_dim = k_cache.shape[0], k_cache.shape[3]
+    T = M // B
+    if k_cache.dtype != dtype or rope.v_cache.stride() != k_cache.stride():
+        raise ValueError("stream_linear's rope needs caches of x's dtype with one layout")
+    q_out = torch.empty(B, rope.num_heads, T, head_dim, dtype=dtype, device=k_cache.device)
+    cos, sin = rope.cos.contiguous(), rope.sin.contiguous()
+    return q_out, (cos.data_ptr(), sin.data_ptr(), rope.positions.data_ptr(), q_out.data_ptr(), k_cache.data_ptr(),
+                   rope.v_cache.data_ptr(), *q_out.stride()[:3], *k_cache.stride()[:3],
+                   T, rope.num_heads, rope.num_kv_heads, head_dim)
+
+
+def _launch(x, weight, bias, row_sumsq, eps, residual, gated, emit_norm_weight, ring_bytes, ctas_per_sm, rope=None):
     from kernels._backend import multiprocessor_count, pdl_enabled
 
     M, K = x.shape
-    N = weight.shape[0] // 2 if gated else weight.shape[0]
+    N = weight.shape[0] // 2 if gated or rope is not None else weight.shape[0]
     emit = emit_norm_weight is not None
+    q_out, rope_fields = _rope_args(rope, M, x.dtype)
     p = plan(M, N, K, x.element_size(), gated=gated, emit=emit, sms=multiprocessor_count(x.device),
-             ring_bytes=ring_bytes, ctas_per_sm=ctas_per_sm)
-    out = torch.empty(M, N, dtype=x.dtype, device=x.device)
+             ring_bytes=ring_bytes, ctas_per_sm=ctas_per_sm, rope_half=rope_fields[-1] // 2)
+    out = torch.empty(M, N, dtype=x.dtype, device=x.device) if rope is None else q_out
     weighted = torch.empty_like(out) if emit else None
     sumsq_parts = torch.empty(p.grid, M, dtype=torch.float32, device=x.device) if emit else None
     pdl = pdl_enabled(x.device)
@@ -202,7 +241,7 @@ def _launch(x, weight, bias, row_sumsq, eps, residual, gated, emit_norm_weight, 
                  _pointer(emit_norm_weight), out.data_ptr(), _pointer(weighted), _pointer(sumsq_parts),
                  M, N, K, row_sumsq.shape[0] if row_sumsq is not None else 0, float(eps),
                  int(gated), p.chunk_units, p.num_slots, int(pdl), int(p.stage_x),
-                 *_trace_rows(N, K, gated, residual is not None, p.grid, out))
+                 *_trace_rows(N, K, gated, residual is not None, p.grid, out, rope is not None), *rope_fields)
     kernel = _kernels(x.device, x.dtype)[f"stream_linear_m{p.m_bucket}"]
     kernel.launch(p.grid, THREADS, p.shared_mem, args, pdl=pdl)
     if emit:

@@ -44,7 +44,61 @@ struct Args {
   int stage_x;                // copy x into shared memory after the wait (M * K small enough)
   long long* trace;           // null, or kernels._trace rows: [G, 4] from trace_row (START, WAITED, END, SM)
   int trace_row;
+  // rope (the q/k/v projection of a decode or verify step; rope_cos null: none). Units are then the
+  // (d, d + D/2) row pairs of each head, N of them (weight [2N, K]); rows m = b T + t.
+  const float* rope_cos;      // [T, D] f32
+  const float* rope_sin;      // [T, D] f32
+  const long long* positions; // [T] cache rows
+  scalar_t* q_out;            // [B, Hq, T, D] (strided)
+  scalar_t* k_cache;          // [B, Hkv, S_max, D] (strided)
+  scalar_t* v_cache;
+  long long q_stride_b, q_stride_h, q_stride_t, c_stride_b, c_stride_h, c_stride_n;
+  int T, heads, kv_heads, head_dim;
 };
+
+// The rope epilogue of unit `unit` (rows d and d + D/2 of head `unit / (D/2)`) for row m = lane
+// (every lane holds the butterfly's sums, bit for bit the same): what kernels.rope_cache does after
+// the projection, with kernels.small_matmul's rounding (sum * scale + bias, rounded; tables
+// rounded to the model dtype; the fused multiply-adds of rope_cache's rotate_with), so the fused
+// route gives the bits of this kernel's plain projection followed by kernels.rope_cache.
+template <int MB>
+__device__ __forceinline__ void rope_epilogue(const Args& a, int unit, int lane, const float* first,
+                                              const float* second, const float* scale) {
+  float s1 = 0.f, s2 = 0.f, sc = 1.f;
+#pragma unroll
+  for (int m = 0; m < MB; ++m)
+    if (m == lane) { s1 = first[m]; s2 = second[m]; sc = scale[m]; }
+  if (lane >= a.M) return;
+  const int D = a.head_dim, half = D / 2, head = unit / half, d = unit % half;
+  const int row = head * D + d, t = lane % a.T, b = lane / a.T;
+  float v1 = __fmul_rn(s1, sc), v2 = __fmul_rn(s2, sc);
+  if (a.bias != nullptr) {
+    v1 = __fadd_rn(v1, to_float(a.bias[row]));
+    v2 = __fadd_rn(v2, to_float(a.bias[row + half]));
+  }
+  v1 = round_to_scalar(v1);
+  v2 = round_to_scalar(v2);
+  if (head < a.heads + a.kv_heads) {   // q and k rotate ("rotate half"); v is stored as it is
+    const float* cos_t = a.rope_cos + (size_t)t * D;
+    const float* sin_t = a.rope_sin + (size_t)t * D;
+    const float c1 = round_to_scalar(cos_t[d]), c2 = round_to_scalar(cos_t[d + half]);
+    const float n1 = round_to_scalar(sin_t[d]), n2 = round_to_scalar(sin_t[d + half]);
+    const float y1 = __fmaf_rn(v1, c1, -__fmul_rn(v2, n1));
+    const float y2 = __fmaf_rn(v2, c2, __fmul_rn(v1, n2));
+    v1 = y1;
+    v2 = y2;
+  }
+  scalar_t* dst;
+  if (head < a.heads) {
+    dst = a.q_out + b * a.q_stride_b + head * a.q_stride_h + t * a.q_stride_t + d;
+  } else {
+    const long long cache_row = b * a.c_stride_b + a.positions[t] * a.c_stride_n + d;
+    dst = head < a.heads + a.kv_heads ? a.k_cache + cache_row + (head - a.heads) * a.c_stride_h
+                                      : a.v_cache + cache_row + (head - a.heads - a.kv_heads) * a.c_stride_h;
+  }
+  dst[0] = to_scalar(v1);
+  dst[half] = to_scalar(v2);
+}
 
 template <int MB>
 __device__ __forceinline__ void stream_linear_body(const Args& a) {
@@ -52,7 +106,8 @@ __device__ __forceinline__ void stream_linear_body(const Args& a) {
   const int K = a.K, M = a.M, N = a.N;
   const int cu = a.chunk_units, S = a.num_slots;
   const size_t part_bytes = (size_t)cu * K * sizeof(scalar_t);    // one row block of a slot
-  const size_t slot_bytes = part_bytes * (a.gated ? 2 : 1);
+  const bool rope = a.rope_cos != nullptr, paired = a.gated || rope;   // two row blocks a chunk
+  const size_t slot_bytes = part_bytes * (paired ? 2 : 1);
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + (size_t)S * slot_bytes);
   uint64_t* empty = full + S;
   // after the ring: 256 B of mbarriers (16 slots at most), the squares, then the staged x
@@ -68,7 +123,9 @@ __device__ __forceinline__ void stream_linear_body(const Args& a) {
     mark[3] = sm_id();
   }
   const int G = gridDim.x, b = blockIdx.x;
-  const int u0 = (int)((long long)b * N / G), u1 = (int)((long long)(b + 1) * N / G);
+  // a CTA's units; with rope whole chunks, so that a chunk's pairs never span two heads (cu divides D/2)
+  const int grain = rope ? cu : 1;
+  const int u0 = (int)((long long)b * (N / grain) / G) * grain, u1 = (int)((long long)(b + 1) * (N / grain) / G) * grain;
   const int num_chunks = (u1 - u0 + cu - 1) / cu;
   // Each group owns S / groups slots of its own, a single-consumer ring: chunk c goes to group
   // c % groups, as that group's chunk j = c / groups, into its slot j % per_group. Groups sharing
@@ -96,10 +153,16 @@ __device__ __forceinline__ void stream_linear_body(const Args& a) {
       const int first = u0 + c * cu, count = min(cu, u1 - first);
       const uint32_t bytes = (uint32_t)count * K * sizeof(scalar_t);
       mbar_wait(&empty[slot], ((j / per_group) & 1) ^ 1);
-      mbar_expect_tx(&full[slot], a.gated ? 2 * bytes : bytes);
+      mbar_expect_tx(&full[slot], paired ? 2 * bytes : bytes);
       uint8_t* dst = smem + (size_t)slot * slot_bytes;
-      bulk_copy(dst, a.weight + (size_t)first * K, bytes, &full[slot], policy);
-      if (a.gated) bulk_copy(dst + part_bytes, a.weight + (size_t)(N + first) * K, bytes, &full[slot], policy);
+      // the chunk's first rows: gate or plain rows `first..`, or dims d.. of a head; then their partners
+      const int half = a.head_dim / 2;
+      const size_t row = rope ? (size_t)(first / half) * a.head_dim + first % half : (size_t)first;
+      bulk_copy(dst, a.weight + row * K, bytes, &full[slot], policy);
+      if (paired) {
+        const size_t partner = rope ? row + half : (size_t)(N + first);
+        bulk_copy(dst + part_bytes, a.weight + partner * K, bytes, &full[slot], policy);
+      }
     }
     return;
   }
@@ -122,8 +185,10 @@ __device__ __forceinline__ void stream_linear_body(const Args& a) {
       const scalar_t* rows = reinterpret_cast<const scalar_t*>(smem + (size_t)slot * slot_bytes);
       float acc[MB], up[MB];
       dot_row<MB>(rows + (size_t)index * K, x, M, K, lane, acc);   // x staged or global: the same arithmetic
-      if (a.gated) dot_row<MB>(rows + (size_t)(cu + index) * K, x, M, K, lane, up);
-      if (lane == 0) {
+      if (paired) dot_row<MB>(rows + (size_t)(cu + index) * K, x, M, K, lane, up);
+      if (rope) {
+        rope_epilogue<MB>(a, unit, lane, acc, up, scale);
+      } else if (lane == 0) {
 #pragma unroll
         for (int m = 0; m < MB; ++m) {
           if (m < M) {

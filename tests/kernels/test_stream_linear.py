@@ -18,10 +18,10 @@ needs_sm90 = pytest.mark.skipif(not SM90, reason="needs an sm_90+ GPU (bulk copi
 
 def test_args_struct_matches_the_kernels_layout():
     # stream_linear.cu's struct Args: 9 pointers, 4 ints, a float, 5 ints, the trace pointer and its
-    # row -> 124 bytes, padded to 8
-    assert ctypes.sizeof(_Args) == 128
+    # row (124 bytes, padded to 8), then rope's 6 pointers, 6 strides and 4 ints -> 240 bytes
+    assert ctypes.sizeof(_Args) == 240
     assert _Args.eps.offset == 9 * 8 + 4 * 4
-    assert _Args.trace.offset == 112
+    assert _Args.trace.offset == 112 and _Args.rope_cos.offset == 128 and _Args.T.offset == 224
 
 
 @pytest.mark.parametrize("M,N,K,gated,emit", [
@@ -211,3 +211,82 @@ def test_launch_switches_name_what_they_take(monkeypatch):
     monkeypatch.setenv("BATCHD_STREAM_CARVEOUT", "120")
     with pytest.raises(ValueError, match="a percent"):
         launch_switches()
+
+
+# ---- rope: the q/k/v projection of a decode or verify step (Qwen2.5-1.5B's heads, and a small layout) ----
+
+def _rope_case(T, heads, kv_heads, D, K, device, seed=0, dtype=torch.bfloat16):
+    """(x, weight, kwargs, RopeTarget) for a [1, T] step at positions 40.. of zeroed caches."""
+    from kernels.small_matmul.triton_kernel import RopeTarget
+
+    gen = torch.Generator(device=device).manual_seed(seed)
+    rows = (heads + 2 * kv_heads) * D
+    w = (torch.randn(rows, K, generator=gen, device=device) * K**-0.5).to(dtype)
+    x = torch.randn(T, K, generator=gen, device=device).to(dtype)
+    kwargs = dict(bias=torch.randn(rows, generator=gen, device=device).to(dtype),
+                  row_sumsq=torch.rand(3, T, generator=gen, device=device) * K)
+    positions = torch.arange(40, 40 + T, device=device)
+    theta = positions[:, None].float() * (10000.0 ** (-torch.arange(0, D, 2, device=device).float() / D))
+    cos, sin = torch.cat([theta.cos()] * 2, -1), torch.cat([theta.sin()] * 2, -1)       # [T, D] f32
+    caches = [torch.zeros(1, kv_heads, 64, D, dtype=dtype, device=device) for _ in range(2)]
+    return x, w, kwargs, RopeTarget(cos, sin, positions, *caches, heads, kv_heads)
+
+
+def test_rope_plan_takes_whole_chunks_of_one_head():
+    p = plan(1, 1024, 1536, 2, gated=False, emit=False, sms=132, ring_bytes=48 << 10, rope_half=64)
+    assert p.chunk_units == 4 and 64 % p.chunk_units == 0 and p.grid == 132     # Qwen2.5-1.5B: 256 chunks
+    p = plan(3, 96, 64, 2, gated=False, emit=False, sms=132, ring_bytes=8 << 10, rope_half=8)
+    assert p.chunk_units == 8 and p.grid == 12                                  # one chunk a CTA
+    with pytest.raises(ValueError, match="whole heads"):
+        plan(1, 100, 64, 2, gated=False, emit=False, sms=4, rope_half=64)
+    with pytest.raises(ValueError, match="no other fusion"):
+        plan(1, 128, 64, 2, gated=True, emit=False, sms=4, rope_half=64)
+
+
+def test_rope_reference_route_is_the_projection_then_rope_cache():
+    from kernels.rope_cache import rope_and_store
+
+    x, w, kwargs, rope = _rope_case(3, 4, 2, 16, 64, "cpu")
+    q = stream_linear(x, w, **kwargs, rope=rope, backend="reference")
+    qkv = small_linear_reference(x, w, **kwargs)
+    k_cache, v_cache = rope.k_cache.clone().zero_(), rope.v_cache.clone().zero_()
+    want = rope_and_store(qkv.view(1, 3, -1), rope.cos, rope.sin, rope.positions, k_cache, v_cache, 4, 2,
+                          backend="reference")
+    assert torch.equal(q, want) and torch.equal(rope.k_cache, k_cache) and torch.equal(rope.v_cache, v_cache)
+
+
+@needs_sm90
+@pytest.mark.parametrize("heads, kv_heads, D, K, ring_kb", [(12, 2, 128, 1536, 48), (12, 2, 128, 1536, 96),
+                                                            (4, 2, 16, 64, 8)])
+@pytest.mark.parametrize("T", [1, 5, 17])
+def test_rope_fused_equals_the_plain_projection_then_rope_cache(T, heads, kv_heads, D, K, ring_kb):
+    """Bit for bit: the fused epilogue rounds and rotates as kernels.rope_cache does after this
+    kernel's plain projection, so the engine's fused and two-launch routes agree."""
+    from kernels.rope_cache import rope_and_store
+
+    x, w, kwargs, rope = _rope_case(T, heads, kv_heads, D, K, "cuda", seed=T)
+    q = stream_linear(x, w, **kwargs, rope=rope, ring_bytes=ring_kb << 10)
+    qkv = stream_linear(x, w, **kwargs, ring_bytes=ring_kb << 10)
+    k_cache, v_cache = torch.zeros_like(rope.k_cache), torch.zeros_like(rope.v_cache)
+    want = rope_and_store(qkv.view(1, T, -1), rope.cos, rope.sin, rope.positions, k_cache, v_cache, heads, kv_heads)
+    assert torch.equal(q, want)
+    assert torch.equal(rope.k_cache, k_cache) and torch.equal(rope.v_cache, v_cache)
+    assert rope.k_cache[0, :, 40:40 + T].abs().sum() > 0 and rope.k_cache[0, :, :40].abs().sum() == 0
+    ref = stream_linear(x, w, **kwargs, rope=rope._replace(k_cache=torch.zeros_like(k_cache),
+                                                          v_cache=torch.zeros_like(v_cache)), backend="reference")
+    assert rel_err(q, ref) < 2 * REL_ERR[torch.bfloat16]
+
+
+@needs_sm90
+def test_rope_verify_rows_equal_decode_steps_bit_for_bit():
+    """A verify step of 17 tokens writes the q rows and cache rows that 17 one-token steps write."""
+    x, w, kwargs, rope = _rope_case(17, 12, 2, 128, 1536, "cuda", seed=3)
+    q = stream_linear(x, w, **kwargs, rope=rope, ring_bytes=48 << 10)
+    k_cache, v_cache = torch.zeros_like(rope.k_cache), torch.zeros_like(rope.v_cache)
+    for t in range(17):
+        one = rope._replace(cos=rope.cos[t:t + 1], sin=rope.sin[t:t + 1], positions=rope.positions[t:t + 1],
+                            k_cache=k_cache, v_cache=v_cache)
+        q_t = stream_linear(x[t:t + 1], w, bias=kwargs["bias"], row_sumsq=kwargs["row_sumsq"][:, t:t + 1].contiguous(),
+                            rope=one, ring_bytes=48 << 10)
+        assert torch.equal(q_t[:, :, 0], q[:, :, t])
+    assert torch.equal(k_cache, rope.k_cache) and torch.equal(v_cache, rope.v_cache)

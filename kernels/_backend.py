@@ -165,6 +165,8 @@ def early_reads_enabled() -> bool:
         return False
     if mode == "force":
         return True
+    if os.environ.get("BATCHD_STREAM_PRODUCER_TRIGGER", "0") == "1":   # kernels.stream_linear's trigger before its wait
+        return False
     return all(pdl_trigger_point(kernel) >= 1 for kernel in TRIGGER_KNOBS)
 
 

@@ -675,7 +675,7 @@ def small_linear_triton(
 
         return stream_linear(x, weight, bias, row_sumsq=row_sumsq, eps=eps, residual=residual, gated=gated,
                              emit_norm_weight=emit_norm_weight, ring_bytes=config.ring_kb * 1024,
-                             ctas_per_sm=config.stream_ctas, rope=rope, backend="cuda")
+                             ctas_per_sm=config.stream_ctas, rope=rope, settled=settled, backend="cuda")
     k_per_split = config.k_per_split(K)
     splits = triton.cdiv(K, k_per_split)
     if gated and (splits > 1 or config.block_n % 32 or config.gemv):

@@ -105,7 +105,8 @@ class _Args(ctypes.Structure):
                 ("q_out", ctypes.c_void_p), ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p),
                 ("q_stride_b", ctypes.c_longlong), ("q_stride_h", ctypes.c_longlong), ("q_stride_t", ctypes.c_longlong),
                 ("c_stride_b", ctypes.c_longlong), ("c_stride_h", ctypes.c_longlong), ("c_stride_n", ctypes.c_longlong),
-                ("T", ctypes.c_int), ("heads", ctypes.c_int), ("kv_heads", ctypes.c_int), ("head_dim", ctypes.c_int)]
+                ("T", ctypes.c_int), ("heads", ctypes.c_int), ("kv_heads", ctypes.c_int), ("head_dim", ctypes.c_int),
+                ("rope_early", ctypes.c_int)]
 
 
 def _pointer(t: torch.Tensor | None) -> int | None:
@@ -125,12 +126,15 @@ def stream_linear(
     ring_bytes: int = DEFAULT_RING_BYTES,
     ctas_per_sm: int = 1,
     rope=None,                                     # kernels.small_matmul's RopeTarget: -> rotated q
+    settled: bool = False,                         # rope's tables and positions written two or more launches back
     backend: str = "auto",                         # "auto" | "cuda" | "reference"
 ):
     """x @ weight.T with small_linear's fusions -> [M, N], or (out, NormInputs) with
     emit_norm_weight (its sumsq has one part per CTA), or with rope (the q/k/v projection: rows
     m = b T + t of a [B, T] step) what kernels.rope_cache does after it: q and k rotated, k and v
-    rows into the caches at their positions, -> q [B, Hq, T, D]. "auto" runs the CUDA kernel on an
+    rows into the caches at their positions, -> q [B, Hq, T, D]; with `settled` (and
+    kernels._backend.early_reads_enabled) the tables and positions are read before the kernel waits
+    on the launch before it (kernels._pdl, "Settled inputs"). "auto" runs the CUDA kernel on an
     sm_90+ GPU and the references elsewhere."""
     from kernels.small_matmul import check_fusion_inputs, check_linear_inputs
 
@@ -156,7 +160,7 @@ def stream_linear(
     # the kernel reads every [rows, cols] operand at a row pitch of cols (the checks allow others)
     return _launch(x.contiguous(), weight.contiguous(), bias, row_sumsq, eps,
                    None if residual is None else residual.contiguous(), gated, emit_norm_weight, ring_bytes, ctas_per_sm,
-                   rope)
+                   rope, settled)
 
 
 def cuda_supported(device: torch.device) -> bool:
@@ -183,12 +187,15 @@ def launch_switches() -> tuple[tuple[str, ...], int | None]:
     return (("-DPRODUCER_TRIGGER",) if trigger == "1" else ()), (int(carveout) if carveout else None)
 
 
-def _kernels(device: torch.device, dtype: torch.dtype):
+def _kernels(device: torch.device, dtype: torch.dtype, rope: bool = False):
+    """The compiled kernels; rope: the build with the q/k/v projection's rope epilogue (a module of
+    its own, so that the other projections' kernels carry none of its registers)."""
     from kernels._cuda_launch import compile_kernels
 
     names = tuple(f"stream_linear_m{b}" for b in M_BUCKETS)
     defines, carveout = launch_switches()
-    options = (f"-I{_SOURCE.parent}", *(("-DSCALAR_F16",) if dtype == torch.float16 else ()), *defines)   # bulk_ring.cuh
+    options = (f"-I{_SOURCE.parent}", *(("-DSCALAR_F16",) if dtype == torch.float16 else ()),   # bulk_ring.cuh
+               *(("-DWITH_ROPE",) if rope else ()), *defines)
     return compile_kernels(_SOURCE.read_text(), names, device, options, max_shared_mem=MAX_SHARED_MEM,
                            shared_carveout=carveout)
 
@@ -208,10 +215,10 @@ def _trace_rows(N: int, K: int, gated: bool, residual: bool, grid: int, any_tens
     return (args["Trace"].data_ptr(), args["trace_row"]) if args["TRACE"] else (None, 0)
 
 
-def _rope_args(rope, M: int, dtype: torch.dtype) -> tuple[torch.Tensor | None, tuple]:
+def _rope_args(rope, M: int, dtype: torch.dtype, early: bool) -> tuple[torch.Tensor | None, tuple]:
     """(q_out [B, Hq, T, D] or None, the Args fields from rope_cos on) for `rope` (None: zeros)."""
     if rope is None:
-        return None, (None,) * 6 + (0,) * 6 + (1, 0, 0, 0)
+        return None, (None,) * 6 + (0,) * 6 + (1, 0, 0, 0, 0)
     k_cache = rope.k_cache
     B, head_dim = k_cache.shape[0], k_cache.shape[3]
     T = M // B
@@ -221,18 +228,19 @@ def _rope_args(rope, M: int, dtype: torch.dtype) -> tuple[torch.Tensor | None, t
     cos, sin = rope.cos.contiguous(), rope.sin.contiguous()
     return q_out, (cos.data_ptr(), sin.data_ptr(), rope.positions.data_ptr(), q_out.data_ptr(), k_cache.data_ptr(),
                    rope.v_cache.data_ptr(), *q_out.stride()[:3], *k_cache.stride()[:3],
-                   T, rope.num_heads, rope.num_kv_heads, head_dim)
+                   T, rope.num_heads, rope.num_kv_heads, head_dim, int(early))
 
 
-def _launch(x, weight, bias, row_sumsq, eps, residual, gated, emit_norm_weight, ring_bytes, ctas_per_sm, rope=None):
-    from kernels._backend import multiprocessor_count, pdl_enabled
+def _launch(x, weight, bias, row_sumsq, eps, residual, gated, emit_norm_weight, ring_bytes, ctas_per_sm, rope=None,
+            settled=False):
+    from kernels._backend import early_reads_enabled, multiprocessor_count, pdl_enabled
 
     M, K = x.shape
     N = weight.shape[0] // 2 if gated or rope is not None else weight.shape[0]
     emit = emit_norm_weight is not None
-    q_out, rope_fields = _rope_args(rope, M, x.dtype)
+    q_out, rope_fields = _rope_args(rope, M, x.dtype, settled and early_reads_enabled())
     p = plan(M, N, K, x.element_size(), gated=gated, emit=emit, sms=multiprocessor_count(x.device),
-             ring_bytes=ring_bytes, ctas_per_sm=ctas_per_sm, rope_half=rope_fields[-1] // 2)
+             ring_bytes=ring_bytes, ctas_per_sm=ctas_per_sm, rope_half=rope_fields[-2] // 2)
     out = torch.empty(M, N, dtype=x.dtype, device=x.device) if rope is None else q_out
     weighted = torch.empty_like(out) if emit else None
     sumsq_parts = torch.empty(p.grid, M, dtype=torch.float32, device=x.device) if emit else None
@@ -242,7 +250,7 @@ def _launch(x, weight, bias, row_sumsq, eps, residual, gated, emit_norm_weight, 
                  M, N, K, row_sumsq.shape[0] if row_sumsq is not None else 0, float(eps),
                  int(gated), p.chunk_units, p.num_slots, int(pdl), int(p.stage_x),
                  *_trace_rows(N, K, gated, residual is not None, p.grid, out, rope is not None), *rope_fields)
-    kernel = _kernels(x.device, x.dtype)[f"stream_linear_m{p.m_bucket}"]
+    kernel = _kernels(x.device, x.dtype, rope is not None)[f"stream_linear_m{p.m_bucket}"]
     kernel.launch(p.grid, THREADS, p.shared_mem, args, pdl=pdl)
     if emit:
         return out, NormInputs(weighted, sumsq_parts)

@@ -54,37 +54,65 @@ struct Args {
   scalar_t* v_cache;
   long long q_stride_b, q_stride_h, q_stride_t, c_stride_b, c_stride_h, c_stride_n;
   int T, heads, kv_heads, head_dim;
+  int rope_early;             // the tables and positions were written two or more launches back:
+                              // read them before griddepcontrol.wait (kernels._pdl, "Settled inputs")
 };
+
+// What the rope epilogue of one unit reads besides the sums, for row m = lane: the pair's bias and
+// the rope tables at t (rounded to the model dtype as the eager tables are) and the cache row.
+// Loaded ahead of the sums (before the wait on the kernel before when those inputs are settled),
+// so that their round trips overlap the weight copies instead of following the dot products.
+struct RopeInputs {
+  float bias1, bias2, cos1, cos2, sin1, sin2;
+  long long position;
+};
+
+__device__ __forceinline__ RopeInputs load_rope_inputs(const Args& a, int unit, int lane) {
+  RopeInputs in = {0.f, 0.f, 1.f, 1.f, 0.f, 0.f, 0};
+  if (lane >= a.M) return in;
+  const int D = a.head_dim, half = D / 2, head = unit / half, d = unit % half;
+  const int row = head * D + d, t = lane % a.T;
+  if (a.bias != nullptr) {
+    in.bias1 = to_float(a.bias[row]);
+    in.bias2 = to_float(a.bias[row + half]);
+  }
+  if (head < a.heads + a.kv_heads) {
+    const float* cos_t = a.rope_cos + (size_t)t * D;
+    const float* sin_t = a.rope_sin + (size_t)t * D;
+    in.cos1 = round_to_scalar(cos_t[d]);
+    in.cos2 = round_to_scalar(cos_t[d + half]);
+    in.sin1 = round_to_scalar(sin_t[d]);
+    in.sin2 = round_to_scalar(sin_t[d + half]);
+  }
+  if (head >= a.heads) in.position = a.positions[t];
+  return in;
+}
 
 // The rope epilogue of unit `unit` (rows d and d + D/2 of head `unit / (D/2)`) for row m = lane
 // (every lane holds the butterfly's sums, bit for bit the same): what kernels.rope_cache does after
-// the projection, with kernels.small_matmul's rounding (sum * scale + bias, rounded; tables
+// the projection, with kernels.small_matmul's rounding (sum * scale + bias, rounded; the tables
 // rounded to the model dtype; the fused multiply-adds of rope_cache's rotate_with), so the fused
 // route gives the bits of this kernel's plain projection followed by kernels.rope_cache.
 template <int MB>
 __device__ __forceinline__ void rope_epilogue(const Args& a, int unit, int lane, const float* first,
-                                              const float* second, const float* scale) {
+                                              const float* second, const float* scale, const RopeInputs& in) {
   float s1 = 0.f, s2 = 0.f, sc = 1.f;
 #pragma unroll
   for (int m = 0; m < MB; ++m)
     if (m == lane) { s1 = first[m]; s2 = second[m]; sc = scale[m]; }
   if (lane >= a.M) return;
   const int D = a.head_dim, half = D / 2, head = unit / half, d = unit % half;
-  const int row = head * D + d, t = lane % a.T, b = lane / a.T;
+  const int t = lane % a.T, b = lane / a.T;
   float v1 = __fmul_rn(s1, sc), v2 = __fmul_rn(s2, sc);
   if (a.bias != nullptr) {
-    v1 = __fadd_rn(v1, to_float(a.bias[row]));
-    v2 = __fadd_rn(v2, to_float(a.bias[row + half]));
+    v1 = __fadd_rn(v1, in.bias1);
+    v2 = __fadd_rn(v2, in.bias2);
   }
   v1 = round_to_scalar(v1);
   v2 = round_to_scalar(v2);
   if (head < a.heads + a.kv_heads) {   // q and k rotate ("rotate half"); v is stored as it is
-    const float* cos_t = a.rope_cos + (size_t)t * D;
-    const float* sin_t = a.rope_sin + (size_t)t * D;
-    const float c1 = round_to_scalar(cos_t[d]), c2 = round_to_scalar(cos_t[d + half]);
-    const float n1 = round_to_scalar(sin_t[d]), n2 = round_to_scalar(sin_t[d + half]);
-    const float y1 = __fmaf_rn(v1, c1, -__fmul_rn(v2, n1));
-    const float y2 = __fmaf_rn(v2, c2, __fmul_rn(v1, n2));
+    const float y1 = __fmaf_rn(v1, in.cos1, -__fmul_rn(v2, in.sin1));
+    const float y2 = __fmaf_rn(v2, in.cos2, __fmul_rn(v1, in.sin2));
     v1 = y1;
     v2 = y2;
   }
@@ -92,7 +120,7 @@ __device__ __forceinline__ void rope_epilogue(const Args& a, int unit, int lane,
   if (head < a.heads) {
     dst = a.q_out + b * a.q_stride_b + head * a.q_stride_h + t * a.q_stride_t + d;
   } else {
-    const long long cache_row = b * a.c_stride_b + a.positions[t] * a.c_stride_n + d;
+    const long long cache_row = b * a.c_stride_b + in.position * a.c_stride_n + d;
     dst = head < a.heads + a.kv_heads ? a.k_cache + cache_row + (head - a.heads) * a.c_stride_h
                                       : a.v_cache + cache_row + (head - a.heads - a.kv_heads) * a.c_stride_h;
   }
@@ -106,7 +134,13 @@ __device__ __forceinline__ void stream_linear_body(const Args& a) {
   const int K = a.K, M = a.M, N = a.N;
   const int cu = a.chunk_units, S = a.num_slots;
   const size_t part_bytes = (size_t)cu * K * sizeof(scalar_t);    // one row block of a slot
-  const bool rope = a.rope_cos != nullptr, paired = a.gated || rope;   // two row blocks a chunk
+  // rope code only in the -DWITH_ROPE build (its inputs' registers would cost the other kernels spills)
+#ifdef WITH_ROPE
+  const bool rope = a.rope_cos != nullptr;
+#else
+  const bool rope = false;
+#endif
+  const bool paired = a.gated || rope;   // two row blocks a chunk
   const size_t slot_bytes = part_bytes * (paired ? 2 : 1);
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + (size_t)S * slot_bytes);
   uint64_t* empty = full + S;
@@ -167,6 +201,11 @@ __device__ __forceinline__ void stream_linear_body(const Args& a) {
     return;
   }
 
+  const int group = warp / cu, index = warp % cu;
+  // rope: the first chunk's epilogue inputs, before the wait when settled (the bias always is)
+  RopeInputs first_inputs;
+  if (rope && group < groups && group < num_chunks && a.rope_early)
+    first_inputs = load_rope_inputs(a, u0 + group * cu + index, lane);
   if (a.use_pdl) {  // x, the residual and the norm sums come from the kernels before
     asm volatile("griddepcontrol.wait;" ::: "memory");
     asm volatile("griddepcontrol.launch_dependents;" :::);
@@ -176,10 +215,11 @@ __device__ __forceinline__ void stream_linear_body(const Args& a) {
   const scalar_t* x = stage_x_and_row_scales<MB>(a.x, x_staged, a.stage_x, M, K, a.row_sumsq, a.P, a.eps, tid, lane,
                                                  scale);
 
-  const int group = warp / cu, index = warp % cu;
   for (int c = group; group < groups && c < num_chunks; c += groups) {
     const int j = c / groups, slot = group * per_group + j % per_group;
     const int unit = u0 + c * cu + index;
+    RopeInputs inputs;   // issued before the wait for the weights
+    if (rope && unit < u1) inputs = c == group && a.rope_early ? first_inputs : load_rope_inputs(a, unit, lane);
     mbar_wait(&full[slot], (j / per_group) & 1);
     if (unit < u1) {
       const scalar_t* rows = reinterpret_cast<const scalar_t*>(smem + (size_t)slot * slot_bytes);
@@ -187,7 +227,7 @@ __device__ __forceinline__ void stream_linear_body(const Args& a) {
       dot_row<MB>(rows + (size_t)index * K, x, M, K, lane, acc);   // x staged or global: the same arithmetic
       if (paired) dot_row<MB>(rows + (size_t)(cu + index) * K, x, M, K, lane, up);
       if (rope) {
-        rope_epilogue<MB>(a, unit, lane, acc, up, scale);
+        rope_epilogue<MB>(a, unit, lane, acc, up, scale, inputs);
       } else if (lane == 0) {
 #pragma unroll
         for (int m = 0; m < MB; ++m) {

@@ -53,5 +53,8 @@ def test_early_reads_stop_with_a_trigger_before_the_wait(monkeypatch):
     monkeypatch.setenv("BATCHD_PDL_TRIGGER", "merge:0")
     assert not early_reads_enabled()
     monkeypatch.delenv("BATCHD_PDL_TRIGGER")
+    monkeypatch.setenv("BATCHD_STREAM_PRODUCER_TRIGGER", "1")   # kernels.stream_linear's producer, at its start
+    assert not early_reads_enabled()
+    monkeypatch.delenv("BATCHD_STREAM_PRODUCER_TRIGGER")
     monkeypatch.setenv("BATCHD_EARLY_READS", "0")
     assert not early_reads_enabled()

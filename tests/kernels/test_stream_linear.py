@@ -18,8 +18,8 @@ needs_sm90 = pytest.mark.skipif(not SM90, reason="needs an sm_90+ GPU (bulk copi
 
 def test_args_struct_matches_the_kernels_layout():
     # stream_linear.cu's struct Args: 9 pointers, 4 ints, a float, 5 ints, the trace pointer and its
-    # row (124 bytes, padded to 8), then rope's 6 pointers, 6 strides and 4 ints -> 240 bytes
-    assert ctypes.sizeof(_Args) == 240
+    # row (124 bytes, padded to 8), then rope's 6 pointers, 6 strides and 5 ints -> 244, padded to 248
+    assert ctypes.sizeof(_Args) == 248 and _Args.rope_early.offset == 240
     assert _Args.eps.offset == 9 * 8 + 4 * 4
     assert _Args.trace.offset == 112 and _Args.rope_cos.offset == 128 and _Args.T.offset == 224
 
@@ -259,13 +259,15 @@ def test_rope_reference_route_is_the_projection_then_rope_cache():
 @pytest.mark.parametrize("heads, kv_heads, D, K, ring_kb", [(12, 2, 128, 1536, 48), (12, 2, 128, 1536, 96),
                                                             (4, 2, 16, 64, 8)])
 @pytest.mark.parametrize("T", [1, 5, 17])
-def test_rope_fused_equals_the_plain_projection_then_rope_cache(T, heads, kv_heads, D, K, ring_kb):
+@pytest.mark.parametrize("settled", [False, True], ids=["late", "early"])
+def test_rope_fused_equals_the_plain_projection_then_rope_cache(settled, T, heads, kv_heads, D, K, ring_kb):
     """Bit for bit: the fused epilogue rounds and rotates as kernels.rope_cache does after this
-    kernel's plain projection, so the engine's fused and two-launch routes agree."""
+    kernel's plain projection, so the engine's fused and two-launch routes agree; the tables read
+    before the wait (settled) or after it."""
     from kernels.rope_cache import rope_and_store
 
     x, w, kwargs, rope = _rope_case(T, heads, kv_heads, D, K, "cuda", seed=T)
-    q = stream_linear(x, w, **kwargs, rope=rope, ring_bytes=ring_kb << 10)
+    q = stream_linear(x, w, **kwargs, rope=rope, ring_bytes=ring_kb << 10, settled=settled)
     qkv = stream_linear(x, w, **kwargs, ring_bytes=ring_kb << 10)
     k_cache, v_cache = torch.zeros_like(rope.k_cache), torch.zeros_like(rope.v_cache)
     want = rope_and_store(qkv.view(1, T, -1), rope.cos, rope.sin, rope.positions, k_cache, v_cache, heads, kv_heads)

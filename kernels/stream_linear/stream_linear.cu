@@ -44,6 +44,7 @@ struct Args {
   int stage_x;                // copy x into shared memory after the wait (M * K small enough)
   long long* trace;           // null, or kernels._trace rows: [G, 4] from trace_row (START, WAITED, END, SM)
   int trace_row;
+#ifdef WITH_ROPE
   // rope (the q/k/v projection of a decode or verify step; rope_cos null: none). Units are then the
   // (d, d + D/2) row pairs of each head, N of them (weight [2N, K]); rows m = b T + t.
   const float* rope_cos;      // [T, D] f32
@@ -56,7 +57,10 @@ struct Args {
   int T, heads, kv_heads, head_dim;
   int rope_early;             // the tables and positions were written two or more launches back:
                               // read them before griddepcontrol.wait (kernels._pdl, "Settled inputs")
+#endif
 };
+
+#ifdef WITH_ROPE
 
 // What the rope epilogue of one unit reads besides the sums, for row m = lane: the pair's bias and
 // the rope tables at t (rounded to the model dtype as the eager tables are) and the cache row.
@@ -127,6 +131,7 @@ __device__ __forceinline__ void rope_epilogue(const Args& a, int unit, int lane,
   dst[0] = to_scalar(v1);
   dst[half] = to_scalar(v2);
 }
+#endif  // WITH_ROPE
 
 template <int MB>
 __device__ __forceinline__ void stream_linear_body(const Args& a) {
@@ -134,14 +139,16 @@ __device__ __forceinline__ void stream_linear_body(const Args& a) {
   const int K = a.K, M = a.M, N = a.N;
   const int cu = a.chunk_units, S = a.num_slots;
   const size_t part_bytes = (size_t)cu * K * sizeof(scalar_t);    // one row block of a slot
-  // rope code only in the -DWITH_ROPE build (its inputs' registers would cost the other kernels spills)
+  // rope code only in the -DWITH_ROPE build: the other projections' kernels compile as they did
+  // before it (their registers, and the bits the GPU tests checked)
 #ifdef WITH_ROPE
   const bool rope = a.rope_cos != nullptr;
-#else
-  const bool rope = false;
-#endif
   const bool paired = a.gated || rope;   // two row blocks a chunk
-  const size_t slot_bytes = part_bytes * (paired ? 2 : 1);
+#define PAIRED paired
+#else
+#define PAIRED a.gated
+#endif
+  const size_t slot_bytes = part_bytes * (PAIRED ? 2 : 1);
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + (size_t)S * slot_bytes);
   uint64_t* empty = full + S;
   // after the ring: 256 B of mbarriers (16 slots at most), the squares, then the staged x
@@ -157,9 +164,13 @@ __device__ __forceinline__ void stream_linear_body(const Args& a) {
     mark[3] = sm_id();
   }
   const int G = gridDim.x, b = blockIdx.x;
+#ifdef WITH_ROPE
   // a CTA's units; with rope whole chunks, so that a chunk's pairs never span two heads (cu divides D/2)
   const int grain = rope ? cu : 1;
   const int u0 = (int)((long long)b * (N / grain) / G) * grain, u1 = (int)((long long)(b + 1) * (N / grain) / G) * grain;
+#else
+  const int u0 = (int)((long long)b * N / G), u1 = (int)((long long)(b + 1) * N / G);
+#endif
   const int num_chunks = (u1 - u0 + cu - 1) / cu;
   // Each group owns S / groups slots of its own, a single-consumer ring: chunk c goes to group
   // c % groups, as that group's chunk j = c / groups, into its slot j % per_group. Groups sharing
@@ -187,8 +198,9 @@ __device__ __forceinline__ void stream_linear_body(const Args& a) {
       const int first = u0 + c * cu, count = min(cu, u1 - first);
       const uint32_t bytes = (uint32_t)count * K * sizeof(scalar_t);
       mbar_wait(&empty[slot], ((j / per_group) & 1) ^ 1);
-      mbar_expect_tx(&full[slot], paired ? 2 * bytes : bytes);
+      mbar_expect_tx(&full[slot], PAIRED ? 2 * bytes : bytes);
       uint8_t* dst = smem + (size_t)slot * slot_bytes;
+#ifdef WITH_ROPE
       // the chunk's first rows: gate or plain rows `first..`, or dims d.. of a head; then their partners
       const int half = a.head_dim / 2;
       const size_t row = rope ? (size_t)(first / half) * a.head_dim + first % half : (size_t)first;
@@ -197,15 +209,20 @@ __device__ __forceinline__ void stream_linear_body(const Args& a) {
         const size_t partner = rope ? row + half : (size_t)(N + first);
         bulk_copy(dst + part_bytes, a.weight + partner * K, bytes, &full[slot], policy);
       }
+#else
+      bulk_copy(dst, a.weight + (size_t)first * K, bytes, &full[slot], policy);
+      if (a.gated) bulk_copy(dst + part_bytes, a.weight + (size_t)(N + first) * K, bytes, &full[slot], policy);
+#endif
     }
     return;
   }
 
-  const int group = warp / cu, index = warp % cu;
+#ifdef WITH_ROPE
   // rope: the first chunk's epilogue inputs, before the wait when settled (the bias always is)
   RopeInputs first_inputs;
-  if (rope && group < groups && group < num_chunks && a.rope_early)
-    first_inputs = load_rope_inputs(a, u0 + group * cu + index, lane);
+  if (rope && warp / cu < groups && warp / cu < num_chunks && a.rope_early)
+    first_inputs = load_rope_inputs(a, u0 + (warp / cu) * cu + warp % cu, lane);
+#endif
   if (a.use_pdl) {  // x, the residual and the norm sums come from the kernels before
     asm volatile("griddepcontrol.wait;" ::: "memory");
     asm volatile("griddepcontrol.launch_dependents;" :::);
@@ -215,20 +232,26 @@ __device__ __forceinline__ void stream_linear_body(const Args& a) {
   const scalar_t* x = stage_x_and_row_scales<MB>(a.x, x_staged, a.stage_x, M, K, a.row_sumsq, a.P, a.eps, tid, lane,
                                                  scale);
 
+  const int group = warp / cu, index = warp % cu;
   for (int c = group; group < groups && c < num_chunks; c += groups) {
     const int j = c / groups, slot = group * per_group + j % per_group;
     const int unit = u0 + c * cu + index;
+#ifdef WITH_ROPE
     RopeInputs inputs;   // issued before the wait for the weights
     if (rope && unit < u1) inputs = c == group && a.rope_early ? first_inputs : load_rope_inputs(a, unit, lane);
+#endif
     mbar_wait(&full[slot], (j / per_group) & 1);
     if (unit < u1) {
       const scalar_t* rows = reinterpret_cast<const scalar_t*>(smem + (size_t)slot * slot_bytes);
       float acc[MB], up[MB];
       dot_row<MB>(rows + (size_t)index * K, x, M, K, lane, acc);   // x staged or global: the same arithmetic
-      if (paired) dot_row<MB>(rows + (size_t)(cu + index) * K, x, M, K, lane, up);
+      if (PAIRED) dot_row<MB>(rows + (size_t)(cu + index) * K, x, M, K, lane, up);
+#ifdef WITH_ROPE
       if (rope) {
         rope_epilogue<MB>(a, unit, lane, acc, up, scale, inputs);
-      } else if (lane == 0) {
+      } else
+#endif
+      if (lane == 0) {
 #pragma unroll
         for (int m = 0; m < MB; ++m) {
           if (m < M) {
@@ -263,6 +286,8 @@ __device__ __forceinline__ void stream_linear_body(const Args& a) {
     if (tid == 0) mark[2] = global_timer();
   }
 }
+
+#undef PAIRED
 
 #define STREAM_LINEAR_KERNEL(MB)                                                             \
   extern "C" __global__ void __launch_bounds__(THREADS, MB <= 8 ? 2 : 1) stream_linear_m##MB(const Args a) { \

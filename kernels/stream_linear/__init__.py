@@ -92,7 +92,8 @@ def plan(M: int, N: int, K: int, itemsize: int, *, gated: bool, emit: bool, sms:
 
 
 class _Args(ctypes.Structure):
-    """stream_linear.cu's `struct Args`, field for field."""
+    """stream_linear.cu's `struct Args`, field for field. The rope fields exist in its -DWITH_ROPE
+    build only; the other build's kernels read the first 128 bytes (everything up to trace_row)."""
     _fields_ = [("weight", ctypes.c_void_p), ("x", ctypes.c_void_p), ("bias", ctypes.c_void_p),
                 ("row_sumsq", ctypes.c_void_p), ("residual", ctypes.c_void_p), ("emit_weight", ctypes.c_void_p),
                 ("out", ctypes.c_void_p), ("weighted", ctypes.c_void_p), ("sumsq_parts", ctypes.c_void_p),

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from kernels.stream_linear import (CONSUMER_WARPS, MAX_ROWS, MAX_SHARED_MEM, SLOT_TARGET_BYTES, THREADS,
-                                   X_STAGE_BYTES, M_BUCKETS, launch_switches)
+                                   X_STAGE_BYTES, M_BUCKETS, launch_switches, ring_slots)
 
 _SOURCE = Path(__file__).with_name("stream_mlp.cu")
 _COMMON = Path(__file__).resolve().parents[1] / "stream_linear"     # stream_common.cuh, bulk_ring.cuh
@@ -56,12 +56,7 @@ def plan_stream_mlp(M: int, intermediate: int, hidden: int, itemsize: int, *, sm
     stage_x = x_bytes <= X_STAGE_BYTES
     act_bytes = (-(-intermediate // grid) * M + 3) // 4 * 16      # [rows, M] f32, 16 B aligned
     tail = 256 + act_bytes + (x_bytes if stage_x else 0)
-    num_slots = min(16, max(2, ring_bytes // slot_bytes))
-    while num_slots > 2 and num_slots * slot_bytes + tail > MAX_SHARED_MEM:
-        num_slots -= 1
-    shared_mem = num_slots * slot_bytes + tail
-    if shared_mem > MAX_SHARED_MEM:
-        raise ValueError(f"the stream MLP: H = {hidden} does not fit two ring slots in shared memory")
+    num_slots, shared_mem = ring_slots(slot_bytes, tail, ring_bytes, MAX_SHARED_MEM, f"the stream MLP: H = {hidden}")
     bucket = next(b for b in M_BUCKETS if b >= M)
     return StreamMlpPlan(grid, chunk_units, slot_bytes, num_slots, stage_x, shared_mem, bucket,
                          -(-hidden // COLUMNS_PER_THREAD_GROUP))

@@ -84,10 +84,7 @@ __device__ __forceinline__ void stream_mlp_body(const MlpArgs& a) {
   const int groups = min(CONSUMER_WARPS / cu, S);
   const int per_group = S / groups;
 
-  if (tid == 0) {
-    for (int i = 0; i < S; ++i) { mbar_init(&full[i], 1); mbar_init(&empty[i], CONSUMER_WARPS); }
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  }
+  if (tid == 0) init_ring(full, empty, S, CONSUMER_WARPS);
   __syncthreads();
 
   if (warp == CONSUMER_WARPS) {  // the producer: weights only, so no wait on the kernel before
@@ -95,8 +92,7 @@ __device__ __forceinline__ void stream_mlp_body(const MlpArgs& a) {
 #ifdef PRODUCER_TRIGGER  // (a probe's switch, launch_switches) the dependents may launch from the start
     if (a.use_pdl) asm volatile("griddepcontrol.launch_dependents;" :::);
 #endif
-    uint64_t policy;
-    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+    const uint64_t policy = evict_first_policy();
     for (int c = 0; c < chunks1; ++c) {
       const int j = c / groups, slot = (c % groups) * per_group + j % per_group;
       const int first = r0 + c * cu, count = min(cu, r1 - first);

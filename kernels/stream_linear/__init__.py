@@ -81,14 +81,23 @@ def plan(M: int, N: int, K: int, itemsize: int, *, gated: bool, emit: bool, sms:
     # the kernel's layout after the ring: 256 B of mbarriers, the squares (16 B aligned), x
     squares = (-(-N // grid) * M * 4 + 15) // 16 * 16 if emit else 0
     tail = 256 + squares + (x_bytes if stage_x else 0)
+    num_slots, shared_mem = ring_slots(slot_bytes, tail, ring_bytes, limit,
+                                       f"stream_linear: a weight row of {unit_bytes} B")
+    bucket = next(b for b in M_BUCKETS if b >= M)
+    return StreamPlan(grid, chunk_units, slot_bytes, num_slots, stage_x, shared_mem, bucket)
+
+
+def ring_slots(slot_bytes: int, tail: int, ring_bytes: int, limit: int, what: str) -> tuple[int, int]:
+    """(slots, shared memory bytes) of a stream kernel's ring: as many slots as ring_bytes holds
+    (2-16), fewer while the ring and the kernel's tail (mbarriers, staged operands) exceed `limit`.
+    Raises ValueError, naming `what`, when two slots do not fit."""
     num_slots = min(16, max(2, ring_bytes // slot_bytes))
     while num_slots > 2 and num_slots * slot_bytes + tail > limit:
         num_slots -= 1
     shared_mem = num_slots * slot_bytes + tail
     if shared_mem > limit:
-        raise ValueError(f"stream_linear: a weight row of {unit_bytes} B does not fit two ring slots in shared memory")
-    bucket = next(b for b in M_BUCKETS if b >= M)
-    return StreamPlan(grid, chunk_units, slot_bytes, num_slots, stage_x, shared_mem, bucket)
+        raise ValueError(f"{what} does not fit two ring slots in shared memory")
+    return num_slots, shared_mem
 
 
 class _Args(ctypes.Structure):
@@ -258,4 +267,4 @@ def _launch(x, weight, bias, row_sumsq, eps, residual, gated, emit_norm_weight, 
     return out
 
 
-__all__ = ["stream_linear", "plan", "StreamPlan", "cuda_supported", "MAX_ROWS"]
+__all__ = ["stream_linear", "plan", "ring_slots", "StreamPlan", "cuda_supported", "launch_switches", "MAX_ROWS"]

@@ -159,3 +159,18 @@ __device__ __forceinline__ const scalar_t* stage_x_and_row_scales(const scalar_t
   consumers_sync();
   return x_staged;
 }
+
+// The ring's mbarriers, by thread 0 before the CTA's first barrier: `full` completes once a slot's
+// copies landed (one arrival: the producer's expect_tx), `empty` once `empty_arrivals` consumer
+// arrivals released it.
+__device__ __forceinline__ void init_ring(uint64_t* full, uint64_t* empty, int slots, uint32_t empty_arrivals) {
+  for (int i = 0; i < slots; ++i) { mbar_init(&full[i], 1); mbar_init(&empty[i], empty_arrivals); }
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+
+// The producer's L2 policy: weights are read once per step, so they go first when the L2 evicts
+__device__ __forceinline__ uint64_t evict_first_policy() {
+  uint64_t policy;
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+  return policy;
+}

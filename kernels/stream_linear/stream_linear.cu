@@ -180,10 +180,7 @@ __device__ __forceinline__ void stream_linear_body(const Args& a) {
   const int groups = min(CONSUMER_WARPS / cu, S);
   const int per_group = S / groups;
 
-  if (tid == 0) {
-    for (int i = 0; i < S; ++i) { mbar_init(&full[i], 1); mbar_init(&empty[i], cu); }
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  }
+  if (tid == 0) init_ring(full, empty, S, cu);
   __syncthreads();
 
   if (warp == CONSUMER_WARPS) {  // the producer: weights only, so no wait on the kernel before
@@ -191,8 +188,7 @@ __device__ __forceinline__ void stream_linear_body(const Args& a) {
 #ifdef PRODUCER_TRIGGER  // (a probe's switch, launch_switches) the dependents may launch from the start
     if (a.use_pdl) asm volatile("griddepcontrol.launch_dependents;" :::);
 #endif
-    uint64_t policy;
-    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+    const uint64_t policy = evict_first_policy();
     for (int c = 0; c < num_chunks; ++c) {
       const int j = c / groups, slot = (c % groups) * per_group + j % per_group;
       const int first = u0 + c * cu, count = min(cu, u1 - first);

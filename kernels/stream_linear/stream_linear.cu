@@ -12,8 +12,10 @@
 // weight here; the others stay on the Triton tiles.
 //
 // Layout (grid = G CTAs, 9 warps each):
-//   units: output rows (plain) or (gate row u, up row N + u) pairs (gated); CTA b owns units
-//   [b * U / G, (b + 1) * U / G), in chunks of chunk_units units.
+//   units: output rows (plain), (gate row u, up row N + u) pairs (gated), or with rope (-DWITH_ROPE
+//   build, the q/k/v projection) the (d, d + D/2) row pairs of each head; CTA b owns units
+//   [b * U / G, (b + 1) * U / G) (with rope rounded to whole chunks, which never span two heads),
+//   in chunks of chunk_units units.
 //   warp 8, lane 0: the producer. It streams the CTA's chunks into num_slots slots and never
 //   waits on the previous kernel: weights depend on no kernel, so under programmatic dependent
 //   launch the ring fills while the kernel before is still running.

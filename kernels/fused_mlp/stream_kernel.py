@@ -15,24 +15,18 @@ from pathlib import Path
 
 import torch
 
-from kernels.stream_linear import (CONSUMER_WARPS, MAX_ROWS, MAX_SHARED_MEM, SLOT_TARGET_BYTES, THREADS,
-                                   X_STAGE_BYTES, M_BUCKETS, launch_switches, ring_slots)
+from kernels.stream_linear import (CONSUMER_WARPS, MAX_ROWS, MAX_SHARED_MEM, THREADS, X_STAGE_BYTES, M_BUCKETS,
+                                   StreamPlan, check_cuda_operands, chunk_units_for, compile_stream_kernels,
+                                   ring_slots, trace_rows)
 
 _SOURCE = Path(__file__).with_name("stream_mlp.cu")
-_COMMON = Path(__file__).resolve().parents[1] / "stream_linear"     # stream_common.cuh, bulk_ring.cuh
 COLUMNS_PER_THREAD_GROUP = 8 * CONSUMER_WARPS * 32                  # H columns one COL_GROUPS step covers
 
 
 @dataclass(frozen=True)
-class StreamMlpPlan:
-    """One call's launch: CTAs (= slices), gate/up pairs per chunk, ring slots, shared memory."""
-    grid: int
-    chunk_units: int
-    slot_bytes: int
-    num_slots: int
-    stage_x: bool
-    shared_mem: int
-    m_bucket: int
+class StreamMlpPlan(StreamPlan):
+    """stream_linear's plan (CTAs are the slices, a chunk's units gate/up pairs) and the column
+    groups of 8 x 256 output columns a consumer thread accumulates in the down phase."""
     col_groups: int
 
 
@@ -47,9 +41,7 @@ def plan_stream_mlp(M: int, intermediate: int, hidden: int, itemsize: int, *, sm
     if hidden % 8:
         raise ValueError(f"the stream MLP needs H a multiple of 8 (16-byte row pieces), got {hidden}")
     pair_bytes = 2 * hidden * itemsize
-    chunk_units = 1
-    while chunk_units < CONSUMER_WARPS and 2 * chunk_units * pair_bytes <= SLOT_TARGET_BYTES:
-        chunk_units *= 2
+    chunk_units = chunk_units_for(pair_bytes)
     slot_bytes = chunk_units * pair_bytes
     grid = min(sms, intermediate)
     x_bytes = M * hidden * itemsize
@@ -73,26 +65,6 @@ class _MlpArgs(ctypes.Structure):
                 ("trace", ctypes.c_void_p), ("trace_row", ctypes.c_int)]
 
 
-def _kernels(device: torch.device, dtype: torch.dtype, col_groups: int):
-    from kernels._cuda_launch import compile_kernels
-
-    names = tuple(f"stream_mlp_m{b}" for b in M_BUCKETS)
-    defines, carveout = launch_switches()
-    options = (f"-I{_COMMON}", f"-DCOL_GROUPS={col_groups}", *(("-DSCALAR_F16",) if dtype == torch.float16 else ()),
-               *defines)
-    return compile_kernels(_SOURCE.read_text(), names, device, options, max_shared_mem=MAX_SHARED_MEM,
-                           shared_carveout=carveout)
-
-
-def _trace_rows(intermediate: int, hidden: int, grid: int, any_tensor: torch.Tensor) -> tuple[int | None, int]:
-    """(rows pointer, first row) in kernels._trace's open recorder, one row per CTA; (None, 0) when
-    none is open."""
-    from kernels import _trace
-
-    args = _trace.trace_args(f"stream mlp {intermediate}x{hidden} in {grid} slices", (grid,), any_tensor)
-    return (args["Trace"].data_ptr(), args["trace_row"]) if args["TRACE"] else (None, 0)
-
-
 def stream_mlp_partials(
     x: torch.Tensor,             # [M, H] bf16/f16, contiguous: norm_weight * h
     row_sumsq: torch.Tensor,     # [P, M] f32
@@ -106,25 +78,21 @@ def stream_mlp_partials(
     """-> part [G, M, H] f32, G = min(ctas or multiprocessors, I): slice b's sum of act down_t.
     Shapes are validated by kernels.fused_mlp.fused_mlp; this checks what only the CUDA kernel needs."""
     from kernels._backend import multiprocessor_count, pdl_enabled
-    from kernels.stream_linear import cuda_supported
 
-    if not cuda_supported(x.device):
-        raise ValueError(f"the stream MLP's CUDA kernel needs an sm_90+ GPU, not {x.device}")
-    if x.dtype not in (torch.bfloat16, torch.float16):
-        raise ValueError(f"the stream MLP's CUDA kernel takes bf16 or f16, got {x.dtype}")
+    check_cuda_operands(x, "the stream MLP")
     x = x.contiguous()      # read at a row pitch of H
     M, H = x.shape
     intermediate = down_t.shape[0]
-    p = plan_stream_mlp(M, intermediate, H, x.element_size(), sms=min(ctas or multiprocessor_count(x.device),
-                                                                      multiprocessor_count(x.device)),
-                        ring_bytes=ring_bytes)
+    sms = multiprocessor_count(x.device)
+    p = plan_stream_mlp(M, intermediate, H, x.element_size(), sms=min(ctas or sms, sms), ring_bytes=ring_bytes)
     part = torch.empty(p.grid, M, H, dtype=torch.float32, device=x.device)
     pdl = pdl_enabled(x.device)
     args = _MlpArgs(gate_up.data_ptr(), down_t.data_ptr(), x.data_ptr(), row_sumsq.data_ptr(), part.data_ptr(),
                     M, H, intermediate, row_sumsq.shape[0], float(eps),
                     p.chunk_units, p.num_slots, int(pdl), int(p.stage_x),
-                    *_trace_rows(intermediate, H, p.grid, part))
-    kernel = _kernels(x.device, x.dtype, p.col_groups)[f"stream_mlp_m{p.m_bucket}"]
+                    *trace_rows(f"stream mlp {intermediate}x{H} in {p.grid} slices", p.grid, part))
+    kernel = compile_stream_kernels(_SOURCE, "stream_mlp", x.device, x.dtype,
+                                    (f"-DCOL_GROUPS={p.col_groups}",))[f"stream_mlp_m{p.m_bucket}"]
     kernel.launch(p.grid, THREADS, p.shared_mem, args, pdl=pdl)
     return part
 

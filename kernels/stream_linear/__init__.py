@@ -20,6 +20,7 @@ point, and a stream entry falls back to Triton tiles where this kernel cannot ru
 from __future__ import annotations
 
 import ctypes
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -69,10 +70,7 @@ def plan(M: int, N: int, K: int, itemsize: int, *, gated: bool, emit: bool, sms:
     if rope_half and (gated or emit or N % rope_half):
         raise ValueError(f"stream_linear's rope takes whole heads of {2 * rope_half} rows and no other fusion")
     unit_bytes = K * itemsize * (2 if gated or rope_half else 1)
-    chunk_units = 1
-    while chunk_units < CONSUMER_WARPS and 2 * chunk_units * unit_bytes <= SLOT_TARGET_BYTES and (
-            not rope_half or rope_half % (2 * chunk_units) == 0):
-        chunk_units *= 2
+    chunk_units = chunk_units_for(unit_bytes, divides=rope_half)
     slot_bytes = chunk_units * unit_bytes
     grid = min(sms * ctas_per_sm, N // chunk_units if rope_half else N)
     limit = MAX_SHARED_MEM if ctas_per_sm == 1 else SHARED_MEM_PER_SM // 2 - 1024
@@ -85,6 +83,16 @@ def plan(M: int, N: int, K: int, itemsize: int, *, gated: bool, emit: bool, sms:
                                        f"stream_linear: a weight row of {unit_bytes} B")
     bucket = next(b for b in M_BUCKETS if b >= M)
     return StreamPlan(grid, chunk_units, slot_bytes, num_slots, stage_x, shared_mem, bucket)
+
+
+def chunk_units_for(unit_bytes: int, divides: int = 0) -> int:
+    """Units a ring slot holds: the largest power of two, at most the CONSUMER_WARPS (a warp a unit),
+    whose bytes fit SLOT_TARGET_BYTES, never less than one; with `divides`, also a divisor of it."""
+    chunk_units = 1
+    while chunk_units < CONSUMER_WARPS and 2 * chunk_units * unit_bytes <= SLOT_TARGET_BYTES and (
+            not divides or divides % (2 * chunk_units) == 0):
+        chunk_units *= 2
+    return chunk_units
 
 
 def ring_slots(slot_bytes: int, tail: int, ring_bytes: int, limit: int, what: str) -> tuple[int, int]:
@@ -163,10 +171,7 @@ def stream_linear(
 
         return rope_and_store(out.view(rope.k_cache.shape[0], -1, out.shape[-1]), rope.cos, rope.sin, rope.positions,
                               rope.k_cache, rope.v_cache, rope.num_heads, rope.num_kv_heads, backend="reference")
-    if not cuda_supported(x.device):
-        raise ValueError(f"stream_linear's CUDA kernel needs an sm_90+ GPU, not {x.device}")
-    if x.dtype not in (torch.bfloat16, torch.float16):
-        raise ValueError(f"stream_linear's CUDA kernel takes bf16 or f16, got {x.dtype}")
+    check_cuda_operands(x, "stream_linear")
     # the kernel reads every [rows, cols] operand at a row pitch of cols (the checks allow others)
     return _launch(x.contiguous(), weight.contiguous(), bias, row_sumsq, eps,
                    None if residual is None else residual.contiguous(), gated, emit_norm_weight, ring_bytes, ctas_per_sm,
@@ -179,6 +184,14 @@ def cuda_supported(device: torch.device) -> bool:
         return False
     index = device.index if device.index is not None else torch.cuda.current_device()
     return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def check_cuda_operands(x: torch.Tensor, kernel: str) -> None:
+    """Raise ValueError, naming `kernel`, unless x can go to a stream kernel: on an sm_90+ GPU, bf16/f16."""
+    if not cuda_supported(x.device):
+        raise ValueError(f"{kernel}'s CUDA kernel needs an sm_90+ GPU, not {x.device}")
+    if x.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"{kernel}'s CUDA kernel takes bf16 or f16, got {x.dtype}")
 
 
 def launch_switches() -> tuple[tuple[str, ...], int | None]:
@@ -197,31 +210,36 @@ def launch_switches() -> tuple[tuple[str, ...], int | None]:
     return (("-DPRODUCER_TRIGGER",) if trigger == "1" else ()), (int(carveout) if carveout else None)
 
 
-def _kernels(device: torch.device, dtype: torch.dtype, rope: bool = False):
-    """The compiled kernels; rope: the build with the q/k/v projection's rope epilogue (a module of
-    its own, so that the other projections' kernels carry none of its registers)."""
+def compile_stream_kernels(source: Path, prefix: str, device: torch.device, dtype: torch.dtype,
+                           options: tuple[str, ...] = ()) -> dict:
+    """The stream kernels of `source` (`{prefix}_m{bucket}` for every M bucket) for `device` and
+    dtype, with the probes' launch switches, compiled at first use (kernels._cuda_launch caches per
+    options). Both stream sources include this folder's stream_common.cuh and bulk_ring.cuh."""
     from kernels._cuda_launch import compile_kernels
 
-    names = tuple(f"stream_linear_m{b}" for b in M_BUCKETS)
+    names = tuple(f"{prefix}_m{b}" for b in M_BUCKETS)
     defines, carveout = launch_switches()
-    options = (f"-I{_SOURCE.parent}", *(("-DSCALAR_F16",) if dtype == torch.float16 else ()),   # bulk_ring.cuh
-               *(("-DWITH_ROPE",) if rope else ()), *defines)
-    return compile_kernels(_SOURCE.read_text(), names, device, options, max_shared_mem=MAX_SHARED_MEM,
+    all_options = (f"-I{_SOURCE.parent}", *options, *(("-DSCALAR_F16",) if dtype == torch.float16 else ()), *defines)
+    return compile_kernels(_source_text(source), names, device, all_options, max_shared_mem=MAX_SHARED_MEM,
                            shared_carveout=carveout)
 
 
-def _trace_rows(N: int, K: int, gated: bool, residual: bool, grid: int, any_tensor: torch.Tensor, rope: bool = False
-                ) -> tuple[int | None, int]:
-    """(rows pointer, first row) in kernels._trace's open recorder, one row per CTA, for
-    bench/timeline.py; (None, 0) when none is open (or without triton, which _trace imports)."""
+@functools.cache
+def _source_text(source: Path) -> str:
+    return source.read_text()     # once: the launches ask for their kernels on every call
+
+
+def trace_rows(label: str, grid: int, any_tensor: torch.Tensor) -> tuple[int | None, int]:
+    """(rows pointer, first row) in kernels._trace's open recorder, one row per CTA of a stream
+    kernel, for bench/timeline.py; (None, 0) when none is open (or without triton, which _trace
+    imports)."""
     from kernels._backend import triton_available
 
     if not triton_available():
         return None, 0
     from kernels import _trace
 
-    kind = " gated" if gated else " rope" if rope else " residual" if residual else ""
-    args = _trace.trace_args(f"stream {N}x{K}{kind}", (grid,), any_tensor)
+    args = _trace.trace_args(label, (grid,), any_tensor)
     return (args["Trace"].data_ptr(), args["trace_row"]) if args["TRACE"] else (None, 0)
 
 
@@ -255,16 +273,20 @@ def _launch(x, weight, bias, row_sumsq, eps, residual, gated, emit_norm_weight, 
     weighted = torch.empty_like(out) if emit else None
     sumsq_parts = torch.empty(p.grid, M, dtype=torch.float32, device=x.device) if emit else None
     pdl = pdl_enabled(x.device)
+    kind = " gated" if gated else " rope" if rope is not None else " residual" if residual is not None else ""
     args = _Args(weight.data_ptr(), x.data_ptr(), _pointer(bias), _pointer(row_sumsq), _pointer(residual),
                  _pointer(emit_norm_weight), out.data_ptr(), _pointer(weighted), _pointer(sumsq_parts),
                  M, N, K, row_sumsq.shape[0] if row_sumsq is not None else 0, float(eps),
                  int(gated), p.chunk_units, p.num_slots, int(pdl), int(p.stage_x),
-                 *_trace_rows(N, K, gated, residual is not None, p.grid, out, rope is not None), *rope_fields)
-    kernel = _kernels(x.device, x.dtype, rope is not None)[f"stream_linear_m{p.m_bucket}"]
+                 *trace_rows(f"stream {N}x{K}{kind}", p.grid, out), *rope_fields)
+    # rope: a build of its own (-DWITH_ROPE), so that the other projections' kernels carry none of its registers
+    kernel = compile_stream_kernels(_SOURCE, "stream_linear", x.device, x.dtype,
+                                    ("-DWITH_ROPE",) if rope is not None else ())[f"stream_linear_m{p.m_bucket}"]
     kernel.launch(p.grid, THREADS, p.shared_mem, args, pdl=pdl)
     if emit:
         return out, NormInputs(weighted, sumsq_parts)
     return out
 
 
-__all__ = ["stream_linear", "plan", "ring_slots", "StreamPlan", "cuda_supported", "launch_switches", "MAX_ROWS"]
+__all__ = ["stream_linear", "plan", "chunk_units_for", "ring_slots", "StreamPlan", "cuda_supported",
+           "check_cuda_operands", "compile_stream_kernels", "trace_rows", "launch_switches", "MAX_ROWS"]

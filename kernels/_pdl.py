@@ -25,8 +25,10 @@ before it has passed its wait, so the kernel two launches back has finished and 
 the kernels before it wrote is in memory. A kernel may therefore read, before its own wait, inputs
 its caller knows were written two or more launches back (`settled=True` at the call: the residual
 stream and the step's rope rows and lengths in a decode layer, the cache rows of earlier steps);
-`kernels._backend.early_reads_enabled` turns that off whenever a trigger 0 is set. Those reads use
-the ".cg" cache modifier (L2, never a stale L1 line).
+`kernels._backend.early_reads_enabled` turns that off whenever a knob sets a trigger 0. Those reads
+use the ".cg" cache modifier (L2, never a stale L1 line). One trigger 0 keeps them safe: a k split's
+reduce (SmallLinearConfig.reduce_trigger). The launch after it may then start while the split kernel
+runs, but that kernel writes only its partials, which nothing but the reduce reads.
 
 Imported only by Triton kernel modules (it imports triton).
 """

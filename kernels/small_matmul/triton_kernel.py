@@ -67,10 +67,22 @@ class SmallLinearConfig:
     stream: bool = False   # run kernels.stream_linear (bulk-copy weight ring, one CTA per SM) instead
     ring_kb: int = 192     # its ring of shared-memory slots, in KB
     stream_ctas: int = 1   # its CTAs per SM (1 or 2)
+    reduce_trigger: int | None = None   # its k split's reduce's PDL trigger point, 0, 1 or 2; None:
+                                        # the "reduce" knob's. 0 lets the next launch start while
+                                        # this split kernel still runs (see __post_init__)
 
     def __post_init__(self):
-        if self.trigger not in (None, 1, 2):   # 0 would run launches two deep under the early reads
-            raise ValueError(f"a config's trigger point is 1 or 2 (kernels._pdl), got {self.trigger}")
+        # 0 would run launches two deep under the early reads; a stream kernel may take it where the
+        # launch after it reads nothing early (its weight ring fills while this kernel waits)
+        if self.trigger not in (None, 1, 2) and not (self.stream and self.trigger == 0):
+            raise ValueError(f"a config's trigger point is 1 or 2 (0 for a stream config, kernels._pdl), "
+                             f"got {self.trigger}")
+        # A reduce may signal before its wait: the launch after it then starts while the split kernel
+        # before it runs, and that kernel writes only the partials, which nothing but the reduce
+        # reads. So no settled input of the next launch is still being written (kernels._pdl,
+        # "Settled inputs"): its early reads stay on.
+        if self.reduce_trigger not in (None, 0, 1, 2):
+            raise ValueError(f"a config's reduce trigger point is 0, 1 or 2 (kernels._pdl), got {self.reduce_trigger}")
 
     def preload_steps(self, K: int) -> int:
         """`preload`, capped by the k steps of the shortest (last) split (0 for a gemv: its rows are
@@ -97,7 +109,11 @@ class SmallLinearConfig:
 
 # Qwen2.5-1.5B's gate_up runs on kernels.stream_linear (128 KB ring) since stop 25: 858 against the
 # Triton tiles' 836 tok/s, once its folded norm's parts were loaded in flight together (NOTES.md,
-# "Stop 25"); off sm_90 or in f32 that entry falls back to the heuristic (choose_config).
+# "Stop 25"); off sm_90 or in f32 that entry falls back to the heuristic (choose_config). Since stop 26
+# its q/k/v projection (rope and cache write fused) streams too, and down's reduce signals before its
+# wait, so that qkv's CTAs start and fill their 96 KB rings while down still runs: 895 against 864
+# tok/s (NOTES.md, "Stop 26"; without the early reduce trigger the stream qkv gains nothing, and the
+# Triton qkv with it loses: 800). Where stream kernels cannot run, the reduce keeps the knob's point.
 # Measured on one H200 (132 SMs, copy bandwidth 4.27 TB/s) by `python bench/small_matmul.py --tune`,
 # bf16 at M = 1, weights streamed from HBM; f16 uses the bf16 entry (same bytes). `preload` from
 # `python bench/step_sweep.py` (preload=) on whole decode steps: it pays on weights of 100 MB and more
@@ -112,10 +128,11 @@ class SmallLinearConfig:
 # tok/s) and its down in 10 splits (840 against 829); NOTES.md "Stop 16". Key: (N, K, element size).
 TUNED: dict[tuple[int, int, int], SmallLinearConfig] = {
     # Qwen2.5-1.5B
-    (2048, 1536, 2): SmallLinearConfig(16, 256, 1, num_warps=4, num_stages=4, swap=True),      # qkv (stop 16)
+    (2048, 1536, 2): SmallLinearConfig(16, 256, 1, stream=True, ring_kb=96),                   # qkv (stop 26)
     (1536, 1536, 2): SmallLinearConfig(8, 128, 1, num_warps=4, gemv=True),                     # o (stop 13)
     (17920, 1536, 2): SmallLinearConfig(16, 128, 1, stream=True, ring_kb=128),                 # gate_up (stop 25)
-    (1536, 8960, 2): SmallLinearConfig(64, 128, 10, num_warps=4, num_stages=3, swap=True, preload=2),   # down (stop 16)
+    (1536, 8960, 2): SmallLinearConfig(64, 128, 10, num_warps=4, num_stages=3, swap=True, preload=2,
+                                       reduce_trigger=0),                                      # down (stop 16, 26)
     (151936, 1536, 2): SmallLinearConfig(64, 128, 1, num_warps=4, num_stages=3, swap=True),    # lm_head
     # Llama-3-8B
     (6144, 4096, 2): SmallLinearConfig(64, 128, 1, num_warps=4, num_stages=4, swap=True),      # qkv
@@ -154,6 +171,10 @@ def choose_config(N: int, K: int, dtype: torch.dtype, device: torch.device, *, g
         config = heuristic_config(rows, K, dtype, multiprocessor_count(device))
     if config.stream and not stream_runs(device, dtype):
         config = heuristic_config(rows, K, dtype, multiprocessor_count(device))
+    if config.reduce_trigger == 0 and not stream_runs(device, dtype):
+        # the early trigger pays only for a stream kernel after the reduce, which fills its weight ring
+        # while this projection runs; a Triton projection there lost (NOTES.md, "Stop 26")
+        config = dataclasses.replace(config, reduce_trigger=None)
     if gated:
         config = dataclasses.replace(config, block_n=max(32, config.block_n), splits=1)
     return config
@@ -675,7 +696,8 @@ def small_linear_triton(
 
         return stream_linear(x, weight, bias, row_sumsq=row_sumsq, eps=eps, residual=residual, gated=gated,
                              emit_norm_weight=emit_norm_weight, ring_bytes=config.ring_kb * 1024,
-                             ctas_per_sm=config.stream_ctas, rope=rope, settled=settled, backend="cuda")
+                             ctas_per_sm=config.stream_ctas, rope=rope, settled=settled,
+                             trigger_at_start=config.trigger == 0, backend="cuda")
     k_per_split = config.k_per_split(K)
     splits = triton.cdiv(K, k_per_split)
     if gated and (splits > 1 or config.block_n % 32 or config.gemv):
@@ -730,7 +752,8 @@ def small_linear_triton(
             part, bias_arg, res_arg, out, emit_norm_weight if emit else out, weighted, sumsq_out,
             M, N, res_arg.stride(0), out.stride(0),
             SPLITS=splits, HAS_BIAS=bias is not None, RESIDUAL=residual is not None, EMIT_NORM=emit, USE_PDL=pdl,
-            TRIGGER=pdl_trigger_point("reduce"), EARLY=early, BLOCK=REDUCE_BLOCK,
+            TRIGGER=pdl_trigger_point("reduce") if config.reduce_trigger is None else config.reduce_trigger,
+            EARLY=early, BLOCK=REDUCE_BLOCK,
             **trace_args(f"reduce {N} of {splits} splits", reduce_grid, out), num_warps=4, **launch_options(pdl),
         )
     return (out, NormInputs(weighted, sumsq_out)) if emit else out

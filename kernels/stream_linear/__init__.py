@@ -145,6 +145,7 @@ def stream_linear(
     ctas_per_sm: int = 1,
     rope=None,                                     # kernels.small_matmul's RopeTarget: -> rotated q
     settled: bool = False,                         # rope's tables and positions written two or more launches back
+    trigger_at_start: bool = False,                # PDL trigger 0: the next launch may start before this one waits
     backend: str = "auto",                         # "auto" | "cuda" | "reference"
 ):
     """x @ weight.T with small_linear's fusions -> [M, N], or (out, NormInputs) with
@@ -152,8 +153,10 @@ def stream_linear(
     m = b T + t of a [B, T] step) what kernels.rope_cache does after it: q and k rotated, k and v
     rows into the caches at their positions, -> q [B, Hq, T, D]; with `settled` (and
     kernels._backend.early_reads_enabled) the tables and positions are read before the kernel waits
-    on the launch before it (kernels._pdl, "Settled inputs"). "auto" runs the CUDA kernel on an
-    sm_90+ GPU and the references elsewhere."""
+    on the launch before it (kernels._pdl, "Settled inputs"). `trigger_at_start` lets the next
+    launch start (and its producer fill its ring) while this one still waits: the caller's promise
+    that the next launch reads early nothing the launch before this one writes. "auto" runs the CUDA
+    kernel on an sm_90+ GPU and the references elsewhere."""
     from kernels.small_matmul import check_fusion_inputs, check_linear_inputs
 
     check_linear_inputs(x, weight[: weight.shape[0] // 2] if gated else weight, bias)
@@ -175,7 +178,7 @@ def stream_linear(
     # the kernel reads every [rows, cols] operand at a row pitch of cols (the checks allow others)
     return _launch(x.contiguous(), weight.contiguous(), bias, row_sumsq, eps,
                    None if residual is None else residual.contiguous(), gated, emit_norm_weight, ring_bytes, ctas_per_sm,
-                   rope, settled)
+                   rope, settled, trigger_at_start)
 
 
 def cuda_supported(device: torch.device) -> bool:
@@ -260,7 +263,7 @@ def _rope_args(rope, M: int, dtype: torch.dtype, early: bool) -> tuple[torch.Ten
 
 
 def _launch(x, weight, bias, row_sumsq, eps, residual, gated, emit_norm_weight, ring_bytes, ctas_per_sm, rope=None,
-            settled=False):
+            settled=False, trigger_at_start=False):
     from kernels._backend import early_reads_enabled, multiprocessor_count, pdl_enabled
 
     M, K = x.shape
@@ -280,8 +283,8 @@ def _launch(x, weight, bias, row_sumsq, eps, residual, gated, emit_norm_weight, 
                  int(gated), p.chunk_units, p.num_slots, int(pdl), int(p.stage_x),
                  *trace_rows(f"stream {N}x{K}{kind}", p.grid, out), *rope_fields)
     # rope: a build of its own (-DWITH_ROPE), so that the other projections' kernels carry none of its registers
-    kernel = compile_stream_kernels(_SOURCE, "stream_linear", x.device, x.dtype,
-                                    ("-DWITH_ROPE",) if rope is not None else ())[f"stream_linear_m{p.m_bucket}"]
+    options = (*(("-DWITH_ROPE",) if rope is not None else ()), *(("-DTRIGGER_AT_START",) if trigger_at_start else ()))
+    kernel = compile_stream_kernels(_SOURCE, "stream_linear", x.device, x.dtype, options)[f"stream_linear_m{p.m_bucket}"]
     kernel.launch(p.grid, THREADS, p.shared_mem, args, pdl=pdl)
     if emit:
         return out, NormInputs(weighted, sumsq_parts)

@@ -182,6 +182,9 @@ __device__ __forceinline__ void stream_linear_body(const Args& a) {
   const int groups = min(CONSUMER_WARPS / cu, S);
   const int per_group = S / groups;
 
+#ifdef TRIGGER_AT_START  // (trigger 0, kernels._pdl) the next launch may start now and fill its own ring
+  if (a.use_pdl) asm volatile("griddepcontrol.launch_dependents;" :::);
+#endif
   if (tid == 0) init_ring(full, empty, S, cu);
   __syncthreads();
 
@@ -223,7 +226,9 @@ __device__ __forceinline__ void stream_linear_body(const Args& a) {
 #endif
   if (a.use_pdl) {  // x, the residual and the norm sums come from the kernels before
     asm volatile("griddepcontrol.wait;" ::: "memory");
+#ifndef TRIGGER_AT_START
     asm volatile("griddepcontrol.launch_dependents;" :::);
+#endif
   }
   if (mark != nullptr && tid == 0) mark[1] = global_timer();
   float scale[MB];

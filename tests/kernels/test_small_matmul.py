@@ -519,7 +519,7 @@ def compile_decode_kernels_for_hopper() -> dict:
     from kernels.small_matmul import triton_kernel as tk
 
     table = lambda n, k, gated=False: tk.choose_config(n, k, torch.bfloat16, torch.device("cuda"), gated=gated)  # noqa: E731
-    # gate_up's entry streams through kernels.stream_linear (CUDA, stop 25); without an sm_90 GPU
+    # qkv's and gate_up's entries stream through kernels.stream_linear (CUDA, stops 25-26); without an sm_90 GPU
     # choose_config falls back to Triton tiles for the multiprocessors it is told of (the H200's 132)
     tk.multiprocessor_count = lambda device: 132
     qkv = dict(rope=True, norm=True, bias=True)
@@ -691,3 +691,29 @@ def test_a_stream_table_entry_falls_back_to_triton_tiles_where_the_kernel_cannot
     monkeypatch.setattr(triton_kernel, "stream_runs", lambda device, dtype: False)
     config = triton_kernel.choose_config(8960, 1536, torch.bfloat16, torch.device("cuda"), gated=True)
     assert not config.stream and config.splits == 1
+    assert triton_kernel.TUNED[(2048, 1536, 2)].stream                                # qkv (stop 26)
+    assert not triton_kernel.choose_config(2048, 1536, torch.bfloat16, torch.device("cuda")).stream
+
+
+def test_an_early_reduce_trigger_is_kept_only_where_a_stream_kernel_can_follow(monkeypatch):
+    """Qwen2.5-1.5B's down signals from its reduce before the reduce waits (stop 26), so that the
+    stream qkv after it fills its weight ring while down runs; before a Triton qkv that lost, so where
+    stream kernels cannot run the reduce takes the "reduce" knob's point again."""
+    from kernels.small_matmul import triton_kernel
+
+    assert triton_kernel.TUNED[(1536, 8960, 2)].reduce_trigger == 0
+    assert triton_kernel.choose_config(1536, 8960, torch.bfloat16, torch.device("cuda")).reduce_trigger == 0 \
+        or not triton_kernel.stream_runs(torch.device("cuda"), torch.bfloat16)
+    monkeypatch.setattr(triton_kernel, "stream_runs", lambda device, dtype: False)
+    config = triton_kernel.choose_config(1536, 8960, torch.bfloat16, torch.device("cuda"))
+    assert config.reduce_trigger is None and config.splits == 10
+
+
+@pytest.mark.parametrize("field, value", [("reduce_trigger", 3), ("reduce_trigger", -1), ("trigger", 0)])
+def test_configs_refuse_trigger_points_the_early_reads_do_not_allow(field, value):
+    from kernels.small_matmul.triton_kernel import SmallLinearConfig
+
+    with pytest.raises(ValueError, match="trigger point"):
+        SmallLinearConfig(16, 128, 1, **{field: value})
+    # a stream kernel may signal at its start: its next launch fills its own ring meanwhile
+    assert SmallLinearConfig(16, 128, 1, stream=True, trigger=0).trigger == 0

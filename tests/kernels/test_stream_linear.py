@@ -199,6 +199,20 @@ def test_small_linear_routes_a_stream_config_to_the_kernel():
     assert rel_err(tiles[0], direct[0]) < REL_ERR[torch.bfloat16]
 
 
+@needs_sm90
+@pytest.mark.parametrize("N,K,fusion", SHAPES)
+def test_a_trigger_at_the_start_changes_no_bit(N, K, fusion):
+    """trigger_at_start (a stream config's trigger 0) moves only where the next launch may start."""
+    from kernels.small_matmul.triton_kernel import SmallLinearConfig, small_linear_triton
+
+    x, w, kwargs = _inputs(5, N, K, fusion, torch.bfloat16, seed=3)
+    early = stream_linear(x, w, trigger_at_start=True, **kwargs)
+    assert torch.equal(_out(early), _out(stream_linear(x, w, **kwargs)))
+    routed = small_linear_triton(x, w, kwargs.pop("bias", None), config=SmallLinearConfig(16, 128, 1, stream=True,
+                                                                                         trigger=0), **kwargs)
+    assert torch.equal(_out(routed), _out(early))
+
+
 def test_launch_switches_name_what_they_take(monkeypatch):
     from kernels.stream_linear import launch_switches
 

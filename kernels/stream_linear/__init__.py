@@ -202,7 +202,10 @@ def launch_switches() -> tuple[tuple[str, ...], int | None]:
     when a kernel is first compiled for them (bench/step_sweep.py sets them per variant):
     BATCHD_STREAM_PRODUCER_TRIGGER=1: the producer thread also signals the dependent launch at its
     start, not only the consumers after their wait; BATCHD_STREAM_CARVEOUT=PERCENT: the kernels'
-    preferred shared share of the L1/shared split (unset: the driver's choice)."""
+    preferred shared share of the L1/shared split (unset: the driver's choice);
+    BATCHD_STREAM_PHASE_MARKS=1: traced CTAs put thread 0's phases after its wait in the trace's SM
+    slot (ns; x staged, first chunk's weights landed, its dot products, its epilogue: 16 bits each), for
+    bench/timeline.py --csv."""
     import os
 
     trigger = os.environ.get("BATCHD_STREAM_PRODUCER_TRIGGER", "0")
@@ -210,7 +213,8 @@ def launch_switches() -> tuple[tuple[str, ...], int | None]:
     if trigger not in ("0", "1") or not (carveout == "" or carveout.isdigit() and int(carveout) <= 100):
         raise ValueError("BATCHD_STREAM_PRODUCER_TRIGGER is 0 or 1 and BATCHD_STREAM_CARVEOUT a percent (0-100), "
                          f"got {trigger!r} and {carveout!r}")
-    return (("-DPRODUCER_TRIGGER",) if trigger == "1" else ()), (int(carveout) if carveout else None)
+    phases = ("-DPHASE_MARKS",) if os.environ.get("BATCHD_STREAM_PHASE_MARKS", "0") == "1" else ()
+    return (("-DPRODUCER_TRIGGER",) if trigger == "1" else ()) + phases, (int(carveout) if carveout else None)
 
 
 def compile_stream_kernels(source: Path, prefix: str, device: torch.device, dtype: torch.dtype,

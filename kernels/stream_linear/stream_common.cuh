@@ -60,6 +60,12 @@ __device__ __forceinline__ long long global_timer() {  // ns, one clock for ever
   asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
   return t;
 }
+// the same once `after` is computed (its operand orders the read after it), for probes' phase marks
+__device__ __forceinline__ long long global_timer_after(float after) {
+  long long t;
+  asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t) : "f"(after) : "memory");
+  return t;
+}
 __device__ __forceinline__ long long sm_id() {
   unsigned s;
   asm volatile("mov.u32 %0, %smid;" : "=r"(s));
@@ -94,6 +100,43 @@ __device__ __forceinline__ void dot_row(const scalar_t* row, const scalar_t* x, 
   for (int m = 0; m < MB; ++m) {
 #pragma unroll
     for (int offset = 16; offset >= 1; offset >>= 1) acc[m] = __fadd_rn(acc[m], __shfl_xor_sync(0xffffffffu, acc[m], offset));
+  }
+}
+
+// dot_row of two rows at once (gate and up, or a rope pair): each x piece is read once for both,
+// and the two sums' chains of fused multiply-adds interleave, so a warp waits on half the
+// latency (a pair took 1.6 us of a decode qkv's 3.9 one after the other, NOTES stop 26). Each sum
+// takes dot_row's operations in dot_row's order: the same bits.
+template <int MB>
+__device__ __forceinline__ void dot_row_pair(const scalar_t* row1, const scalar_t* row2, const scalar_t* x, int M,
+                                             int K, int lane, float* acc1, float* acc2) {
+#pragma unroll
+  for (int m = 0; m < MB; ++m) acc1[m] = acc2[m] = 0.f;
+#pragma unroll 2
+  for (int k = lane * 8; k < K; k += 256) {
+    float w1[8], w2[8];
+    unpack8(*reinterpret_cast<const uint4*>(row1 + k), w1);
+    unpack8(*reinterpret_cast<const uint4*>(row2 + k), w2);
+#pragma unroll
+    for (int m = 0; m < MB; ++m) {
+      if (m < M) {
+        float xv[8];
+        unpack8(*reinterpret_cast<const uint4*>(x + (size_t)m * K + k), xv);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          acc1[m] = __fmaf_rn(w1[j], xv[j], acc1[m]);
+          acc2[m] = __fmaf_rn(w2[j], xv[j], acc2[m]);
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int m = 0; m < MB; ++m) {
+#pragma unroll
+    for (int offset = 16; offset >= 1; offset >>= 1) {
+      acc1[m] = __fadd_rn(acc1[m], __shfl_xor_sync(0xffffffffu, acc1[m], offset));
+      acc2[m] = __fadd_rn(acc2[m], __shfl_xor_sync(0xffffffffu, acc2[m], offset));
+    }
   }
 }
 

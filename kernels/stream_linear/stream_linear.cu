@@ -234,6 +234,10 @@ __device__ __forceinline__ void stream_linear_body(const Args& a) {
   float scale[MB];
   const scalar_t* x = stage_x_and_row_scales<MB>(a.x, x_staged, a.stage_x, M, K, a.row_sumsq, a.P, a.eps, tid, lane,
                                                  scale);
+#ifdef PHASE_MARKS  // (a probe's switch, launch_switches) thread 0's phases after its wait, in ns, in mark[3]
+  long long phase[4] = {0, 0, 0, 0};
+  if (mark != nullptr && tid == 0) phase[0] = global_timer_after(scale[0] + to_float(x[0]));
+#endif
 
   const int group = warp / cu, index = warp % cu;
   for (int c = group; group < groups && c < num_chunks; c += groups) {
@@ -244,11 +248,19 @@ __device__ __forceinline__ void stream_linear_body(const Args& a) {
     if (rope && unit < u1) inputs = c == group && a.rope_early ? first_inputs : load_rope_inputs(a, unit, lane);
 #endif
     mbar_wait(&full[slot], (j / per_group) & 1);
+#ifdef PHASE_MARKS
+    if (mark != nullptr && tid == 0 && c == group) phase[1] = global_timer();
+#endif
     if (unit < u1) {
       const scalar_t* rows = reinterpret_cast<const scalar_t*>(smem + (size_t)slot * slot_bytes);
       float acc[MB], up[MB];
-      dot_row<MB>(rows + (size_t)index * K, x, M, K, lane, acc);   // x staged or global: the same arithmetic
-      if (PAIRED) dot_row<MB>(rows + (size_t)(cu + index) * K, x, M, K, lane, up);
+      if (PAIRED)   // x staged or global: the same arithmetic
+        dot_row_pair<MB>(rows + (size_t)index * K, rows + (size_t)(cu + index) * K, x, M, K, lane, acc, up);
+      else
+        dot_row<MB>(rows + (size_t)index * K, x, M, K, lane, acc);
+#ifdef PHASE_MARKS
+      if (mark != nullptr && tid == 0 && c == group) phase[2] = global_timer_after(acc[0] + (PAIRED ? up[0] : 0.f));
+#endif
 #ifdef WITH_ROPE
       if (rope) {
         rope_epilogue<MB>(a, unit, lane, acc, up, scale, inputs);
@@ -274,7 +286,18 @@ __device__ __forceinline__ void stream_linear_body(const Args& a) {
     }
     __syncwarp();
     if (lane == 0) mbar_arrive(&empty[slot]);
+#ifdef PHASE_MARKS
+    if (mark != nullptr && tid == 0 && c == group) phase[3] = global_timer();
+#endif
   }
+#ifdef PHASE_MARKS  // x staged and scaled | first chunk's weights there << 16 | its dot products << 32 | its
+                    // epilogue issued << 48 (in the trace's SM slot)
+  if (mark != nullptr && tid == 0) {
+    long long packed = 0;
+    for (int i = 0; i < 4; ++i) packed |= (phase[i] ? min(max(phase[i] - mark[1], 0ll), 65535ll) : 65535ll) << (16 * i);
+    mark[3] = packed;
+  }
+#endif
 
   if (a.emit_weight != nullptr) {  // this CTA's part of the sums of squares, in unit order
     consumers_sync();

@@ -680,6 +680,31 @@ def test_a_config_trigger_overrides_the_linear_knob_for_that_weight_only(monkeyp
         trigger(C(8, 128, 1, gemv=True, trigger=0))
 
 
+@needs_triton
+def test_a_config_reduce_trigger_reaches_the_reduce_launch(monkeypatch):
+    """SmallLinearConfig.reduce_trigger sets the k split's reduce's trigger point (0 before its wait:
+    kernels._pdl); None keeps the "reduce" knob's. The point moves no value."""
+    from kernels.small_matmul import triton_kernel as tk
+
+    real, seen = tk._reduce_splits_kernel, []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                seen.append(kwargs["TRIGGER"])
+                return real[grid](*args, **kwargs)
+            return launch
+
+    monkeypatch.setattr(tk, "_reduce_splits_kernel", Recorder())
+    monkeypatch.delenv("BATCHD_PDL_TRIGGER", raising=False)
+    x, w, b = make(3, 48, 256, torch.float32, bias=True, seed=5)
+    early = tk.small_linear_triton(x, w, b, config=tk.SmallLinearConfig(16, 32, 2, reduce_trigger=0))
+    knob = tk.small_linear_triton(x, w, b, config=tk.SmallLinearConfig(16, 32, 2))
+    assert seen == [0, 1]
+    assert torch.equal(early, knob)
+    assert rel_err(early, small_linear_reference(x, w, b, compute_dtype=torch.float64)) < REL_ERR[torch.float32]
+
+
 def test_a_stream_table_entry_falls_back_to_triton_tiles_where_the_kernel_cannot_run(monkeypatch):
     """Qwen2.5-1.5B's gate_up streams through kernels.stream_linear (stop 25), a CUDA kernel for
     sm_90+ in bf16/f16; on another GPU the same weight takes the heuristic's Triton tiles, whole

@@ -17,12 +17,15 @@ program of the launch before it, i.e. from when that launch was done):
   SMs                       how many multiprocessors its programs ran on
 
 --variants takes bench/step_sweep.py's variants (table entries, switches), one table each.
+With the variant switch BATCHD_STREAM_PHASE_MARKS=1, a table of the stream kernels' phases after
+their wait follows (phase_table).
 --csv writes every program of the step (launch index, label, layer, program, sm, start, waited,
 end in ns from the step's first start) for a closer look without device time.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 from pathlib import Path
@@ -99,6 +102,33 @@ def layer_table(step, num_layers: int) -> list[dict]:
     return table
 
 
+PHASES = ("x_staged", "weights_there", "dot_done", "epilogue_issued")
+
+
+def phase_table(step, num_layers: int) -> list[dict]:
+    """With BATCHD_STREAM_PHASE_MARKS=1 a stream CTA's SM slot holds thread 0's PHASES after its wait
+    (kernels.stream_linear.launch_switches: 16 bits of ns each, 65535 for none): per stream launch of
+    a layer, the median over the middle layers' CTAs, in us after the wait, with the run after it."""
+    labels = [launch.label for launch, _ in step]
+    first, period = layer_period(labels, num_layers)
+    table = []
+    for position in range(period):
+        if not labels[first + position].startswith("stream"):
+            continue
+        samples = []
+        for layer in range(1, num_layers - 1):
+            for start, waited, end, packed in step[first + layer * period + position][1].tolist():
+                phases = [(int(packed) >> (16 * i)) & 0xFFFF for i in range(len(PHASES))]
+                if 65535 not in phases:
+                    samples.append([*phases, end - waited])
+        if samples:
+            columns = list(zip(*samples))
+            row = {"launch": labels[first + position], "ctas": len(samples)}
+            row.update({name: round(statistics.median(c) / 1e3, 2) for name, c in zip((*PHASES, "end"), columns)})
+            table.append(row)
+    return table
+
+
 def write_csv(step, path: str, num_layers: int) -> None:
     labels = [launch.label for launch, _ in step]
     first, period = layer_period(labels, num_layers)
@@ -151,6 +181,9 @@ def trace_step(model, config, context: int, csv_path: str | None) -> None:
     table = layer_table(step, config.num_layers)
     print_table(table)
     print(f"layer: {sum(r['last_end'] for r in table):.1f} us (sum of the last ends)")
+    if os.environ.get("BATCHD_STREAM_PHASE_MARKS") == "1":
+        print("stream CTAs' thread 0, us after its wait (the sms column above counts packed phases, not SMs):")
+        print_table(phase_table(step, config.num_layers))
 
 
 if __name__ == "__main__":

@@ -306,3 +306,27 @@ def test_rope_verify_rows_equal_decode_steps_bit_for_bit():
                             rope=one, ring_bytes=48 << 10)
         assert torch.equal(q_t[:, :, 0], q[:, :, t])
     assert torch.equal(k_cache, rope.k_cache) and torch.equal(v_cache, rope.v_cache)
+
+
+def test_timeline_unpacks_the_phase_marks_per_stream_launch():
+    """bench/timeline.py's phase_table reads BATCHD_STREAM_PHASE_MARKS' packed slot: 16 bits a phase,
+    medians over the middle layers, stream launches only, CTAs without marks left out."""
+    from types import SimpleNamespace
+
+    from bench.timeline import phase_table
+
+    def packed(*ns):   # the kernel's long long: phases at 48 bits and up read as negative
+        bits = sum(v << (16 * i) for i, v in enumerate(ns))
+        return bits - (1 << 64) if bits >= 1 << 63 else bits
+
+    step = []
+    for layer in range(4):
+        step.append((SimpleNamespace(label="stream 1024x1536 rope"),
+                     torch.tensor([[0, 100, 4100, packed(1000, 1500, 3000, 3400)],
+                                   [0, 100, 4300, packed(1200, 1700, 2800, 3600)],
+                                   [0, 100, 900, packed(65535, 65535, 65535, 65535)]], dtype=torch.int64)))
+        step.append((SimpleNamespace(label="attention split x18"), torch.zeros(2, 4, dtype=torch.int64)))
+    (row,) = phase_table(step, num_layers=4)
+    assert row["launch"] == "stream 1024x1536 rope" and row["ctas"] == 4
+    assert (row["x_staged"], row["weights_there"], row["dot_done"], row["epilogue_issued"], row["end"]) == \
+        (1.1, 1.6, 2.9, 3.5, 4.1)

@@ -62,7 +62,7 @@ class SmallLinearConfig:
     swap: bool = True
     preload: int = 0       # k steps of weight tiles requested before griddepcontrol.wait (0..4)
     gemv: bool = False     # block_n whole weight rows per program on the CUDA cores (see _gemv_rows)
-    trigger: int | None = None   # this weight's PDL trigger point, 1 or 2 (kernels._pdl); None: the
+    trigger: int | None = None   # this weight's PDL trigger point, 0, 1 or 2 (kernels._pdl); None: the
                                  # "linear" knob's (kernels._backend.pdl_trigger_point)
     stream: bool = False   # run kernels.stream_linear (bulk-copy weight ring, one CTA per SM) instead
     ring_kb: int = 192     # its ring of shared-memory slots, in KB
@@ -72,11 +72,13 @@ class SmallLinearConfig:
                                         # this split kernel still runs (see __post_init__)
 
     def __post_init__(self):
-        # 0 would run launches two deep under the early reads; a stream kernel may take it where the
-        # launch after it reads nothing early (its weight ring fills while this kernel waits)
-        if self.trigger not in (None, 1, 2) and not (self.stream and self.trigger == 0):
-            raise ValueError(f"a config's trigger point is 1 or 2 (0 for a stream config, kernels._pdl), "
-                             f"got {self.trigger}")
+        # 0 runs launches two deep: the launch after this one may start while the one before it
+        # runs. A table entry takes it only where that next launch reads early nothing the launch
+        # before this one writes (kernels._pdl, "Settled inputs"): in a decode layer, o (its
+        # predecessor, the attention merge, writes only what o reads) before gate_up (which reads
+        # nothing early), so that gate_up's weight ring fills while o runs
+        if self.trigger not in (None, 0, 1, 2):
+            raise ValueError(f"a config's trigger point is 0, 1 or 2 (kernels._pdl), got {self.trigger}")
         # A reduce may signal before its wait: the launch after it then starts while the split kernel
         # before it runs, and that kernel writes only the partials, which nothing but the reduce
         # reads. So no settled input of the next launch is still being written (kernels._pdl,

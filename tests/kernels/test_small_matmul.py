@@ -662,7 +662,8 @@ def test_step_sweep_skip_drops_the_launch_until_the_next_variant():
 
 def test_a_config_trigger_overrides_the_linear_knob_for_that_weight_only(monkeypatch):
     """SmallLinearConfig.trigger sets one weight's PDL trigger point (kernels._pdl); None keeps the
-    "linear" knob's; 0 is refused, as it would run launches two deep under the early reads."""
+    "linear" knob's; 0 (launches two deep) only where the next launch reads nothing early that the
+    one before writes, which the table's entries promise, not the config."""
     from kernels.small_matmul.triton_kernel import SmallLinearConfig as C
     from kernels.small_matmul.triton_kernel import linear_constexprs
 
@@ -676,8 +677,9 @@ def test_a_config_trigger_overrides_the_linear_knob_for_that_weight_only(monkeyp
     monkeypatch.setenv("BATCHD_PDL_TRIGGER", "linear:2")
     assert trigger(C(8, 128, 1, gemv=True)) == 2
     assert trigger(C(8, 128, 1, gemv=True, trigger=1)) == 1
-    with pytest.raises(ValueError, match="1 or 2"):
-        trigger(C(8, 128, 1, gemv=True, trigger=0))
+    assert trigger(C(8, 128, 1, gemv=True, trigger=0)) == 0     # the caller's promise (__post_init__)
+    with pytest.raises(ValueError, match="0, 1 or 2"):
+        trigger(C(8, 128, 1, gemv=True, trigger=3))
 
 
 @needs_triton
@@ -734,7 +736,7 @@ def test_an_early_reduce_trigger_is_kept_only_where_a_stream_kernel_can_follow(m
     assert config.reduce_trigger is None and config.splits == 10
 
 
-@pytest.mark.parametrize("field, value", [("reduce_trigger", 3), ("reduce_trigger", -1), ("trigger", 0)])
+@pytest.mark.parametrize("field, value", [("reduce_trigger", 3), ("reduce_trigger", -1), ("trigger", -1)])
 def test_configs_refuse_trigger_points_the_early_reads_do_not_allow(field, value):
     from kernels.small_matmul.triton_kernel import SmallLinearConfig
 

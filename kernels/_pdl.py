@@ -26,9 +26,11 @@ the kernels before it wrote is in memory. A kernel may therefore read, before it
 its caller knows were written two or more launches back (`settled=True` at the call: the residual
 stream and the step's rope rows and lengths in a decode layer, the cache rows of earlier steps);
 `kernels._backend.early_reads_enabled` turns that off whenever a knob sets a trigger 0. Those reads
-use the ".cg" cache modifier (L2, never a stale L1 line). One trigger 0 keeps them safe: a k split's
-reduce (SmallLinearConfig.reduce_trigger). The launch after it may then start while the split kernel
-runs, but that kernel writes only its partials, which nothing but the reduce reads.
+use the ".cg" cache modifier (L2, never a stale L1 line). A trigger 0 set in a table entry keeps them on:
+the entry's promise that the launch after it reads early nothing the launch before it writes. A k
+split's reduce always keeps it (SmallLinearConfig.reduce_trigger): the launch after the reduce may
+start while the split kernel runs, but that kernel writes only its partials, which nothing but the
+reduce reads. SmallLinearConfig.trigger 0 is the same promise for one weight (o before gate_up).
 
 Imported only by Triton kernel modules (it imports triton).
 """

@@ -76,15 +76,12 @@ class SmallLinearConfig:
         # runs. A table entry takes it only where that next launch reads early nothing the launch
         # before this one writes (kernels._pdl, "Settled inputs"): in a decode layer, o (its
         # predecessor, the attention merge, writes only what o reads) before gate_up (which reads
-        # nothing early), so that gate_up's weight ring fills while o runs
-        if self.trigger not in (None, 0, 1, 2):
-            raise ValueError(f"a config's trigger point is 0, 1 or 2 (kernels._pdl), got {self.trigger}")
-        # A reduce may signal before its wait: the launch after it then starts while the split kernel
-        # before it runs, and that kernel writes only the partials, which nothing but the reduce
-        # reads. So no settled input of the next launch is still being written (kernels._pdl,
-        # "Settled inputs"): its early reads stay on.
-        if self.reduce_trigger not in (None, 0, 1, 2):
-            raise ValueError(f"a config's reduce trigger point is 0, 1 or 2 (kernels._pdl), got {self.reduce_trigger}")
+        # nothing early), so that gate_up's weight ring fills while o runs. A reduce always may: the
+        # split kernel before it writes only the partials, which nothing but the reduce reads.
+        for name in ("trigger", "reduce_trigger"):
+            if getattr(self, name) not in (None, 0, 1, 2):
+                raise ValueError(f"a config's {name.replace('_', ' ')} point is 0, 1 or 2 (kernels._pdl), "
+                                 f"got {getattr(self, name)}")
 
     def preload_steps(self, K: int) -> int:
         """`preload`, capped by the k steps of the shortest (last) split (0 for a gemv: its rows are
@@ -171,9 +168,10 @@ def choose_config(N: int, K: int, dtype: torch.dtype, device: torch.device, *, g
         config = TUNED.get((rows, K, 2))
     if config is None:
         config = heuristic_config(rows, K, dtype, multiprocessor_count(device))
-    if config.stream and not stream_runs(device, dtype):
+    streams = stream_runs(device, dtype) if config.stream or config.reduce_trigger == 0 else False
+    if config.stream and not streams:
         config = heuristic_config(rows, K, dtype, multiprocessor_count(device))
-    if config.reduce_trigger == 0 and not stream_runs(device, dtype):
+    if config.reduce_trigger == 0 and not streams:
         # the early trigger pays only for a stream kernel after the reduce, which fills its weight ring
         # while this projection runs; a Triton projection there lost (NOTES.md, "Stop 26")
         config = dataclasses.replace(config, reduce_trigger=None)

@@ -204,8 +204,8 @@ def launch_switches() -> tuple[tuple[str, ...], int | None]:
     start, not only the consumers after their wait; BATCHD_STREAM_CARVEOUT=PERCENT: the kernels'
     preferred shared share of the L1/shared split (unset: the driver's choice);
     BATCHD_STREAM_PHASE_MARKS=1: traced CTAs put thread 0's phases after its wait in the trace's SM
-    slot (ns; x staged, first chunk's weights landed, its dot products, its epilogue: 16 bits each), for
-    bench/timeline.py --csv."""
+    slot (ns; x staged, first chunk's weights landed, its dot products, its epilogue: 16 bits each),
+    which bench/timeline.py prints (phase_table)."""
     import os
 
     trigger = os.environ.get("BATCHD_STREAM_PRODUCER_TRIGGER", "0")

@@ -737,10 +737,11 @@ def test_an_early_reduce_trigger_is_kept_only_where_a_stream_kernel_can_follow(m
 
 
 @pytest.mark.parametrize("field, value", [("reduce_trigger", 3), ("reduce_trigger", -1), ("trigger", -1)])
-def test_configs_refuse_trigger_points_the_early_reads_do_not_allow(field, value):
+def test_configs_refuse_trigger_points_other_than_0_1_2(field, value):
     from kernels.small_matmul.triton_kernel import SmallLinearConfig
 
     with pytest.raises(ValueError, match="trigger point"):
         SmallLinearConfig(16, 128, 1, **{field: value})
-    # a stream kernel may signal at its start: its next launch fills its own ring meanwhile
+    # any config may signal at its start (the table entry's promise): a stream kernel's next launch
+    # then fills its own ring meanwhile
     assert SmallLinearConfig(16, 128, 1, stream=True, trigger=0).trigger == 0

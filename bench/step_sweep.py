@@ -9,8 +9,9 @@ A variant is space-separated settings, "table" for none:
   N,K=bn,bk,splits,stages[,preload][,field:value...]   replaces small_linear's table entry for that
                                   weight shape (field: any SmallLinearConfig field, num_warps:8)
   N,K=gemv,rows[,warps]           the same with a gemv config (rows weight rows per program)
-  N,K=stream[,ring_kb[,ctas]]     the same with kernels.stream_linear (bulk-copy weight ring of
-                                  ring_kb KB, ctas CTAs per SM)
+  N,K=stream[,ring_kb[,ctas]][,field:value...]   the same with kernels.stream_linear (bulk-copy
+                                  weight ring of ring_kb KB, ctas CTAs per SM; fields such as
+                                  stream_min_kb:114, stream_max_ctas:128)
   preload=D[@MB]                  every table entry preloads D weight tiles (only weights of at
                                   least MB megabytes; the others 0)
   reduce=BLOCK                    columns per program of small_linear's split-K reduce (REDUCE_BLOCK)

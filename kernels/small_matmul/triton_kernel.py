@@ -67,6 +67,9 @@ class SmallLinearConfig:
     stream: bool = False   # run kernels.stream_linear (bulk-copy weight ring, one CTA per SM) instead
     ring_kb: int = 192     # its ring of shared-memory slots, in KB
     stream_ctas: int = 1   # its CTAs per SM (1 or 2)
+    stream_min_kb: int = 0   # its shared memory request at least this (KB): past 113 KB no two of its
+                             # CTAs share an SM
+    stream_max_ctas: int = 0   # at most this many CTAs (0: one per SM, or stream_ctas)
     reduce_trigger: int | None = None   # its k split's reduce's PDL trigger point, 0, 1 or 2; None:
                                         # the "reduce" knob's. 0 lets the next launch start while
                                         # this split kernel still runs (see __post_init__)
@@ -82,6 +85,11 @@ class SmallLinearConfig:
             if getattr(self, name) not in (None, 0, 1, 2):
                 raise ValueError(f"a config's {name.replace('_', ' ')} point is 0, 1 or 2 (kernels._pdl), "
                                  f"got {getattr(self, name)}")
+        if (self.stream_min_kb or self.stream_max_ctas) and not self.stream:
+            raise ValueError("stream_min_kb and stream_max_ctas shape a stream launch: set stream=True")
+        if self.stream_min_kb < 0 or self.stream_max_ctas < 0:
+            raise ValueError(f"stream_min_kb and stream_max_ctas are >= 0 (0: no bound), got "
+                             f"{self.stream_min_kb}, {self.stream_max_ctas}")
 
     def preload_steps(self, K: int) -> int:
         """`preload`, capped by the k steps of the shortest (last) split (0 for a gemv: its rows are
@@ -113,6 +121,9 @@ class SmallLinearConfig:
 # wait, so that qkv's CTAs start and fill their 96 KB rings while down still runs: 895 against 864
 # tok/s (NOTES.md, "Stop 26"; without the early reduce trigger the stream qkv gains nothing, and the
 # Triton qkv with it loses: 800). Where stream kernels cannot run, the reduce keeps the knob's point.
+# Stop 27: that qkv's 100 KB CTAs landed two to an SM on 79 SMs (its dot products then share the
+# SM's issue slots: 1.6 us for 0.5); asking 114 KB keeps one a SM, and 128 CTAs (two 24 KB chunks
+# each) leave the 4 SMs that down frees last: 918 against 907 tok/s (NOTES.md, "Stop 27").
 # Measured on one H200 (132 SMs, copy bandwidth 4.27 TB/s) by `python bench/small_matmul.py --tune`,
 # bf16 at M = 1, weights streamed from HBM; f16 uses the bf16 entry (same bytes). `preload` from
 # `python bench/step_sweep.py` (preload=) on whole decode steps: it pays on weights of 100 MB and more
@@ -127,7 +138,8 @@ class SmallLinearConfig:
 # tok/s) and its down in 10 splits (840 against 829); NOTES.md "Stop 16". Key: (N, K, element size).
 TUNED: dict[tuple[int, int, int], SmallLinearConfig] = {
     # Qwen2.5-1.5B
-    (2048, 1536, 2): SmallLinearConfig(16, 256, 1, stream=True, ring_kb=96),                   # qkv (stop 26)
+    (2048, 1536, 2): SmallLinearConfig(16, 256, 1, stream=True, ring_kb=96, stream_min_kb=114,
+                                       stream_max_ctas=128),                                   # qkv (stop 26, 27)
     (1536, 1536, 2): SmallLinearConfig(8, 128, 1, num_warps=4, gemv=True),                     # o (stop 13)
     (17920, 1536, 2): SmallLinearConfig(16, 128, 1, stream=True, ring_kb=128),                 # gate_up (stop 25)
     (1536, 8960, 2): SmallLinearConfig(64, 128, 10, num_warps=4, num_stages=3, swap=True, preload=2,
@@ -696,7 +708,9 @@ def small_linear_triton(
 
         return stream_linear(x, weight, bias, row_sumsq=row_sumsq, eps=eps, residual=residual, gated=gated,
                              emit_norm_weight=emit_norm_weight, ring_bytes=config.ring_kb * 1024,
-                             ctas_per_sm=config.stream_ctas, rope=rope, settled=settled,
+                             ctas_per_sm=config.stream_ctas, min_shared_bytes=config.stream_min_kb * 1024,
+                             max_ctas=config.stream_max_ctas,
+                             rope=rope, settled=settled,
                              trigger_at_start=config.trigger == 0, backend="cuda")
     k_per_split = config.k_per_split(K)
     splits = triton.cdiv(K, k_per_split)

@@ -53,14 +53,18 @@ class StreamPlan:
 
 
 def plan(M: int, N: int, K: int, itemsize: int, *, gated: bool, emit: bool, sms: int,
-         ring_bytes: int = DEFAULT_RING_BYTES, ctas_per_sm: int = 1, rope_half: int = 0) -> StreamPlan:
+         ring_bytes: int = DEFAULT_RING_BYTES, ctas_per_sm: int = 1, rope_half: int = 0,
+         min_shared_bytes: int = 0, max_ctas: int = 0) -> StreamPlan:
     """The launch for x [M, K] and N output units (rows, gate/up pairs when gated, or the rope
     pairs (d, d + D/2) of each head when rope_half = D/2). A chunk is the largest power-of-two count
     of units (at most the 8 consumer warps) whose rows fit SLOT_TARGET_BYTES, and never less than
     one unit (with rope also a divisor of D/2, and CTAs take whole chunks); the ring holds as many
     slots as ring_bytes and the CTA's share of shared memory allow, at least two. x is staged in
-    shared memory when it takes at most X_STAGE_BYTES. Raises ValueError where the kernel cannot
-    run the shape."""
+    shared memory when it takes at most X_STAGE_BYTES. max_ctas caps the grid (0: none);
+    min_shared_bytes raises the shared memory asked (never past the limit), which keeps a second CTA
+    off an SM once it passes half of one (a CTA that shares an SM shares its issue slots: the dot
+    products of Qwen2.5-1.5B's qkv took 1.6 us for 0.5, kernels/small_matmul/NOTES.md "Stop 27").
+    Raises ValueError where the kernel cannot run the shape."""
     if not 1 <= M <= MAX_ROWS:
         raise ValueError(f"stream_linear takes 1..{MAX_ROWS} rows, got {M}")
     if (K * itemsize) % 16:
@@ -72,7 +76,7 @@ def plan(M: int, N: int, K: int, itemsize: int, *, gated: bool, emit: bool, sms:
     unit_bytes = K * itemsize * (2 if gated or rope_half else 1)
     chunk_units = chunk_units_for(unit_bytes, divides=rope_half)
     slot_bytes = chunk_units * unit_bytes
-    grid = min(sms * ctas_per_sm, N // chunk_units if rope_half else N)
+    grid = min(sms * ctas_per_sm, N // chunk_units if rope_half else N, max_ctas or N)
     limit = MAX_SHARED_MEM if ctas_per_sm == 1 else SHARED_MEM_PER_SM // 2 - 1024
     x_bytes = M * K * itemsize
     stage_x = x_bytes <= X_STAGE_BYTES
@@ -81,6 +85,8 @@ def plan(M: int, N: int, K: int, itemsize: int, *, gated: bool, emit: bool, sms:
     tail = 256 + squares + (x_bytes if stage_x else 0)
     num_slots, shared_mem = ring_slots(slot_bytes, tail, ring_bytes, limit,
                                        f"stream_linear: a weight row of {unit_bytes} B")
+    # a request past what the kernel uses keeps other CTAs off the SM (min_shared_bytes)
+    shared_mem = max(shared_mem, min(min_shared_bytes, limit))
     bucket = next(b for b in M_BUCKETS if b >= M)
     return StreamPlan(grid, chunk_units, slot_bytes, num_slots, stage_x, shared_mem, bucket)
 
@@ -143,6 +149,8 @@ def stream_linear(
     emit_norm_weight: torch.Tensor | None = None,  # [N]
     ring_bytes: int = DEFAULT_RING_BYTES,
     ctas_per_sm: int = 1,
+    min_shared_bytes: int = 0,                     # ask at least this much shared memory (fewer CTAs an SM)
+    max_ctas: int = 0,                             # at most this many CTAs (0: one per SM and ctas_per_sm)
     rope=None,                                     # kernels.small_matmul's RopeTarget: -> rotated q
     settled: bool = False,                         # rope's tables and positions written two or more launches back
     trigger_at_start: bool = False,                # PDL trigger 0: the next launch may start before this one waits
@@ -178,7 +186,7 @@ def stream_linear(
     # the kernel reads every [rows, cols] operand at a row pitch of cols (the checks allow others)
     return _launch(x.contiguous(), weight.contiguous(), bias, row_sumsq, eps,
                    None if residual is None else residual.contiguous(), gated, emit_norm_weight, ring_bytes, ctas_per_sm,
-                   rope, settled, trigger_at_start)
+                   rope, settled, trigger_at_start, min_shared_bytes, max_ctas)
 
 
 def cuda_supported(device: torch.device) -> bool:
@@ -267,7 +275,7 @@ def _rope_args(rope, M: int, dtype: torch.dtype, early: bool) -> tuple[torch.Ten
 
 
 def _launch(x, weight, bias, row_sumsq, eps, residual, gated, emit_norm_weight, ring_bytes, ctas_per_sm, rope=None,
-            settled=False, trigger_at_start=False):
+            settled=False, trigger_at_start=False, min_shared_bytes=0, max_ctas=0):
     from kernels._backend import early_reads_enabled, multiprocessor_count, pdl_enabled
 
     M, K = x.shape
@@ -275,7 +283,8 @@ def _launch(x, weight, bias, row_sumsq, eps, residual, gated, emit_norm_weight, 
     emit = emit_norm_weight is not None
     q_out, rope_fields = _rope_args(rope, M, x.dtype, settled and early_reads_enabled())
     p = plan(M, N, K, x.element_size(), gated=gated, emit=emit, sms=multiprocessor_count(x.device),
-             ring_bytes=ring_bytes, ctas_per_sm=ctas_per_sm, rope_half=rope_fields[-2] // 2)
+             ring_bytes=ring_bytes, ctas_per_sm=ctas_per_sm, rope_half=rope_fields[-2] // 2,
+             min_shared_bytes=min_shared_bytes, max_ctas=max_ctas)
     out = torch.empty(M, N, dtype=x.dtype, device=x.device) if rope is None else q_out
     weighted = torch.empty_like(out) if emit else None
     sumsq_parts = torch.empty(p.grid, M, dtype=torch.float32, device=x.device) if emit else None

@@ -719,6 +719,7 @@ def test_a_stream_table_entry_falls_back_to_triton_tiles_where_the_kernel_cannot
     config = triton_kernel.choose_config(8960, 1536, torch.bfloat16, torch.device("cuda"), gated=True)
     assert not config.stream and config.splits == 1
     assert triton_kernel.TUNED[(2048, 1536, 2)].stream                                # qkv (stop 26)
+    assert triton_kernel.TUNED[(2048, 1536, 2)].stream_max_ctas == 128                # (stop 27)
     assert not triton_kernel.choose_config(2048, 1536, torch.bfloat16, torch.device("cuda")).stream
 
 

@@ -42,6 +42,28 @@ def test_plan_fits_shared_memory_and_covers_every_unit(M, N, K, gated, emit):
     assert bounds[0] == 0 and bounds[-1] == N and all(hi > lo for lo, hi in zip(bounds, bounds[1:]))
 
 
+def test_plan_bounds_its_ctas_and_pads_its_shared_memory():
+    """max_ctas caps the grid; min_shared_bytes raises the request (past half an SM's shared memory no
+    two CTAs share it) and never past the limit. Qwen2.5-1.5B's qkv as the table runs it: 128 CTAs
+    of two 4-pair chunks each, 114 KB asked."""
+    base = plan(1, 1024, 1536, 2, gated=False, emit=False, sms=132, ring_bytes=96 << 10, rope_half=64)
+    bounded = plan(1, 1024, 1536, 2, gated=False, emit=False, sms=132, ring_bytes=96 << 10, rope_half=64,
+                   min_shared_bytes=114 << 10, max_ctas=128)
+    assert base.grid == 132 and base.shared_mem < 114 << 10
+    assert bounded.grid == 128 and 1024 // bounded.chunk_units == 2 * bounded.grid
+    assert bounded.shared_mem == 114 << 10 and bounded.num_slots == base.num_slots
+    assert plan(1, 64, 64, 2, gated=False, emit=False, sms=4, min_shared_bytes=1 << 30).shared_mem == MAX_SHARED_MEM
+
+
+def test_config_fields_of_a_stream_launch_need_a_stream_config():
+    from kernels.small_matmul.triton_kernel import SmallLinearConfig
+
+    with pytest.raises(ValueError, match="set stream=True"):
+        SmallLinearConfig(16, 128, 1, stream_max_ctas=128)
+    with pytest.raises(ValueError, match=">= 0"):
+        SmallLinearConfig(16, 128, 1, stream=True, stream_min_kb=-1)
+
+
 def test_plan_refuses_what_the_kernel_cannot_run():
     with pytest.raises(ValueError, match="1..32 rows"):
         plan(33, 64, 64, 2, gated=False, emit=False, sms=4)
@@ -211,6 +233,21 @@ def test_a_trigger_at_the_start_changes_no_bit(N, K, fusion):
     routed = small_linear_triton(x, w, kwargs.pop("bias", None), config=SmallLinearConfig(16, 128, 1, stream=True,
                                                                                          trigger=0), **kwargs)
     assert torch.equal(_out(routed), _out(early))
+
+
+@needs_sm90
+@pytest.mark.parametrize("N,K,fusion", SHAPES)
+def test_fewer_ctas_and_a_padded_request_change_no_bit(N, K, fusion):
+    """max_ctas and min_shared_bytes move units between CTAs and CTAs between SMs, never a value
+    (a unit's arithmetic is its own; the emitted sums of squares have one part a CTA, so only their
+    total is compared)."""
+    x, w, kwargs = _inputs(5, N, K, fusion, torch.bfloat16, seed=4)
+    want = stream_linear(x, w, **kwargs)
+    got = stream_linear(x, w, min_shared_bytes=114 << 10, max_ctas=37, **kwargs)
+    assert torch.equal(_out(got), _out(want))
+    if fusion == "residual":
+        assert torch.equal(got[1].weighted, want[1].weighted) and got[1].sumsq.shape[0] == 37
+        torch.testing.assert_close(got[1].sumsq.sum(0), want[1].sumsq.sum(0), rtol=1e-5, atol=0)
 
 
 def test_launch_switches_name_what_they_take(monkeypatch):

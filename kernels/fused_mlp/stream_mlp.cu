@@ -27,7 +27,7 @@
 // depends on M: row m of a verify step equals the decode step's row bit for bit
 // (tests/kernels/test_fused_mlp.py). COL_GROUPS (a -D switch, ceil(H / 2048)) sizes the
 // accumulators [COL_GROUPS][MB][8] per thread.
-#include "stream_common.cuh"   // scalar_t, unpack8, dot_row, row_scales, silu_mul_rounded, mbar_*, bulk_copy
+#include "stream_common.cuh"   // scalar_t, unpack8, dot_row_pair, row_scales, silu_mul_rounded, mbar_*, bulk_copy
 
 #ifndef COL_GROUPS
 #define COL_GROUPS 1
@@ -132,8 +132,7 @@ __device__ __forceinline__ void stream_mlp_body(const MlpArgs& a) {
     if (row < rows) {
       const scalar_t* w = reinterpret_cast<const scalar_t*>(smem + (size_t)slot * slot_bytes);
       float gate[MB], up[MB];
-      dot_row<MB>(w + (size_t)index * H, x, M, H, lane, gate);
-      dot_row<MB>(w + (size_t)(cu + index) * H, x, M, H, lane, up);
+      dot_row_pair<MB>(w + (size_t)index * H, w + (size_t)(cu + index) * H, x, M, H, lane, gate, up);
       if (lane == 0) {
 #pragma unroll
         for (int m = 0; m < MB; ++m) {

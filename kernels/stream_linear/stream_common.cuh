@@ -75,68 +75,66 @@ __device__ __forceinline__ void consumers_sync() {  // the 256 consumer threads 
   asm volatile("bar.sync 1, %0;" ::"n"(CONSUMER_WARPS * 32) : "memory");
 }
 
-// acc[m] = row . x[m] for m < M, on lane 0 after the butterfly (every lane holds a sum; lane 0's
-// order is the defined one). row: K values in shared memory; x: [M, K] in global or shared memory.
-template <int MB>
-__device__ __forceinline__ void dot_row(const scalar_t* row, const scalar_t* x, int M, int K,
-                                        int lane, float* acc) {
+// acc[r][m] = rows[r] . x[m] for r < R, m < M, on lane 0 after the butterfly (every lane holds a
+// sum; lane 0's order is the defined one). rows: R rows of K values in shared memory; x: [M, K] in
+// global or shared memory. With R = 2 (gate and up, or a rope pair) each x piece is read once for
+// both rows and the two chains of fused multiply-adds interleave, so a warp waits on half the
+// latency (a pair took 1.6 us of a decode qkv's 3.9 one after the other, NOTES stop 26). Every sum
+// takes the same operations in the same order whatever R is: the same bits.
+template <int MB, int R>
+__device__ __forceinline__ void dot_rows(const scalar_t* const (&rows)[R], const scalar_t* x, int M, int K, int lane,
+                                         float (&acc)[R][MB]) {
 #pragma unroll
-  for (int m = 0; m < MB; ++m) acc[m] = 0.f;
-#pragma unroll 4
+  for (int r = 0; r < R; ++r)
+#pragma unroll
+    for (int m = 0; m < MB; ++m) acc[r][m] = 0.f;
+#pragma unroll (R == 1 ? 4 : 2)
   for (int k = lane * 8; k < K; k += 256) {
-    float w[8];
-    unpack8(*reinterpret_cast<const uint4*>(row + k), w);
+    float w[R][8];
+#pragma unroll
+    for (int r = 0; r < R; ++r) unpack8(*reinterpret_cast<const uint4*>(rows[r] + k), w[r]);
 #pragma unroll
     for (int m = 0; m < MB; ++m) {
       if (m < M) {
         float xv[8];
         unpack8(*reinterpret_cast<const uint4*>(x + (size_t)m * K + k), xv);
 #pragma unroll
-        for (int j = 0; j < 8; ++j) acc[m] = __fmaf_rn(w[j], xv[j], acc[m]);
+        for (int j = 0; j < 8; ++j)
+#pragma unroll
+          for (int r = 0; r < R; ++r) acc[r][m] = __fmaf_rn(w[r][j], xv[j], acc[r][m]);
       }
     }
   }
 #pragma unroll
   for (int m = 0; m < MB; ++m) {
 #pragma unroll
-    for (int offset = 16; offset >= 1; offset >>= 1) acc[m] = __fadd_rn(acc[m], __shfl_xor_sync(0xffffffffu, acc[m], offset));
+    for (int offset = 16; offset >= 1; offset >>= 1)
+#pragma unroll
+      for (int r = 0; r < R; ++r) acc[r][m] = __fadd_rn(acc[r][m], __shfl_xor_sync(0xffffffffu, acc[r][m], offset));
   }
 }
 
-// dot_row of two rows at once (gate and up, or a rope pair): each x piece is read once for both,
-// and the two sums' chains of fused multiply-adds interleave, so a warp waits on half the
-// latency (a pair took 1.6 us of a decode qkv's 3.9 one after the other, NOTES stop 26). Each sum
-// takes dot_row's operations in dot_row's order: the same bits.
+// acc[m] = row . x[m] (dot_rows of one row)
+template <int MB>
+__device__ __forceinline__ void dot_row(const scalar_t* row, const scalar_t* x, int M, int K, int lane, float* acc) {
+  const scalar_t* rows[1] = {row};
+  float sums[1][MB];
+  dot_rows<MB, 1>(rows, x, M, K, lane, sums);
+#pragma unroll
+  for (int m = 0; m < MB; ++m) acc[m] = sums[0][m];
+}
+
+// acc1[m] = row1 . x[m], acc2[m] = row2 . x[m] in one pass (dot_rows of two rows)
 template <int MB>
 __device__ __forceinline__ void dot_row_pair(const scalar_t* row1, const scalar_t* row2, const scalar_t* x, int M,
                                              int K, int lane, float* acc1, float* acc2) {
-#pragma unroll
-  for (int m = 0; m < MB; ++m) acc1[m] = acc2[m] = 0.f;
-#pragma unroll 2
-  for (int k = lane * 8; k < K; k += 256) {
-    float w1[8], w2[8];
-    unpack8(*reinterpret_cast<const uint4*>(row1 + k), w1);
-    unpack8(*reinterpret_cast<const uint4*>(row2 + k), w2);
-#pragma unroll
-    for (int m = 0; m < MB; ++m) {
-      if (m < M) {
-        float xv[8];
-        unpack8(*reinterpret_cast<const uint4*>(x + (size_t)m * K + k), xv);
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-          acc1[m] = __fmaf_rn(w1[j], xv[j], acc1[m]);
-          acc2[m] = __fmaf_rn(w2[j], xv[j], acc2[m]);
-        }
-      }
-    }
-  }
+  const scalar_t* rows[2] = {row1, row2};
+  float sums[2][MB];
+  dot_rows<MB, 2>(rows, x, M, K, lane, sums);
 #pragma unroll
   for (int m = 0; m < MB; ++m) {
-#pragma unroll
-    for (int offset = 16; offset >= 1; offset >>= 1) {
-      acc1[m] = __fadd_rn(acc1[m], __shfl_xor_sync(0xffffffffu, acc1[m], offset));
-      acc2[m] = __fadd_rn(acc2[m], __shfl_xor_sync(0xffffffffu, acc2[m], offset));
-    }
+    acc1[m] = sums[0][m];
+    acc2[m] = sums[1][m];
   }
 }
 

@@ -65,30 +65,33 @@ struct Args {
 #ifdef WITH_ROPE
 
 // What the rope epilogue of one unit reads besides the sums, for row m = lane: the pair's bias and
-// the rope tables at t (rounded to the model dtype as the eager tables are) and the cache row.
-// Loaded ahead of the sums (before the wait on the kernel before when those inputs are settled),
-// so that their round trips overlap the weight copies instead of following the dot products.
+// the rope tables at t and the cache row. Loaded ahead of the sums (before the wait on the kernel
+// before when those inputs are settled), so that their round trips overlap the weight copies
+// instead of following the dot products. Kept as loaded: a conversion here (the tables' rounding
+// to the model dtype, the bias's widening) would make the warp wait for the loads before its
+// griddepcontrol.wait (NOTES stop 27); rope_epilogue converts them.
 struct RopeInputs {
-  float bias1, bias2, cos1, cos2, sin1, sin2;
+  scalar_t bias1, bias2;
+  float cos1, cos2, sin1, sin2;
   long long position;
 };
 
 __device__ __forceinline__ RopeInputs load_rope_inputs(const Args& a, int unit, int lane) {
-  RopeInputs in = {0.f, 0.f, 1.f, 1.f, 0.f, 0.f, 0};
+  RopeInputs in = {0, 0, 1.f, 1.f, 0.f, 0.f, 0};
   if (lane >= a.M) return in;
   const int D = a.head_dim, half = D / 2, head = unit / half, d = unit % half;
   const int row = head * D + d, t = lane % a.T;
   if (a.bias != nullptr) {
-    in.bias1 = to_float(a.bias[row]);
-    in.bias2 = to_float(a.bias[row + half]);
+    in.bias1 = a.bias[row];
+    in.bias2 = a.bias[row + half];
   }
   if (head < a.heads + a.kv_heads) {
     const float* cos_t = a.rope_cos + (size_t)t * D;
     const float* sin_t = a.rope_sin + (size_t)t * D;
-    in.cos1 = round_to_scalar(cos_t[d]);
-    in.cos2 = round_to_scalar(cos_t[d + half]);
-    in.sin1 = round_to_scalar(sin_t[d]);
-    in.sin2 = round_to_scalar(sin_t[d + half]);
+    in.cos1 = cos_t[d];
+    in.cos2 = cos_t[d + half];
+    in.sin1 = sin_t[d];
+    in.sin2 = sin_t[d + half];
   }
   if (head >= a.heads) in.position = a.positions[t];
   return in;
@@ -111,14 +114,17 @@ __device__ __forceinline__ void rope_epilogue(const Args& a, int unit, int lane,
   const int t = lane % a.T, b = lane / a.T;
   float v1 = __fmul_rn(s1, sc), v2 = __fmul_rn(s2, sc);
   if (a.bias != nullptr) {
-    v1 = __fadd_rn(v1, in.bias1);
-    v2 = __fadd_rn(v2, in.bias2);
+    v1 = __fadd_rn(v1, to_float(in.bias1));
+    v2 = __fadd_rn(v2, to_float(in.bias2));
   }
   v1 = round_to_scalar(v1);
   v2 = round_to_scalar(v2);
   if (head < a.heads + a.kv_heads) {   // q and k rotate ("rotate half"); v is stored as it is
-    const float y1 = __fmaf_rn(v1, in.cos1, -__fmul_rn(v2, in.sin1));
-    const float y2 = __fmaf_rn(v2, in.cos2, __fmul_rn(v1, in.sin2));
+    // the tables rounded to the model dtype, as the eager tables are
+    const float cos1 = round_to_scalar(in.cos1), cos2 = round_to_scalar(in.cos2);
+    const float sin1 = round_to_scalar(in.sin1), sin2 = round_to_scalar(in.sin2);
+    const float y1 = __fmaf_rn(v1, cos1, -__fmul_rn(v2, sin1));
+    const float y2 = __fmaf_rn(v2, cos2, __fmul_rn(v1, sin2));
     v1 = y1;
     v2 = y2;
   }

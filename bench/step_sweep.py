@@ -25,6 +25,9 @@ A variant is space-separated settings, "table" for none:
   mlp=I,H,programs,bk,bn,warps,stages[,field:value]   kernels.fused_mlp's config for that MLP shape
                                   (programs 0: one per multiprocessor; it sets BATCHD_FUSED_MLP=1)
   mlp=I,H,stream[,ring_kb][,field:value]  the same on the bulk-copy stream kernel (kernels/fused_mlp/stream_mlp.cu)
+  BATCHD_ATTENTION_CLUSTER=0|8|16 decode attention on the cluster kernel with 8 or 16 CTAs a KV head
+                                  (kernels/decode_attention/cluster_kernel.py), or 0: Triton's split and merge
+  BATCHD_ATTENTION_KEY_BLOCK=32|64 that kernel's keys a step of its online softmax
   skip=merge|reduce               a what-if, not a config: the step runs without that launch (the
                                   attention merge; small_linear's split-K reduce), its consumer reading
                                   whatever the buffer holds. The ids are garbage; the tok/s bounds what
@@ -67,7 +70,8 @@ REDUCE_BLOCK = triton_kernel.REDUCE_BLOCK
 
 
 SWITCHES = ("BATCHD_PDL_TRIGGER", "BATCHD_EARLY_READS", "BATCHD_PDL", "BATCHD_FUSED_MLP", "BATCHD_STREAM_CARVEOUT",
-            "BATCHD_STREAM_PRODUCER_TRIGGER", "BATCHD_STREAM_PHASE_MARKS")
+            "BATCHD_STREAM_PRODUCER_TRIGGER", "BATCHD_STREAM_PHASE_MARKS", "BATCHD_ATTENTION_CLUSTER",
+            "BATCHD_ATTENTION_KEY_BLOCK")
 MLP_TUNED = dict(mlp_kernel.TUNED)
 MERGE_SPLITS = attention_kernel.merge_splits
 MAX_SPLITS = attention_kernel.MAX_SPLITS

@@ -17,13 +17,17 @@ import threading
 import torch
 
 # cuda.h: CUlaunchAttributeID, CUfunction_attribute
+_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION = 4
 _LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
 _FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
 _FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT = 9
+_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED = 14
+PORTABLE_CLUSTER_SIZE = 8
 
 
 class _LaunchAttributeValue(ctypes.Union):
-    _fields_ = [("pad", ctypes.c_char * 64), ("programmatic_stream_serialization_allowed", ctypes.c_int)]
+    _fields_ = [("pad", ctypes.c_char * 64), ("programmatic_stream_serialization_allowed", ctypes.c_int),
+                ("cluster_dim", ctypes.c_uint * 3)]
 
 
 class _LaunchAttribute(ctypes.Structure):
@@ -66,19 +70,35 @@ class CudaKernel:
             _check(_driver().cuFuncSetAttribute(function, _FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
                                                 shared_carveout), f"{name}: setting a {shared_carveout}% carveout")
         self.max_shared_mem = max_shared_mem
+        self.non_portable_clusters = False
 
-    def launch(self, grid: int, threads: int, shared_mem: int, args: ctypes.Structure, *, pdl: bool) -> None:
+    def launch(self, grid: int, threads: int, shared_mem: int, args: ctypes.Structure, *, pdl: bool,
+               cluster: int = 1) -> None:
         """Launch with a single by-value parameter `args` (a ctypes.Structure matching the kernel's
         struct). pdl: allow the launch to start before the kernel ahead of it in the stream ends
-        (the kernel must griddepcontrol.wait before it reads that kernel's output)."""
+        (the kernel must griddepcontrol.wait before it reads that kernel's output). cluster: CTAs a
+        thread-block cluster (consecutive blockIdx.x; grid a multiple of it)."""
         if shared_mem > self.max_shared_mem:
             raise ValueError(f"{self.name}: {shared_mem} B of shared memory, over the {self.max_shared_mem} B set")
-        attr = _LaunchAttribute()
-        attr.id = _LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-        attr.value.programmatic_stream_serialization_allowed = 1
+        if grid % cluster:
+            raise ValueError(f"{self.name}: a grid of {grid} CTAs is not whole clusters of {cluster}")
+        if cluster > PORTABLE_CLUSTER_SIZE and not self.non_portable_clusters:
+            _check(_driver().cuFuncSetAttribute(self.function, _FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1),
+                   f"{self.name}: allowing clusters of {cluster}")
+            self.non_portable_clusters = True
+        attrs = (_LaunchAttribute * 2)()
+        count = 0
+        if pdl:
+            attrs[count].id = _LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+            attrs[count].value.programmatic_stream_serialization_allowed = 1
+            count += 1
+        if cluster > 1:
+            attrs[count].id = _LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+            attrs[count].value.cluster_dim[:] = (cluster, 1, 1)
+            count += 1
         config = _LaunchConfig(grid, 1, 1, threads, 1, 1, shared_mem,
                                ctypes.c_void_p(torch.cuda.current_stream().cuda_stream),
-                               ctypes.pointer(attr) if pdl else None, 1 if pdl else 0)
+                               ctypes.cast(attrs, ctypes.POINTER(_LaunchAttribute)) if count else None, count)
         params = (ctypes.c_void_p * 1)(ctypes.cast(ctypes.pointer(args), ctypes.c_void_p))
         _check(_driver().cuLaunchKernelEx(ctypes.byref(config), self.function, params, None), f"launching {self.name}")
 

@@ -60,16 +60,19 @@ def decode_attention(
     seq_len: int | torch.Tensor,           # int or int64 [B]: valid rows INCLUDING the Q new rows
     *,
     scale: float | None = None,            # default 1/sqrt(D)
-    backend: str = "auto",                 # "auto" | "triton" | "reference"
+    backend: str = "auto",                 # "auto" | "cluster" | "triton" | "reference"
     settled: bool = False,                 # seq_len and the rows before the new ones written 2+ launches back
 ) -> torch.Tensor:
     """Attention of Q new rows per sequence over the cache. -> [B, Hq, Q, D] in q's dtype.
 
     float32 accumulation; GQA when Hq is a multiple of Hkv. seq_len must be >= Q for every sequence
     (a tensor is not checked, to keep the call free of host syncs; a lane that sees no row gets 0).
-    backend "auto" runs Triton on CUDA and the reference elsewhere; "triton" also runs on CPU under
-    TRITON_INTERPRET=1. With seq_len as a device tensor the Triton path never syncs the host and can
-    be captured in a CUDA graph.
+    backend "auto" runs, on CUDA, the one-launch cluster kernel (cluster_kernel.py: sm_90+, 16-bit
+    caches of at most about 2048 rows) where the cache's shape fits it and Triton's split and merge
+    kernels elsewhere, and the reference off CUDA; "cluster" insists on the cluster kernel; "triton"
+    also runs on CPU under TRITON_INTERPRET=1. The choice depends on shapes only, never on Q or
+    seq_len, so a verify lane still equals its decode step. With seq_len as a device tensor the GPU
+    paths never sync the host and can be captured in a CUDA graph.
 
     settled=True promises that seq_len and the cache rows before the Q new ones were written two or
     more kernel launches before this call (in a decode step the new rows come from the launch just
@@ -83,6 +86,18 @@ def decode_attention(
         raise ValueError(f"seq_len ({seq_len}) must count the {QR} new rows already written to the cache")
     lengths = seq_len_tensor(seq_len, B, S_max, q.device)
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    if backend in ("auto", "cluster"):
+        from kernels.decode_attention import cluster_kernel
+
+        plan = cluster_kernel.supported(q, k_cache, v_cache)
+        if plan is not None:
+            return cluster_kernel.decode_attention_cluster(q, k_cache, v_cache, lengths, scale, plan, settled=settled)
+        if backend == "cluster":
+            raise ValueError(
+                f"the cluster attention kernel cannot run q {list(q.shape)} {q.dtype} on {q.device} over a cache of "
+                f"{S_max} rows (it needs an sm_90+ GPU, bf16/f16, D a multiple of 32 up to 128, a short cache, "
+                "BATCHD_ATTENTION_CLUSTER not 0): use backend='auto' or 'triton'")
+        backend = "auto"
     if resolve_backend(backend, q.device) == "reference":
         return decode_attention_reference(q, k_cache, v_cache, lengths, scale)
     from kernels.decode_attention.triton_kernel import decode_attention_triton

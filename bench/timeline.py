@@ -102,29 +102,35 @@ def layer_table(step, num_layers: int) -> list[dict]:
     return table
 
 
-PHASES = ("x_staged", "weights_there", "dot_done", "epilogue_issued")
+# the phases a kernel marks with BATCHD_STREAM_PHASE_MARKS=1, by its launches' label prefix
+PHASES = {
+    "stream": ("x_staged", "weights_there", "dot_done", "epilogue_issued"),             # kernels.stream_linear
+    "attention cluster": ("kv_staged", "partials_pushed", "barrier_passed", "merged"),  # kernels/decode_attention
+}
 
 
-def phase_table(step, num_layers: int) -> list[dict]:
-    """With BATCHD_STREAM_PHASE_MARKS=1 a stream CTA's SM slot holds thread 0's PHASES after its wait
-    (kernels.stream_linear.launch_switches: 16 bits of ns each, 65535 for none): per stream launch of
-    a layer, the median over the middle layers' CTAs, in us after the wait, with the run after it."""
+def phase_table(step, num_layers: int, kernel: str) -> list[dict]:
+    """With BATCHD_STREAM_PHASE_MARKS=1 the SM slot of a CTA of `kernel` (a PHASES key) holds
+    thread 0's phases after its wait (kernels.stream_linear.launch_switches: 16 bits of ns each,
+    65535 for none): per launch of a layer, the median over the middle layers' CTAs, in us after
+    the wait, with the run after it."""
     labels = [launch.label for launch, _ in step]
     first, period = layer_period(labels, num_layers)
+    names = PHASES[kernel]
     table = []
     for position in range(period):
-        if not labels[first + position].startswith("stream"):
+        if not labels[first + position].startswith(kernel):
             continue
         samples = []
         for layer in range(1, num_layers - 1):
             for start, waited, end, packed in step[first + layer * period + position][1].tolist():
-                phases = [(int(packed) >> (16 * i)) & 0xFFFF for i in range(len(PHASES))]
+                phases = [(int(packed) >> (16 * i)) & 0xFFFF for i in range(len(names))]
                 if 65535 not in phases:
                     samples.append([*phases, end - waited])
         if samples:
             columns = list(zip(*samples))
             row = {"launch": labels[first + position], "ctas": len(samples)}
-            row.update({name: round(statistics.median(c) / 1e3, 2) for name, c in zip((*PHASES, "end"), columns)})
+            row.update({name: round(statistics.median(c) / 1e3, 2) for name, c in zip((*names, "end"), columns)})
             table.append(row)
     return table
 
@@ -182,8 +188,9 @@ def trace_step(model, config, context: int, csv_path: str | None) -> None:
     print_table(table)
     print(f"layer: {sum(r['last_end'] for r in table):.1f} us (sum of the last ends)")
     if os.environ.get("BATCHD_STREAM_PHASE_MARKS") == "1":
-        print("stream CTAs' thread 0, us after its wait (the sms column above counts packed phases, not SMs):")
-        print_table(phase_table(step, config.num_layers))
+        print("thread 0 of each CTA, us after its wait (the sms column above counts packed phases, not SMs):")
+        for kernel in PHASES:
+            print_table(phase_table(step, config.num_layers, kernel))
 
 
 if __name__ == "__main__":

@@ -14,11 +14,14 @@
 //      of 16; a warp's task is one m-tile and one D_SLICE of output columns, and computes that
 //      tile's scores over all the CTA's keys itself (the four column slices repeat the score
 //      products: at decode sizes that costs less than a merge across warps).
-//   3. Its partial (running max m, sum l, unnormalised output acc) per row goes to shared memory;
-//      a cluster barrier; then CTA `rank` merges columns [rank * D / CLUSTER, ...) of every row
-//      over the CLUSTER partials, in rank order, reading them from the other CTAs' shared memory,
-//      and writes the output; a second cluster barrier keeps every CTA's partials alive until all
-//      have read them.
+//   3. CTA `rank` owns the merge of columns [rank * D / CLUSTER, ...) of every row. Each CTA
+//      stores its partial (running max m, sum l, unnormalised output acc) per row straight into
+//      the owners' shared memory (st.shared::cluster; slot = its rank), one cluster barrier
+//      (release / acquire) makes the stores visible, and each owner merges its columns over the
+//      CLUSTER slots in rank order from its own shared memory and writes the output. Pushing
+//      rather than pulling needs no second barrier: after the first, no CTA touches another's
+//      memory, so each may leave when done. (A barrier arrive at the start, waited on before the
+//      first remote store, makes sure every CTA of the cluster is running before it is written to.)
 //
 // Bits: every row's arithmetic is the same whatever Q, seq_len or the row's place in its m-tile
 // (the tensor cores compute each output element from its own row; the row reductions run the
@@ -101,16 +104,22 @@ __device__ __forceinline__ uint32_t cluster_rank() {
   asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
   return r;
 }
-__device__ __forceinline__ void cluster_sync() {  // every thread of every CTA of the cluster
-  asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+// barrier.cluster: every thread of every CTA of the cluster arrives, then waits for all arrivals
+__device__ __forceinline__ void cluster_arrive_relaxed() { asm volatile("barrier.cluster.arrive.relaxed.aligned;" :::); }
+__device__ __forceinline__ void cluster_arrive_release() {
+  asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
 }
-__device__ __forceinline__ float load_cluster(const float* p, uint32_t rank) {  // *p in CTA `rank`'s shared memory
+__device__ __forceinline__ void cluster_wait_acquire() { asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory"); }
+__device__ __forceinline__ void store_cluster(float* p, uint32_t rank, float x, float y) {  // p[0..1] in CTA `rank`
   uint32_t remote;
-  float v;
   asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(smem_addr(p)), "r"(rank));
-  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
-  return v;
+  asm volatile("st.shared::cluster.v2.f32 [%0], {%1, %2};" ::"r"(remote), "f"(x), "f"(y) : "memory");
 }
+#ifdef PHASE_MARKS  // (kernels.stream_linear.launch_switches) thread 0's phases after its wait, in the trace's SM slot
+#define PHASE(i) if (mark != nullptr && tid == 0) phase[i] = global_timer();
+#else
+#define PHASE(i)
+#endif
 
 // rows [first, last) of one KV head's K and V into k_s / v_s (row i of the CTA at i * PITCH)
 __device__ __forceinline__ void stage_kv(scalar_t* k_s, scalar_t* v_s, const scalar_t* k_head, const scalar_t* v_head,
@@ -141,6 +150,10 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS) cluster_attention(cons
     mark[3] = sm_id();
   }
   if (a.use_pdl && a.trigger == 0) asm volatile("griddepcontrol.launch_dependents;" :::);
+  cluster_arrive_relaxed();   // this CTA runs (waited on before the first remote store)
+#ifdef PHASE_MARKS
+  long long phase[4] = {0, 0, 0, 0};
+#endif
 
   const uint32_t rank = cluster_rank();
   const int head_group = blockIdx.x / CLUSTER, b = head_group / a.h_kv, kvh = head_group % a.h_kv;
@@ -149,9 +162,9 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS) cluster_attention(cons
   scalar_t* k_s = reinterpret_cast<scalar_t*>(smem);      // [L, PITCH]
   scalar_t* v_s = k_s + (size_t)L * PITCH;                 // [L, PITCH]
   scalar_t* q_s = v_s + (size_t)L * PITCH;                 // [m_tiles * 16, PITCH]
-  float* acc_s = reinterpret_cast<float*>(q_s + (size_t)m_tiles * 16 * PITCH);   // [m_tiles * 16, HEAD_DIM]
-  float* m_s = acc_s + (size_t)m_tiles * 16 * HEAD_DIM;    // [m_tiles * 16]
-  float* l_s = m_s + m_tiles * 16;                         // [m_tiles * 16]
+  // what the other CTAs push: acc [CLUSTER, rows, MERGE_COLS] of this CTA's columns, (m, l) [CLUSTER, rows]
+  float* recv_acc = reinterpret_cast<float*>(q_s + (size_t)m_tiles * 16 * PITCH);
+  float* recv_ml = recv_acc + (size_t)CLUSTER * rows * MERGE_COLS;
   const scalar_t* k_head = a.k + b * a.k_sb + kvh * a.k_sh;
   const scalar_t* v_head = a.v + b * a.v_sb + kvh * a.v_sh;
 
@@ -182,6 +195,8 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS) cluster_attention(cons
   zero_rows(v_s, n_keys, n_blocks * KEY_BLOCK, tid);
   cp_async_wait_all();
   __syncthreads();
+  PHASE(0)
+  cluster_wait_acquire();     // every CTA of the cluster runs: their shared memory may be written
 
   const int g = lane / 4, t = lane % 4;   // the mma fragments' row group and column pair
   for (int task = warp; task < m_tiles * SLICES; task += WARPS) {
@@ -274,31 +289,35 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS) cluster_attention(cons
       }
     }
 #pragma unroll
-    for (int i = 0; i < 2; ++i) {         // the partial of rows g and g + 8
+    for (int i = 0; i < 2; ++i) {         // the partial of rows g and g + 8, to the owners of its columns
       const int r = mt * 16 + g + 8 * i;
       if (r < rows) {
 #pragma unroll
-        for (int n = 0; n < 4; ++n)
-          *reinterpret_cast<float2*>(acc_s + (size_t)r * HEAD_DIM + ds * D_SLICE + n * 8 + 2 * t) =
-              make_float2(acc[n][2 * i], acc[n][2 * i + 1]);
-        if (ds == 0 && t == 0) {
-          m_s[r] = m_i[i];
-          l_s[r] = l_i[i];
+        for (int n = 0; n < 4; ++n) {
+          const int col = ds * D_SLICE + n * 8 + 2 * t;   // and col + 1: MERGE_COLS is even
+          store_cluster(recv_acc + ((size_t)rank * rows + r) * MERGE_COLS + col % MERGE_COLS, col / MERGE_COLS,
+                        acc[n][2 * i], acc[n][2 * i + 1]);
         }
+        if (ds == 0)                      // (m, l) to every owner, the row's four lanes taking turns
+          for (int owner = t; owner < CLUSTER; owner += 4)
+            store_cluster(recv_ml + ((size_t)rank * rows + r) * 2, owner, m_i[i], l_i[i]);
       }
     }
   }
+  PHASE(1)
 
-  cluster_sync();                         // every CTA's partials are in its shared memory
+  cluster_arrive_release();               // this CTA's pushes are done
+  cluster_wait_acquire();                 // and every other CTA's: the partials are here
+  PHASE(2)
   if (a.use_pdl && a.trigger == 2) asm volatile("griddepcontrol.launch_dependents;" :::);
   for (int e = tid; e < rows * MERGE_COLS; e += ATT_THREADS) {
     const int r = e / MERGE_COLS, c = (int)rank * MERGE_COLS + e % MERGE_COLS;
     float ms[CLUSTER], ls[CLUSTER], as[CLUSTER];
 #pragma unroll
     for (int s = 0; s < CLUSTER; ++s) {
-      ms[s] = load_cluster(m_s + r, s);
-      ls[s] = load_cluster(l_s + r, s);
-      as[s] = load_cluster(acc_s + (size_t)r * HEAD_DIM + c, s);
+      ms[s] = recv_ml[((size_t)s * rows + r) * 2];
+      ls[s] = recv_ml[((size_t)s * rows + r) * 2 + 1];
+      as[s] = recv_acc[((size_t)s * rows + r) * MERGE_COLS + e % MERGE_COLS];
     }
     float m = ms[0];
 #pragma unroll
@@ -313,6 +332,13 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS) cluster_attention(cons
     const float o = den > 0.f ? __fdiv_rn(num, den) : 0.f;
     a.out[b * a.o_sb + (kvh * GROUP + r / Q) * a.o_sh + (r % Q) * a.o_sq + c] = to_scalar(o);
   }
-  cluster_sync();                         // no CTA leaves while another may still read its partials
-  if (mark != nullptr && tid == 0) mark[2] = global_timer();
+  PHASE(3)
+  if (mark != nullptr && tid == 0) {
+    mark[2] = global_timer();
+#ifdef PHASE_MARKS  // 16 bits of ns after the wait each: staged, partials pushed, barrier passed, merged
+    long long packed = 0;
+    for (int i = 0; i < 4; ++i) packed |= (phase[i] ? min(max(phase[i] - mark[1], 0ll), 65535ll) : 65535ll) << (16 * i);
+    mark[3] = packed;
+#endif
+  }
 }

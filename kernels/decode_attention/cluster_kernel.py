@@ -74,17 +74,19 @@ def plan(s_max: int, head_dim: int, group: int, q_rows: int, itemsize: int, clus
         return None
     keys = -(-s_max // cluster)
     keys = -(-keys // key_block) * key_block
-    if keys > MAX_KEYS_PER_CTA or _shared_bytes(keys, head_dim, group, MAX_Q_ROWS) > MAX_SHARED_MEM:
+    if keys > MAX_KEYS_PER_CTA or _shared_bytes(keys, head_dim, group, MAX_Q_ROWS, cluster) > MAX_SHARED_MEM:
         return None
-    return ClusterPlan(cluster, keys, key_block, _shared_bytes(keys, head_dim, group, q_rows))
+    return ClusterPlan(cluster, keys, key_block, _shared_bytes(keys, head_dim, group, q_rows, cluster))
 
 
-def _shared_bytes(keys: int, head_dim: int, group: int, q_rows: int) -> int:
-    """cluster_attention.cu's layout: K and V [keys, D + 8], q [rows, D + 8] (16-bit), then the
-    partials acc [rows, D], m and l [rows] (f32), rows = G * Q padded to the 16-row m-tile."""
+def _shared_bytes(keys: int, head_dim: int, group: int, q_rows: int, cluster: int) -> int:
+    """cluster_attention.cu's layout: K and V [keys, D + 8], q [m-tile rows, D + 8] (16-bit; G * Q
+    rows padded to 16), then the pushed partials (f32): acc [cluster, rows, D / cluster] and
+    (m, l) [cluster, rows]."""
     pitch_bytes = (head_dim + 8) * 2
-    rows = -(-(group * q_rows) // 16) * 16
-    return 2 * keys * pitch_bytes + rows * pitch_bytes + rows * head_dim * 4 + 2 * rows * 4
+    rows = group * q_rows
+    padded = -(-rows // 16) * 16
+    return 2 * keys * pitch_bytes + padded * pitch_bytes + rows * head_dim * 4 + cluster * rows * 2 * 4
 
 
 def supported(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> ClusterPlan | None:
@@ -124,8 +126,9 @@ def _source_text() -> str:
 
 def _kernel(device: torch.device, dtype: torch.dtype, head_dim: int, group: int, p: ClusterPlan):
     from kernels._cuda_launch import compile_kernels
+    from kernels.stream_linear import launch_switches
 
-    options = (f"-I{_STREAM_HEADERS}", "-std=c++17", f"-DHEAD_DIM={head_dim}", f"-DGROUP={group}",
+    options = (*launch_switches()[0], f"-I{_STREAM_HEADERS}", "-std=c++17", f"-DHEAD_DIM={head_dim}", f"-DGROUP={group}",
                f"-DCLUSTER={p.cluster}", f"-DKEY_BLOCK={p.key_block}", *(("-DSCALAR_F16",) if dtype == torch.float16 else ()))
     return compile_kernels(_source_text(), ("cluster_attention",), device, options,
                            max_shared_mem=MAX_SHARED_MEM)["cluster_attention"]

@@ -347,7 +347,7 @@ def test_rope_verify_rows_equal_decode_steps_bit_for_bit():
 
 def test_timeline_unpacks_the_phase_marks_per_stream_launch():
     """bench/timeline.py's phase_table reads BATCHD_STREAM_PHASE_MARKS' packed slot: 16 bits a phase,
-    medians over the middle layers, stream launches only, CTAs without marks left out."""
+    medians over the middle layers, one kernel's launches at a time, CTAs without marks left out."""
     from types import SimpleNamespace
 
     from bench.timeline import phase_table
@@ -362,8 +362,13 @@ def test_timeline_unpacks_the_phase_marks_per_stream_launch():
                      torch.tensor([[0, 100, 4100, packed(1000, 1500, 3000, 3400)],
                                    [0, 100, 4300, packed(1200, 1700, 2800, 3600)],
                                    [0, 100, 900, packed(65535, 65535, 65535, 65535)]], dtype=torch.int64)))
+        step.append((SimpleNamespace(label="attention cluster x16"),
+                     torch.tensor([[0, 200, 2200, packed(500, 900, 1400, 1800)]], dtype=torch.int64)))
         step.append((SimpleNamespace(label="attention split x18"), torch.zeros(2, 4, dtype=torch.int64)))
-    (row,) = phase_table(step, num_layers=4)
+    (row,) = phase_table(step, num_layers=4, kernel="stream")
     assert row["launch"] == "stream 1024x1536 rope" and row["ctas"] == 4
     assert (row["x_staged"], row["weights_there"], row["dot_done"], row["epilogue_issued"], row["end"]) == \
         (1.1, 1.6, 2.9, 3.5, 4.1)
+    (row,) = phase_table(step, num_layers=4, kernel="attention cluster")
+    assert (row["kv_staged"], row["partials_pushed"], row["barrier_passed"], row["merged"], row["end"]) == \
+        (0.5, 0.9, 1.4, 1.8, 2.0)

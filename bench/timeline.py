@@ -105,7 +105,7 @@ def layer_table(step, num_layers: int) -> list[dict]:
 # the phases a kernel marks with BATCHD_STREAM_PHASE_MARKS=1, by its launches' label prefix
 PHASES = {
     "stream": ("x_staged", "weights_there", "dot_done", "epilogue_issued"),             # kernels.stream_linear
-    "attention cluster": ("kv_staged", "partials_pushed", "barrier_passed", "merged"),  # kernels/decode_attention
+    "attention cluster": ("kv_staged", "partials_pushed", "partials_landed", "merged"),  # kernels/decode_attention
 }
 
 

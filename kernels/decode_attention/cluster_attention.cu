@@ -12,17 +12,18 @@
 //   2. Four warps run the online softmax on the tensor cores (mma.sync m16n8k16, fp32
 //      accumulation). The query rows are r = g * Q + lane for the G heads of the group, in m-tiles
 //      of 16; a warp's task is one m-tile and one D_SLICE of output columns, and computes that
-//      tile's scores over all the CTA's keys itself (the four column slices repeat the score
-//      products: at decode sizes that costs less than a merge across warps).
+//      tile's scores over all the CTA's keys itself (the column slices repeat the score products:
+//      warps splitting the keys instead, with their partials merged in shared memory, measured the
+//      same, NOTES "Stop 29").
 //   3. CTA `rank` owns the merge of columns [rank * D / CLUSTER, ...) of every row. Each CTA
 //      stores its partial (running max m, sum l, unnormalised output acc) per row straight into
-//      the owners' shared memory (st.shared::cluster; slot = its rank), one cluster barrier
-//      (release / acquire) makes the stores visible, and each owner merges its columns over the
-//      CLUSTER slots in rank order from its own shared memory and writes the output. Pushing
-//      rather than pulling needs no second barrier: after the first, no CTA touches another's
-//      memory, so each may leave when done. (A barrier arrive at the start, waited on before the
-//      first remote store, makes sure every CTA of the cluster is running before it is written to.)
-//
+//      the owners' shared memory by st.async (slot = its rank), each store counting its bytes on
+//      the owner's mbarrier; an owner waits until all CLUSTER slots have landed, merges its
+//      columns over them in rank order and writes the output. No cluster-wide barrier after the
+//      work: a CTA waits only for the data it merges (a barrier.cluster there took 1.1 us against
+//      0.26 for the mbarrier, NOTES "Stop 29"), and leaves when done, since nobody touches its
+//      memory after that. (A barrier arrive at the start, waited on before the first remote store,
+//      makes sure every CTA of the cluster runs, with its mbarrier set up, before it is written to.)
 // Bits: every row's arithmetic is the same whatever Q, seq_len or the row's place in its m-tile
 // (the tensor cores compute each output element from its own row; the row reductions run the
 // same shuffle order for every row), and key blocks past a lane's last visible key add exact zeros
@@ -104,16 +105,27 @@ __device__ __forceinline__ uint32_t cluster_rank() {
   asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
   return r;
 }
-// barrier.cluster: every thread of every CTA of the cluster arrives, then waits for all arrivals
+// barrier.cluster: every thread of every CTA of the cluster arrives, then waits for all arrivals (once, at the start)
 __device__ __forceinline__ void cluster_arrive_relaxed() { asm volatile("barrier.cluster.arrive.relaxed.aligned;" :::); }
-__device__ __forceinline__ void cluster_arrive_release() {
-  asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
-}
 __device__ __forceinline__ void cluster_wait_acquire() { asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory"); }
-__device__ __forceinline__ void store_cluster(float* p, uint32_t rank, float x, float y) {  // p[0..1] in CTA `rank`
+__device__ __forceinline__ uint32_t cluster_address(const void* p, uint32_t rank) {  // p in CTA `rank`
   uint32_t remote;
   asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(smem_addr(p)), "r"(rank));
-  asm volatile("st.shared::cluster.v2.f32 [%0], {%1, %2};" ::"r"(remote), "f"(x), "f"(y) : "memory");
+  return remote;
+}
+// p[0..1] in CTA `rank`, counted as 8 bytes on that CTA's mbarrier `bar` once they land
+__device__ __forceinline__ void push_pair(float* p, uint32_t rank, float x, float y, uint64_t* bar) {
+  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v2.b32 [%0], {%1, %2}, [%3];"
+               ::"r"(cluster_address(p, rank)), "r"(__float_as_uint(x)), "r"(__float_as_uint(y)),
+               "r"(cluster_address(bar, rank)) : "memory");
+}
+__device__ __forceinline__ void mbar_wait_cluster(uint64_t* bar, uint32_t parity) {  // acquire at cluster scope
+  uint32_t done = 0;
+  do {
+    asm volatile(
+        "{ .reg .pred p; mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+        : "=r"(done) : "r"(smem_addr(bar)), "r"(parity) : "memory");
+  } while (!done);
 }
 #ifdef PHASE_MARKS  // (kernels.stream_linear.launch_switches) thread 0's phases after its wait, in the trace's SM slot
 #define PHASE(i) if (mark != nullptr && tid == 0) phase[i] = global_timer();
@@ -150,7 +162,6 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS) cluster_attention(cons
     mark[3] = sm_id();
   }
   if (a.use_pdl && a.trigger == 0) asm volatile("griddepcontrol.launch_dependents;" :::);
-  cluster_arrive_relaxed();   // this CTA runs (waited on before the first remote store)
 #ifdef PHASE_MARKS
   long long phase[4] = {0, 0, 0, 0};
 #endif
@@ -162,12 +173,19 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS) cluster_attention(cons
   scalar_t* k_s = reinterpret_cast<scalar_t*>(smem);      // [L, PITCH]
   scalar_t* v_s = k_s + (size_t)L * PITCH;                 // [L, PITCH]
   scalar_t* q_s = v_s + (size_t)L * PITCH;                 // [m_tiles * 16, PITCH]
-  // what the other CTAs push: acc [CLUSTER, rows, MERGE_COLS] of this CTA's columns, (m, l) [CLUSTER, rows]
+  // what the CTAs push here: acc [CLUSTER, rows, MERGE_COLS] of this CTA's columns, (m, l) [CLUSTER, rows]
   float* recv_acc = reinterpret_cast<float*>(q_s + (size_t)m_tiles * 16 * PITCH);
   float* recv_ml = recv_acc + (size_t)CLUSTER * rows * MERGE_COLS;
+  uint64_t* recv_bar = reinterpret_cast<uint64_t*>(recv_ml + (size_t)CLUSTER * rows * 2);
   const scalar_t* k_head = a.k + b * a.k_sb + kvh * a.k_sh;
   const scalar_t* v_head = a.v + b * a.v_sb + kvh * a.v_sh;
 
+  if (tid == 0) {  // the pushes land on recv_bar: one arrival (here) and the bytes every CTA sends
+    mbar_init(recv_bar, 1);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    mbar_expect_tx(recv_bar, (uint32_t)(CLUSTER * rows * (MERGE_COLS + 2) * 4));
+  }
+  cluster_arrive_relaxed();   // this CTA runs (waited on before the first remote store)
   zero_rows(q_s, rows, m_tiles * 16, tid);                 // the last m-tile's padding rows
   int seq_len = 0;
   if (a.early) {  // settled: the lengths and the rows before the step's new ones, before the wait
@@ -196,7 +214,7 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS) cluster_attention(cons
   cp_async_wait_all();
   __syncthreads();
   PHASE(0)
-  cluster_wait_acquire();     // every CTA of the cluster runs: their shared memory may be written
+  cluster_wait_acquire();     // every CTA of the cluster runs, its recv_bar set up: it may be pushed to
 
   const int g = lane / 4, t = lane % 4;   // the mma fragments' row group and column pair
   for (int task = warp; task < m_tiles * SLICES; task += WARPS) {
@@ -295,19 +313,17 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS) cluster_attention(cons
 #pragma unroll
         for (int n = 0; n < 4; ++n) {
           const int col = ds * D_SLICE + n * 8 + 2 * t;   // and col + 1: MERGE_COLS is even
-          store_cluster(recv_acc + ((size_t)rank * rows + r) * MERGE_COLS + col % MERGE_COLS, col / MERGE_COLS,
-                        acc[n][2 * i], acc[n][2 * i + 1]);
+          push_pair(recv_acc + ((size_t)rank * rows + r) * MERGE_COLS + col % MERGE_COLS, col / MERGE_COLS,
+                    acc[n][2 * i], acc[n][2 * i + 1], recv_bar);
         }
         if (ds == 0)                      // (m, l) to every owner, the row's four lanes taking turns
           for (int owner = t; owner < CLUSTER; owner += 4)
-            store_cluster(recv_ml + ((size_t)rank * rows + r) * 2, owner, m_i[i], l_i[i]);
+            push_pair(recv_ml + ((size_t)rank * rows + r) * 2, owner, m_i[i], l_i[i], recv_bar);
       }
     }
   }
   PHASE(1)
-
-  cluster_arrive_release();               // this CTA's pushes are done
-  cluster_wait_acquire();                 // and every other CTA's: the partials are here
+  mbar_wait_cluster(recv_bar, 0);         // every CTA's partials for this CTA's columns have landed
   PHASE(2)
   if (a.use_pdl && a.trigger == 2) asm volatile("griddepcontrol.launch_dependents;" :::);
   for (int e = tid; e < rows * MERGE_COLS; e += ATT_THREADS) {
@@ -335,7 +351,7 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS) cluster_attention(cons
   PHASE(3)
   if (mark != nullptr && tid == 0) {
     mark[2] = global_timer();
-#ifdef PHASE_MARKS  // 16 bits of ns after the wait each: staged, partials pushed, barrier passed, merged
+#ifdef PHASE_MARKS  // 16 bits of ns after the wait each: staged, partials pushed, partials landed, merged
     long long packed = 0;
     for (int i = 0; i < 4; ++i) packed |= (phase[i] ? min(max(phase[i] - mark[1], 0ll), 65535ll) : 65535ll) << (16 * i);
     mark[3] = packed;

@@ -82,11 +82,11 @@ def plan(s_max: int, head_dim: int, group: int, q_rows: int, itemsize: int, clus
 def _shared_bytes(keys: int, head_dim: int, group: int, q_rows: int, cluster: int) -> int:
     """cluster_attention.cu's layout: K and V [keys, D + 8], q [m-tile rows, D + 8] (16-bit; G * Q
     rows padded to 16), then the pushed partials (f32): acc [cluster, rows, D / cluster] and
-    (m, l) [cluster, rows]."""
+    (m, l) [cluster, rows], and the mbarrier they land on."""
     pitch_bytes = (head_dim + 8) * 2
     rows = group * q_rows
     padded = -(-rows // 16) * 16
-    return 2 * keys * pitch_bytes + padded * pitch_bytes + rows * head_dim * 4 + cluster * rows * 2 * 4
+    return 2 * keys * pitch_bytes + padded * pitch_bytes + rows * head_dim * 4 + cluster * rows * 2 * 4 + 8
 
 
 def supported(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> ClusterPlan | None:

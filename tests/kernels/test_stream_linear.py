@@ -370,5 +370,5 @@ def test_timeline_unpacks_the_phase_marks_per_stream_launch():
     assert (row["x_staged"], row["weights_there"], row["dot_done"], row["epilogue_issued"], row["end"]) == \
         (1.1, 1.6, 2.9, 3.5, 4.1)
     (row,) = phase_table(step, num_layers=4, kernel="attention cluster")
-    assert (row["kv_staged"], row["partials_pushed"], row["barrier_passed"], row["merged"], row["end"]) == \
+    assert (row["kv_staged"], row["partials_pushed"], row["partials_landed"], row["merged"], row["end"]) == \
         (0.5, 0.9, 1.4, 1.8, 2.0)

@@ -1,7 +1,8 @@
 """Attention kernels for batchd: each op a plain PyTorch reference twin plus a Triton kernel.
 
 - decode_attention: decode/verify attention (Q = 1..16 rows per sequence) over a bf16/f16/f32 KV
-  cache read in its own dtype; flash-decoding split over the key axis.
+  cache read in its own dtype; flash-decoding split over the key axis (on short caches on sm_90 a
+  CUDA kernel whose splits merge within a thread-block cluster, one launch).
 - sparse_decode_attention (+ BlockKeySummary): top-k key blocks per lane at long context, exact
   dense attention where sparsity would keep half the rows or more.
 - score_tail_queries: the PFlash scoring pass, tail queries against all keys.

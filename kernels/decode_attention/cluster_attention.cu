@@ -119,14 +119,6 @@ __device__ __forceinline__ void push_pair(float* p, uint32_t rank, float x, floa
                ::"r"(cluster_address(p, rank)), "r"(__float_as_uint(x)), "r"(__float_as_uint(y)),
                "r"(cluster_address(bar, rank)) : "memory");
 }
-__device__ __forceinline__ void mbar_wait_cluster(uint64_t* bar, uint32_t parity) {  // acquire at cluster scope
-  uint32_t done = 0;
-  do {
-    asm volatile(
-        "{ .reg .pred p; mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
-        : "=r"(done) : "r"(smem_addr(bar)), "r"(parity) : "memory");
-  } while (!done);
-}
 #ifdef PHASE_MARKS  // (kernels.stream_linear.launch_switches) thread 0's phases after its wait, in the trace's SM slot
 #define PHASE(i) if (mark != nullptr && tid == 0) phase[i] = global_timer();
 #else
@@ -323,7 +315,7 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS) cluster_attention(cons
     }
   }
   PHASE(1)
-  mbar_wait_cluster(recv_bar, 0);         // every CTA's partials for this CTA's columns have landed
+  mbar_wait<true>(recv_bar, 0);           // every CTA's partials for this CTA's columns have landed
   PHASE(2)
   if (a.use_pdl && a.trigger == 2) asm volatile("griddepcontrol.launch_dependents;" :::);
   for (int e = tid; e < rows * MERGE_COLS; e += ATT_THREADS) {

@@ -1,5 +1,6 @@
 // Shared-memory ring primitives for sm_90 (mbarrier phases and transaction counts, bulk copies),
-// shared by kernels/stream_linear/stream_linear.cu and bench/stream_probe.cu. The includer defines
+// shared by kernels/stream_linear/stream_linear.cu, kernels/fused_mlp/stream_mlp.cu,
+// kernels/decode_attention/cluster_attention.cu and bench/stream_probe.cu. The includer defines
 // uint32_t and uint64_t (NVRTC has no <stdint.h>).
 #pragma once
 
@@ -9,12 +10,20 @@ __device__ __forceinline__ uint32_t smem_addr(const void* p) {
 __device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(count) : "memory");
 }
+// CLUSTER_ACQUIRE: acquire at cluster scope, for data other CTAs' st.async counted on `bar`
+// (kernels/decode_attention/cluster_attention.cu); the ring's own copies need the default
+template <bool CLUSTER_ACQUIRE = false>
 __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
   uint32_t done = 0;
   do {
-    asm volatile(
-        "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
-        : "=r"(done) : "r"(smem_addr(bar)), "r"(parity) : "memory");
+    if constexpr (CLUSTER_ACQUIRE)
+      asm volatile(
+          "{ .reg .pred p; mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+          : "=r"(done) : "r"(smem_addr(bar)), "r"(parity) : "memory");
+    else
+      asm volatile(
+          "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+          : "=r"(done) : "r"(smem_addr(bar)), "r"(parity) : "memory");
   } while (!done);
 }
 __device__ __forceinline__ void mbar_arrive(uint64_t* bar) {

@@ -23,15 +23,16 @@ from pathlib import Path
 
 import torch
 
+from kernels.decode_attention import MAX_Q_ROWS   # the plan must fit the widest verify
+
 _SOURCE = Path(__file__).with_name("cluster_attention.cu")
 _STREAM_HEADERS = Path(__file__).parents[1] / "stream_linear"   # stream_common.cuh
 THREADS = 128
 KEY_BLOCKS = (32, 64)       # keys a step of the kernel's online softmax; keys_per_cta is a multiple of it
 DEFAULT_KEY_BLOCK = 32
 D_SLICE = 32
-MAX_KEYS_PER_CTA = 128     # past this a CTA streams its share alone for too long: longer caches take the
-                           # split and merge kernels (16 CTAs: 2048 rows; 8: 1024)
-MAX_Q_ROWS = 16            # kernels.decode_attention.MAX_Q_ROWS: the plan must fit the widest verify
+MAX_KEYS_PER_CTA = 128     # an untimed cap (16 CTAs: 2048 rows; 8: 1024): past it each CTA's serial share
+                           # grows, where the split and merge kernels spread a long cache over more programs
 MAX_SHARED_MEM = 227 * 1024
 CLUSTER_SIZES = (8, 16)     # 8 is the portable maximum; 16 needs the non-portable opt-in (sm_90 has it)
 DEFAULT_CLUSTER = 16

@@ -49,6 +49,16 @@ def test_plan_refuses_what_the_kernel_cannot_run(s_max, D, itemsize, cluster):
     assert cluster_kernel.plan(s_max, D, 6, 1, itemsize, cluster) is None
 
 
+@pytest.mark.parametrize("D, G", [(64, 3), (128, 4), (128, 6), (64, 7), (128, 8)])
+def test_whether_the_kernel_runs_never_depends_on_the_steps_width(D, G):
+    """A decode step and a verify step over one cache must take the same kernel (their lanes'
+    bits would differ otherwise): plan's verdict may depend on the cache, never on q_rows."""
+    for s_max in range(32, 4200, 97):
+        for cluster in cluster_kernel.CLUSTER_SIZES:
+            verdicts = {cluster_kernel.plan(s_max, D, G, q_rows, 2, cluster) is None for q_rows in range(1, 17)}
+            assert len(verdicts) == 1, f"S_max {s_max}, {cluster} CTAs"
+
+
 def test_cluster_switch_is_validated(monkeypatch):
     monkeypatch.setenv("BATCHD_ATTENTION_CLUSTER", "12")
     with pytest.raises(ValueError, match="0 \\(off\\) or one of"):

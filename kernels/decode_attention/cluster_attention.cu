@@ -344,9 +344,7 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS) cluster_attention(cons
   if (mark != nullptr && tid == 0) {
     mark[2] = global_timer();
 #ifdef PHASE_MARKS  // 16 bits of ns after the wait each: staged, partials pushed, partials landed, merged
-    long long packed = 0;
-    for (int i = 0; i < 4; ++i) packed |= (phase[i] ? min(max(phase[i] - mark[1], 0ll), 65535ll) : 65535ll) << (16 * i);
-    mark[3] = packed;
+    mark[3] = pack_phases(phase, mark[1]);
 #endif
   }
 }

@@ -66,6 +66,13 @@ __device__ __forceinline__ long long global_timer_after(float after) {
   asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t) : "f"(after) : "memory");
   return t;
 }
+// PHASE_MARKS (kernels.stream_linear.launch_switches): four phase times as 16 bits of ns each after
+// `waited` (65535: not reached), packed for the trace's SM slot, as bench/timeline.py's phase_table reads it
+__device__ __forceinline__ long long pack_phases(const long long (&phase)[4], long long waited) {
+  long long packed = 0;
+  for (int i = 0; i < 4; ++i) packed |= (phase[i] ? min(max(phase[i] - waited, 0ll), 65535ll) : 65535ll) << (16 * i);
+  return packed;
+}
 __device__ __forceinline__ long long sm_id() {
   unsigned s;
   asm volatile("mov.u32 %0, %smid;" : "=r"(s));

@@ -298,11 +298,7 @@ __device__ __forceinline__ void stream_linear_body(const Args& a) {
   }
 #ifdef PHASE_MARKS  // x staged and scaled | first chunk's weights there << 16 | its dot products << 32 | its
                     // epilogue issued << 48 (in the trace's SM slot)
-  if (mark != nullptr && tid == 0) {
-    long long packed = 0;
-    for (int i = 0; i < 4; ++i) packed |= (phase[i] ? min(max(phase[i] - mark[1], 0ll), 65535ll) : 65535ll) << (16 * i);
-    mark[3] = packed;
-  }
+  if (mark != nullptr && tid == 0) mark[3] = pack_phases(phase, mark[1]);
 #endif
 
   if (a.emit_weight != nullptr) {  // this CTA's part of the sums of squares, in unit order

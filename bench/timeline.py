@@ -107,16 +107,17 @@ PHASES = {
     "stream": ("x_staged", "weights_there", "dot_done", "epilogue_issued"),             # kernels.stream_linear
     "attention cluster": ("kv_staged", "partials_pushed", "partials_landed", "merged"),  # kernels/decode_attention
 }
+DETAIL_PHASES = {"attention cluster": ("cluster_joined", "block0_softmax", "last_softmax", "pushed")}   # =2
 
 
-def phase_table(step, num_layers: int, kernel: str) -> list[dict]:
+def phase_table(step, num_layers: int, kernel: str, names: tuple[str, ...] | None = None) -> list[dict]:
     """With BATCHD_STREAM_PHASE_MARKS=1 the SM slot of a CTA of `kernel` (a PHASES key) holds
     thread 0's phases after its wait (kernels.stream_linear.launch_switches: 16 bits of ns each,
     65535 for none): per launch of a layer, the median over the middle layers' CTAs, in us after
     the wait, with the run after it."""
     labels = [launch.label for launch, _ in step]
     first, period = layer_period(labels, num_layers)
-    names = PHASES[kernel]
+    names = names or PHASES[kernel]
     table = []
     for position in range(period):
         if not labels[first + position].startswith(kernel):
@@ -187,10 +188,11 @@ def trace_step(model, config, context: int, csv_path: str | None) -> None:
     table = layer_table(step, config.num_layers)
     print_table(table)
     print(f"layer: {sum(r['last_end'] for r in table):.1f} us (sum of the last ends)")
-    if os.environ.get("BATCHD_STREAM_PHASE_MARKS") == "1":
+    marks = os.environ.get("BATCHD_STREAM_PHASE_MARKS")
+    if marks in ("1", "2"):
         print("thread 0 of each CTA, us after its wait (the sms column above counts packed phases, not SMs):")
-        for kernel in PHASES:
-            print_table(phase_table(step, config.num_layers, kernel))
+        for kernel, names in PHASES.items():
+            print_table(phase_table(step, config.num_layers, kernel, DETAIL_PHASES.get(kernel, names) if marks == "2" else names))
 
 
 if __name__ == "__main__":

@@ -213,7 +213,8 @@ def launch_switches() -> tuple[tuple[str, ...], int | None]:
     preferred shared share of the L1/shared split (unset: the driver's choice);
     BATCHD_STREAM_PHASE_MARKS=1: traced CTAs put thread 0's phases after its wait in the trace's SM
     slot (ns; x staged, first chunk's weights landed, its dot products, its epilogue: 16 bits each),
-    which bench/timeline.py prints (phase_table)."""
+    which bench/timeline.py prints (phase_table); =2: the same, but the cluster attention kernel marks
+    its compute instead (cluster joined, first and last key block's softmax, partials pushed)."""
     import os
 
     trigger = os.environ.get("BATCHD_STREAM_PRODUCER_TRIGGER", "0")
@@ -221,7 +222,8 @@ def launch_switches() -> tuple[tuple[str, ...], int | None]:
     if trigger not in ("0", "1") or not (carveout == "" or carveout.isdigit() and int(carveout) <= 100):
         raise ValueError("BATCHD_STREAM_PRODUCER_TRIGGER is 0 or 1 and BATCHD_STREAM_CARVEOUT a percent (0-100), "
                          f"got {trigger!r} and {carveout!r}")
-    phases = ("-DPHASE_MARKS",) if os.environ.get("BATCHD_STREAM_PHASE_MARKS", "0") == "1" else ()
+    marks = os.environ.get("BATCHD_STREAM_PHASE_MARKS", "0")
+    phases = {"1": ("-DPHASE_MARKS",), "2": ("-DPHASE_MARKS", "-DPHASE_DETAIL")}.get(marks, ())
     return (("-DPRODUCER_TRIGGER",) if trigger == "1" else ()) + phases, (int(carveout) if carveout else None)
 
 

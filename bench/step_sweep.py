@@ -32,6 +32,9 @@ A variant is space-separated settings, "table" for none:
                                   attention merge; small_linear's split-K reduce), its consumer reading
                                   whatever the buffer holds. The ids are garbage; the tok/s bounds what
                                   folding that launch into its neighbour could gain at best
+  N,K=...,skip_wait:1             another what-if: that weight's kernel never waits for the kernel
+                                  before (SmallLinearConfig.skip_wait; ids garbage): the bound of a
+                                  finer handoff than griddepcontrol.wait (down: per-slice ready flags)
 
     python bench/step_sweep.py --shapes qwen2.5-1.5b --variants "table;BATCHD_PDL_TRIGGER=2;2048,1536=16,512,1,4,3"
     python bench/step_sweep.py --shapes qwen2.5-1.5b --variants "table;BATCHD_EARLY_READS=0;table"

@@ -73,6 +73,9 @@ class SmallLinearConfig:
     reduce_trigger: int | None = None   # its k split's reduce's PDL trigger point, 0, 1 or 2; None:
                                         # the "reduce" knob's. 0 lets the next launch start while
                                         # this split kernel still runs (see __post_init__)
+    skip_wait: bool = False  # a what-if for bench/step_sweep.py only: no griddepcontrol.wait, so the
+                             # kernel reads its input while the kernel before still writes it (wrong
+                             # results); its tok/s bounds what a finer-grained handoff could gain
 
     def __post_init__(self):
         # 0 runs launches two deep: the launch after this one may start while the one before it
@@ -272,6 +275,7 @@ def _small_linear_kernel(
     GEMV: tl.constexpr, K_P2: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     Trace, trace_row, TRACE: tl.constexpr,       # kernels._trace
+    SKIP_WAIT: tl.constexpr = False,             # SmallLinearConfig.skip_wait (a what-if: wrong results)
 ):
     """Nothing but loads feeds tl.dot, so Triton pipelines both operands (an elementwise op on x
     in the loop costs a full memory round trip per k step: bench/fused_linear.py measured 2x).
@@ -341,7 +345,10 @@ def _small_linear_kernel(
         bias, next_nw, rope_rows = _epilogue_inputs(cols, pid_n * HALF_N, offs_m, m_ok, N, T, Bias, NextNormW, Cos,
                                                     Sin, Pos, KCache, HAS_BIAS, EMIT_NORM, ROPE, SPLIT, HEAD_DIM,
                                                     HALF_N)
-    pdl_wait(USE_PDL, TRIGGER)                   # X, SumSqIn, Res: from the previous kernel
+    if SKIP_WAIT:
+        pdl_trigger(USE_PDL, TRIGGER, 1)
+    else:
+        pdl_wait(USE_PDL, TRIGGER)               # X, SumSqIn, Res: from the previous kernel
     trace_mark(Trace, trace_row, WAITED, TRACE)
 
     if SCALE_ROWS:
@@ -674,7 +681,8 @@ def linear_constexprs(config: SmallLinearConfig, N: int, K: int, dtype: torch.dt
         EMIT_NORM=emit and not split, USE_PDL=pdl, TRIGGER=trigger,
         PRELOAD=config.preload_steps(K), EARLY=early, ROPE=rope_heads is not None, HQ=heads, HKV=kv_heads,
         HEAD_DIM=head_dim, GEMV=config.gemv, K_P2=triton.next_power_of_2(K) if config.gemv else 1,
-        BLOCK_M=BLOCK_M, BLOCK_N=config.block_n, BLOCK_K=config.block_k)
+        BLOCK_M=BLOCK_M, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        **({"SKIP_WAIT": True} if config.skip_wait else {}))
 
 
 def small_linear_triton(

@@ -41,9 +41,6 @@
 #endif
 #define KEY_TILES (KEY_BLOCK / 8)    // the scores' n-tiles of 8 keys
 #define D_SLICE 32                   // output columns of a warp task
-#ifndef SCORE_CHAINS
-#define SCORE_CHAINS 1
-#endif
 #define SLICES (HEAD_DIM / D_SLICE)
 #define PITCH (HEAD_DIM + 8)         // a row in shared memory, in 16-bit values: 16 B of padding puts
                                      // the eight rows an ldmatrix phase reads on distinct banks
@@ -122,19 +119,23 @@ __device__ __forceinline__ void push_pair(float* p, uint32_t rank, float x, floa
                ::"r"(cluster_address(p, rank)), "r"(__float_as_uint(x)), "r"(__float_as_uint(y)),
                "r"(cluster_address(bar, rank)) : "memory");
 }
-#ifdef PHASE_MARKS  // (kernels.stream_linear.launch_switches) thread 0's phases after its wait, in the trace's SM slot
-#define MARK(i) if (mark != nullptr && tid == 0) phase[i] = global_timer();
+// PHASE_MARKS (kernels.stream_linear.launch_switches): thread 0's phases after its wait, in the trace's
+// SM slot. BATCHD_STREAM_PHASE_MARKS=1 marks staged, pushed, landed, merged (PHASE); =2 adds
+// PHASE_DETAIL and marks the compute instead: cluster joined, first and last key block's softmax,
+// pushed (DETAIL; DETAIL_AFTER reads the timer once `value` is computed). Off, each is an empty
+// statement, so that `if (c) DETAIL_AFTER(...)` never takes the next statement as its body.
+#if defined(PHASE_MARKS) && defined(PHASE_DETAIL)
+#define PHASE(i) {}
+#define DETAIL(i) { if (mark != nullptr && tid == 0) phase[i] = global_timer(); }
+#define DETAIL_AFTER(i, value) { if (mark != nullptr && tid == 0) phase[i] = global_timer_after(value); }
+#elif defined(PHASE_MARKS)
+#define PHASE(i) { if (mark != nullptr && tid == 0) phase[i] = global_timer(); }
+#define DETAIL(i) {}
+#define DETAIL_AFTER(i, value) {}
 #else
-#define MARK(i)
-#endif
-#ifdef PHASE_DETAIL  // BATCHD_STREAM_PHASE_MARKS=2: the compute's phases (cluster joined, first and last block's softmax, pushed)
-#define PHASE(i)
-#define DETAIL(i) MARK(i)
-#define DETAIL_AFTER(i, value) if (mark != nullptr && tid == 0) phase[i] = global_timer_after(value);
-#else                // =1: staged, pushed, landed, merged
-#define PHASE(i) MARK(i)
-#define DETAIL(i)
-#define DETAIL_AFTER(i, value)
+#define PHASE(i) {}
+#define DETAIL(i) {}
+#define DETAIL_AFTER(i, value) {}
 #endif
 
 // rows [first, last) of one KV head's K and V into k_s / v_s (row i of the CTA at i * PITCH)
@@ -218,15 +219,10 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS) cluster_attention(cons
   cp_async_wait_all();
   __syncthreads();
   PHASE(0)
-#ifndef LATE_JOIN
   cluster_wait_acquire();     // every CTA of the cluster runs, its recv_bar set up: it may be pushed to
-#endif
   DETAIL(0)
 
   const int g = lane / 4, t = lane % 4;   // the mma fragments' row group and column pair
-#ifdef LATE_JOIN
-  bool joined = false;
-#endif
   for (int task = warp; task < m_tiles * SLICES; task += WARPS) {
     const int mt = task / SLICES, ds = task % SLICES;
     uint32_t qa[HEAD_DIM / 16][4];       // the m-tile's q as A fragments, one per 16 columns
@@ -254,13 +250,6 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS) cluster_attention(cons
       for (int n = 0; n < KEY_TILES; ++n)
 #pragma unroll
         for (int j = 0; j < 4; ++j) s[n][j] = 0.f;
-#if SCORE_CHAINS == 2
-      float s2[KEY_TILES][4];             // the odd k steps' products: two mma chains of D / 32 instead of one of D / 16
-#pragma unroll
-      for (int n = 0; n < KEY_TILES; ++n)
-#pragma unroll
-        for (int j = 0; j < 4; ++j) s2[n][j] = 0.f;
-#endif
 #pragma unroll
       for (int ks = 0; ks < HEAD_DIM / 16; ++ks) {
 #pragma unroll
@@ -268,21 +257,10 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS) cluster_attention(cons
           uint32_t kb[4];
           ldmatrix_x4(kb, k_s + (size_t)(k0 + np * 16 + (lane & 7) + (lane >> 4) * 8) * PITCH + ks * 16 +
                               ((lane >> 3) & 1) * 8);
-#if SCORE_CHAINS == 2
-          float (&c)[KEY_TILES][4] = ks % 2 ? s2 : s;
-#else
-          float (&c)[KEY_TILES][4] = s;
-#endif
-          mma_16816(c[2 * np], qa[ks], kb[0], kb[1]);
-          mma_16816(c[2 * np + 1], qa[ks], kb[2], kb[3]);
+          mma_16816(s[2 * np], qa[ks], kb[0], kb[1]);
+          mma_16816(s[2 * np + 1], qa[ks], kb[2], kb[3]);
         }
       }
-#if SCORE_CHAINS == 2
-#pragma unroll
-      for (int n = 0; n < KEY_TILES; ++n)
-#pragma unroll
-        for (int j = 0; j < 4; ++j) s[n][j] = __fadd_rn(s[n][j], s2[n][j]);
-#endif
       float m_new[2], alpha[2], row_sum[2];
 #pragma unroll
       for (int i = 0; i < 2; ++i) {
@@ -309,11 +287,11 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS) cluster_attention(cons
             v = exp2_approx(v - m_new[i]);
             sum = __fadd_rn(sum, v);
           }
-        if (i == 1 && blk == 0) DETAIL_AFTER(1, sum)
-        if (i == 1 && blk == n_blocks - 1) DETAIL_AFTER(2, sum)
         sum = __fadd_rn(sum, __shfl_xor_sync(0xffffffffu, sum, 1));
         sum = __fadd_rn(sum, __shfl_xor_sync(0xffffffffu, sum, 2));
         row_sum[i] = sum;
+        if (i == 1 && blk == 0) DETAIL_AFTER(1, sum)
+        if (i == 1 && blk == n_blocks - 1) DETAIL_AFTER(2, sum)
         l_i[i] = __fmaf_rn(l_i[i], alpha[i], row_sum[i]);
         m_i[i] = m_new[i];
       }
@@ -336,10 +314,6 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS) cluster_attention(cons
         }
       }
     }
-#ifdef LATE_JOIN
-    if (!joined) cluster_wait_acquire();
-    joined = true;
-#endif
 #pragma unroll
     for (int i = 0; i < 2; ++i) {         // the partial of rows g and g + 8, to the owners of its columns
       const int r = mt * 16 + g + 8 * i;
@@ -356,9 +330,6 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS) cluster_attention(cons
       }
     }
   }
-#ifdef LATE_JOIN
-  if (!joined) cluster_wait_acquire();
-#endif
   PHASE(1)
   DETAIL(3)
   mbar_wait<true>(recv_bar, 0);           // every CTA's partials for this CTA's columns have landed

@@ -109,18 +109,6 @@ def supported(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> 
     return plan(S_max, D, Hq // Hkv, QR, q.element_size(), cluster, key_block())
 
 
-def probe_switches() -> tuple[str, ...]:
-    """Compile options of two probes (bench/step_sweep.py sets them per variant):
-    BATCHD_ATTENTION_LATE_JOIN=1 waits on the cluster's start barrier after the compute, just before
-    the first push, instead of before it; BATCHD_ATTENTION_SCORE_CHAINS=2 sums the score products in
-    two mma chains (even and odd k steps) instead of one."""
-    late = os.environ.get("BATCHD_ATTENTION_LATE_JOIN", "0")
-    chains = os.environ.get("BATCHD_ATTENTION_SCORE_CHAINS", "1")
-    if late not in ("0", "1") or chains not in ("1", "2"):
-        raise ValueError(f"BATCHD_ATTENTION_LATE_JOIN is 0 or 1 and BATCHD_ATTENTION_SCORE_CHAINS 1 or 2, got {late!r}, {chains!r}")
-    return (("-DLATE_JOIN",) if late == "1" else ()) + (f"-DSCORE_CHAINS={chains}",)
-
-
 class _Args(ctypes.Structure):
     """cluster_attention.cu's `struct Args`, field for field."""
     _fields_ = [("q", ctypes.c_void_p), ("k", ctypes.c_void_p), ("v", ctypes.c_void_p), ("seq_len", ctypes.c_void_p),
@@ -142,8 +130,7 @@ def _kernel(device: torch.device, dtype: torch.dtype, head_dim: int, group: int,
     from kernels.stream_linear import launch_switches
 
     options = (*launch_switches()[0], f"-I{_STREAM_HEADERS}", "-std=c++17", f"-DHEAD_DIM={head_dim}", f"-DGROUP={group}",
-               f"-DCLUSTER={p.cluster}", f"-DKEY_BLOCK={p.key_block}", *(("-DSCALAR_F16",) if dtype == torch.float16 else ()),
-               *probe_switches())
+               f"-DCLUSTER={p.cluster}", f"-DKEY_BLOCK={p.key_block}", *(("-DSCALAR_F16",) if dtype == torch.float16 else ()))
     return compile_kernels(_source_text(), ("cluster_attention",), device, options,
                            max_shared_mem=MAX_SHARED_MEM)["cluster_attention"]
 

@@ -276,7 +276,9 @@ def _small_linear_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     Trace, trace_row, TRACE: tl.constexpr,       # kernels._trace
     SKIP_WAIT: tl.constexpr = False,             # SmallLinearConfig.skip_wait (a what-if: wrong results)
-):
+    Ready=None, ready_target=0, ready_programs=0,  # kernels.handoff: spin until Ready[0] >= ready_target
+    READY: tl.constexpr = False,                 # instead of griddepcontrol.wait; the last of the
+):                                               # ready_programs programs zeroes Ready[0..1]
     """Nothing but loads feeds tl.dot, so Triton pipelines both operands (an elementwise op on x
     in the loop costs a full memory round trip per k step: bench/fused_linear.py measured 2x).
 
@@ -345,7 +347,12 @@ def _small_linear_kernel(
         bias, next_nw, rope_rows = _epilogue_inputs(cols, pid_n * HALF_N, offs_m, m_ok, N, T, Bias, NextNormW, Cos,
                                                     Sin, Pos, KCache, HAS_BIAS, EMIT_NORM, ROPE, SPLIT, HEAD_DIM,
                                                     HALF_N)
-    if SKIP_WAIT:
+    if READY:
+        # the producer's CTAs each add 1 (release) once their outputs are stored (kernels.handoff)
+        pdl_trigger(USE_PDL, TRIGGER, 1)
+        while tl.atomic_add(Ready, 0, sem="acquire", scope="gpu") < ready_target:
+            pass
+    elif SKIP_WAIT:
         pdl_trigger(USE_PDL, TRIGGER, 1)
     else:
         pdl_wait(USE_PDL, TRIGGER)               # X, SumSqIn, Res: from the previous kernel
@@ -408,6 +415,10 @@ def _small_linear_kernel(
     else:
         _epilogue(acc, acc, acc, cols, offs_m, mask, pid_n, M, bias, Res, next_nw, Out, WeightedOut, SumSqOut,
                   stride_rm, stride_om, False, HAS_BIAS, RESIDUAL, EMIT_NORM)
+    if READY:   # every program is past its spin once the last one counts itself: the counter back to zero
+        if tl.atomic_add(Ready + 1, 1, sem="relaxed", scope="gpu") == ready_programs - 1:
+            tl.atomic_xchg(Ready, 0, sem="relaxed", scope="gpu")
+            tl.atomic_xchg(Ready + 1, 0, sem="relaxed", scope="gpu")
     trace_mark(Trace, trace_row, END, TRACE)
 
 
@@ -685,6 +696,14 @@ def linear_constexprs(config: SmallLinearConfig, N: int, K: int, dtype: torch.dt
         **({"SKIP_WAIT": True} if config.skip_wait else {}))
 
 
+def ready_args(handoff, grid: tuple[int, int, int]) -> dict:
+    """_small_linear_kernel's arguments for an armed kernels.handoff.ReadyHandoff (else none)."""
+    if handoff is None or not handoff.armed:
+        return {}
+    return dict(Ready=handoff.counter, ready_target=handoff.producers, ready_programs=grid[0] * grid[1] * grid[2],
+                READY=True)
+
+
 def small_linear_triton(
     x: torch.Tensor,                     # [M, K], M = 1..32, stride(1) == 1
     weight: torch.Tensor,                # [N, K] ([2N, K] when gated), stride(1) == 1
@@ -698,8 +717,11 @@ def small_linear_triton(
     rope: RopeTarget | None = None,              # the q/k/v projection: rope + cache write, -> q
     settled: bool = False,                       # residual / rope rows written two or more launches back
     config: SmallLinearConfig | None = None,
+    handoff=None,                                # kernels.handoff.ReadyHandoff from the launch before
 ):
     """Shapes are validated by the public wrapper; `config` overrides the table (tests, bench --tune).
+    An armed `handoff`: the Triton kernel spins on its counter instead of griddepcontrol.wait and
+    zeroes it when done; the stream kernel waits as usual and the counter is zeroed after it.
     With `settled` (and `early_reads_enabled()`) the kernels read the rope rows, the constant epilogue
     inputs and (in a k split's reduce) the residual before griddepcontrol.wait (kernels._pdl,
     "Settled inputs").
@@ -714,12 +736,15 @@ def small_linear_triton(
     if config.stream:
         from kernels.stream_linear import stream_linear
 
-        return stream_linear(x, weight, bias, row_sumsq=row_sumsq, eps=eps, residual=residual, gated=gated,
+        out = stream_linear(x, weight, bias, row_sumsq=row_sumsq, eps=eps, residual=residual, gated=gated,
                              emit_norm_weight=emit_norm_weight, ring_bytes=config.ring_kb * 1024,
                              ctas_per_sm=config.stream_ctas, min_shared_bytes=config.stream_min_kb * 1024,
                              max_ctas=config.stream_max_ctas,
                              rope=rope, settled=settled,
                              trigger_at_start=config.trigger == 0, backend="cuda")
+        if handoff is not None and handoff.armed:
+            handoff.counter.zero_()     # (after the kernel in stream order: nobody spins on it here)
+        return out
     k_per_split = config.k_per_split(K)
     splits = triton.cdiv(K, k_per_split)
     if gated and (splits > 1 or config.block_n % 32 or config.gemv):
@@ -764,6 +789,7 @@ def small_linear_triton(
                             residual=residual is not None, emit=emit, pdl=pdl, early=early,
                             rope_heads=rope_heads),
         **trace_args(_linear_label(N, K, gated, rope is not None, splits, residual is not None), grid, out),
+        **ready_args(handoff, grid),
         num_warps=config.num_warps, num_stages=config.num_stages, **launch_options(pdl),
     )
     if rope is not None:

@@ -278,7 +278,8 @@ def _small_linear_kernel(
     SKIP_WAIT: tl.constexpr = False,             # SmallLinearConfig.skip_wait (a what-if: wrong results)
     Ready=None, ready_target=0, ready_programs=0,  # kernels.handoff: spin until Ready[0] >= ready_target
     READY: tl.constexpr = False,                 # instead of griddepcontrol.wait; the last of the
-):                                               # ready_programs programs zeroes Ready[0..1]
+    POLL_ASM: tl.constexpr = True,               # ready_programs programs zeroes Ready[0..1] (_wait_ready)
+):
     """Nothing but loads feeds tl.dot, so Triton pipelines both operands (an elementwise op on x
     in the loop costs a full memory round trip per k step: bench/fused_linear.py measured 2x).
 
@@ -350,8 +351,7 @@ def _small_linear_kernel(
     if READY:
         # the producer's CTAs each add 1 (release) once their outputs are stored (kernels.handoff)
         pdl_trigger(USE_PDL, TRIGGER, 1)
-        while tl.atomic_add(Ready, 0, sem="acquire", scope="gpu") < ready_target:
-            pass
+        _wait_ready(Ready, ready_target, POLL_ASM)
     elif SKIP_WAIT:
         pdl_trigger(USE_PDL, TRIGGER, 1)
     else:
@@ -420,6 +420,34 @@ def _small_linear_kernel(
             tl.atomic_xchg(Ready, 0, sem="relaxed", scope="gpu")
             tl.atomic_xchg(Ready + 1, 0, sem="relaxed", scope="gpu")
     trace_mark(Trace, trace_row, END, TRACE)
+
+
+@triton.jit
+def _wait_ready(Ready, target, POLL_ASM: tl.constexpr):
+    """Spin until Ready[0] >= target (kernels.handoff). POLL_ASM: warp 0 polls with plain acquire
+    loads and a barrier releases the other warps; a scalar atomic per poll (the interpreter's form:
+    it runs no inline asm) cost every program a barrier and an L2 atomic on the word the producer's
+    CTAs add to, and measured 914 against 945 tok/s without the handoff (NOTES.md, "Stop 30")."""
+    if POLL_ASM:
+        tl.inline_asm_elementwise(
+            """{
+            .reg .pred %ready_skip, %ready_wait;
+            .reg .u32 %ready_tid, %ready_v;
+            mov.u32 %ready_tid, %tid.x;
+            setp.ge.u32 %ready_skip, %ready_tid, 32;
+            @%ready_skip bra.uni READY_DONE;
+            READY_POLL:
+            ld.acquire.gpu.global.u32 %ready_v, [$1];
+            setp.lt.s32 %ready_wait, %ready_v, $2;
+            @%ready_wait bra.uni READY_POLL;
+            READY_DONE:
+            mov.u32 $0, 0;
+            }""", "=r,l,r", [Ready + tl.zeros([1], dtype=tl.int32), tl.full([1], target, tl.int32)],
+            dtype=tl.int32, is_pure=False, pack=1)
+        tl.debug_barrier()
+    else:
+        while tl.atomic_add(Ready, 0, sem="acquire", scope="gpu") < target:
+            pass
 
 
 @triton.jit
@@ -701,7 +729,7 @@ def ready_args(handoff, grid: tuple[int, int, int]) -> dict:
     if handoff is None or not handoff.armed:
         return {}
     return dict(Ready=handoff.counter, ready_target=handoff.producers, ready_programs=grid[0] * grid[1] * grid[2],
-                READY=True)
+                READY=True, POLL_ASM=not interpreting())
 
 
 def small_linear_triton(

@@ -349,9 +349,10 @@ def _small_linear_kernel(
                                                     Sin, Pos, KCache, HAS_BIAS, EMIT_NORM, ROPE, SPLIT, HEAD_DIM,
                                                     HALF_N)
     if READY:
-        # the producer's CTAs each add 1 (release) once their outputs are stored (kernels.handoff)
-        pdl_trigger(USE_PDL, TRIGGER, 1)
+        # the producer's CTAs each add 1 (release) once their outputs are stored (kernels.handoff);
+        # the dependents launch after the spin, where griddepcontrol.wait would have let them
         _wait_ready(Ready, ready_target, POLL_ASM)
+        pdl_trigger(USE_PDL, TRIGGER, 1)
     elif SKIP_WAIT:
         pdl_trigger(USE_PDL, TRIGGER, 1)
     else:

@@ -28,15 +28,14 @@ A variant is space-separated settings, "table" for none:
   BATCHD_ATTENTION_CLUSTER=0|8|16 decode attention on the cluster kernel with 8 or 16 CTAs a KV head
                                   (kernels/decode_attention/cluster_kernel.py), or 0: Triton's split and merge
   BATCHD_ATTENTION_KEY_BLOCK=32|64 that kernel's keys a step of its online softmax
-  BATCHD_ATTENTION_HANDOFF=0|1    o spins on that kernel's count of finished CTAs (1, kernels.handoff)
-                                  or waits for the whole launch (0, the default)
   skip=merge|reduce               a what-if, not a config: the step runs without that launch (the
                                   attention merge; small_linear's split-K reduce), its consumer reading
                                   whatever the buffer holds. The ids are garbage; the tok/s bounds what
                                   folding that launch into its neighbour could gain at best
   N,K=...,skip_wait:1             another what-if: that weight's kernel never waits for the kernel
-                                  before (SmallLinearConfig.skip_wait; ids garbage): the bound of a
-                                  finer handoff than griddepcontrol.wait (down: per-slice ready flags)
+                                  before (SmallLinearConfig.skip_wait; ids garbage). A loose bound on
+                                  a finer handoff than griddepcontrol.wait: the kernel then overlaps
+                                  all of the one before, which no real handoff can (NOTES "Stop 30")
 
     python bench/step_sweep.py --shapes qwen2.5-1.5b --variants "table;BATCHD_PDL_TRIGGER=2;2048,1536=16,512,1,4,3"
     python bench/step_sweep.py --shapes qwen2.5-1.5b --variants "table;BATCHD_EARLY_READS=0;table"
@@ -76,7 +75,7 @@ REDUCE_BLOCK = triton_kernel.REDUCE_BLOCK
 
 SWITCHES = ("BATCHD_PDL_TRIGGER", "BATCHD_EARLY_READS", "BATCHD_PDL", "BATCHD_FUSED_MLP", "BATCHD_STREAM_CARVEOUT",
             "BATCHD_STREAM_PRODUCER_TRIGGER", "BATCHD_STREAM_PHASE_MARKS", "BATCHD_ATTENTION_CLUSTER",
-            "BATCHD_ATTENTION_KEY_BLOCK", "BATCHD_ATTENTION_HANDOFF")
+            "BATCHD_ATTENTION_KEY_BLOCK")
 MLP_TUNED = dict(mlp_kernel.TUNED)
 MERGE_SPLITS = attention_kernel.merge_splits
 MAX_SPLITS = attention_kernel.MAX_SPLITS

@@ -26,15 +26,13 @@ def kernel_available(device: torch.device) -> bool:
     return True
 
 
-def attend_cached(q, cache, layer_idx: int, start: int, scale: float, use_kernel: bool, seq_len_on_device=None,
-                  handoff=None):
+def attend_cached(q, cache, layer_idx: int, start: int, scale: float, use_kernel: bool, seq_len_on_device=None):
     """Attention of q (rows just written at [start, start + T)) against layer `layer_idx` of the
-    cache: sparse top-k blocks when the cache keeps block summaries, else `attend`. `handoff`
-    (kernels.handoff.ReadyHandoff): armed where the cluster attention kernel runs, for the o projection."""
+    cache: sparse top-k blocks when the cache keeps block summaries, else `attend`."""
     k_cache, v_cache = cache.keys[layer_idx], cache.values[layer_idx]
     T = q.shape[2]
     if cache.block_summaries is None:
-        return attend(q, k_cache, v_cache, start, scale, use_kernel, seq_len_on_device, handoff)
+        return attend(q, k_cache, v_cache, start, scale, use_kernel, seq_len_on_device)
     summary = cache.block_summaries[layer_idx]
     if seq_len_on_device is not None:
         return _attend_sparse_captured(q, cache, summary, k_cache, v_cache, start, scale, use_kernel, seq_len_on_device)
@@ -62,7 +60,7 @@ def _attend_sparse_captured(q, cache, summary, k_cache, v_cache, start, scale, u
                             scale=scale)
 
 
-def attend(q, k_cache, v_cache, start: int, scale: float, use_kernel: bool, seq_len_on_device=None, handoff=None):
+def attend(q, k_cache, v_cache, start: int, scale: float, use_kernel: bool, seq_len_on_device=None):
     """q: [B, Hq, T, D] new query rows; k_cache, v_cache: [B, Hkv, S_max, D] with the T new rows
     already written at [start, start + T). Returns [B, Hq, T, D].
 
@@ -71,7 +69,7 @@ def attend(q, k_cache, v_cache, start: int, scale: float, use_kernel: bool, seq_
     T = q.shape[2]
     if use_kernel and T <= MAX_VERIFY_ROWS:
         seq_len = seq_len_on_device if seq_len_on_device is not None else start + T
-        return attend_kernel_lanes(q, k_cache, v_cache, seq_len, scale, handoff)
+        return attend_kernel_lanes(q, k_cache, v_cache, seq_len, scale)
     if seq_len_on_device is not None:
         # graph replay without our kernel: attend over the whole buffer, masking by device length
         visible_end = seq_len_on_device - T + torch.arange(T, device=q.device)  # [T]
@@ -93,7 +91,7 @@ def attend(q, k_cache, v_cache, start: int, scale: float, use_kernel: bool, seq_
     return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
 
 
-def attend_kernel_lanes(q, k_cache, v_cache, seq_len, scale: float, handoff=None) -> torch.Tensor:
+def attend_kernel_lanes(q, k_cache, v_cache, seq_len, scale: float) -> torch.Tensor:
     """kernels.decode_attention over T <= 17 lanes. The kernel's tile holds 16 lanes per head; the
     widest verify (16 drafts + 1) runs as lanes 0..15 against a cache one row shorter, then lane 16.
     Each lane's rows are computed alone in the tile, so a lane is bitwise its decode step either way.
@@ -104,11 +102,10 @@ def attend_kernel_lanes(q, k_cache, v_cache, seq_len, scale: float, handoff=None
 
     T = q.shape[2]
     if T <= MAX_Q_ROWS:
-        return decode_attention(q, k_cache, v_cache, seq_len, scale=scale, settled=True, handoff=handoff)
+        return decode_attention(q, k_cache, v_cache, seq_len, scale=scale, settled=True)
     head = decode_attention(q[:, :, :MAX_Q_ROWS], k_cache, v_cache, seq_len - (T - MAX_Q_ROWS), scale=scale,
-                            settled=True, handoff=handoff)
-    tail = decode_attention(q[:, :, MAX_Q_ROWS:], k_cache, v_cache, seq_len, scale=scale, settled=True,
-                            handoff=handoff)
+                            settled=True)
+    tail = decode_attention(q[:, :, MAX_Q_ROWS:], k_cache, v_cache, seq_len, scale=scale, settled=True)
     return torch.cat([head, tail], dim=2)
 
 

@@ -27,8 +27,6 @@ class KVCache:
         self.block_summaries = None
         self.sparse_top_k = 0
         self.sparse_step = False  # the step being captured or replayed attends sparsely (StepRunner)
-        # per layer, the attention -> o projection handoff's counter (kernels.handoff), zero between steps
-        self.ready = torch.zeros(config.num_layers, 2, dtype=torch.int32, device=device)
 
     def enable_sparse_attention(self, top_k_blocks: int, block_size: int = 64) -> None:
         """Keep per-block key summaries so decode and verify attend to the top-k blocks only."""

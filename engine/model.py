@@ -22,7 +22,6 @@ from engine.kv_cache import KVCache
 from engine import linear
 from engine.linear import project
 from engine.rope import rope_tables
-from kernels.handoff import ReadyHandoff, handoff_enabled
 from kernels.step_inputs import step_inputs
 
 # observer(layer_idx, q [B, Hq, T, D] after rope, keys, values [B, Hkv, start+T, D], start)
@@ -54,7 +53,7 @@ class Attention(nn.Module):
 
     def forward(self, hidden, norm: RMSNorm, cos, sin, cache: KVCache, layer_idx: int, start: int, positions,
                 use_kernel: bool, seq_len_on_device=None, observer: Optional[AttentionObserver] = None,
-                normed_inputs=None, handoff=None):
+                normed_inputs=None):
         """hidden: the residual stream [B, T, H] -> attention output before o_proj [B, T, Hq * D].
         `norm` (the layer's input norm) is applied first; with `normed_inputs` (kernels.small_matmul
         NormInputs of hidden for that norm) it is folded into the qkv projection, which then also
@@ -80,8 +79,7 @@ class Attention(nn.Module):
             q = self.rope_norm_and_store(qkv, cos, sin, positions, k_cache, v_cache)
         if observer is not None:
             observer(layer_idx, q, k_cache[:, :, : start + T], v_cache[:, :, : start + T], start)
-        out = attend_cached(q.to(k_cache.dtype), cache, layer_idx, start, self.scale, use_kernel, seq_len_on_device,
-                            handoff)
+        out = attend_cached(q.to(k_cache.dtype), cache, layer_idx, start, self.scale, use_kernel, seq_len_on_device)
         return out.to(hidden.dtype).transpose(1, 2).reshape(B, T, -1)
 
     def rope_norm_and_store(self, qkv, cos, sin, positions, k_cache, v_cache):
@@ -142,12 +140,8 @@ class Block(nn.Module):
         norm folded in and silu*mul, down + residual (emitting `next_norm`'s inputs); rows stay
         independent of the step's width (kernels.small_matmul). Prefill chunks and CPU steps run
         the same maths op by op and pass None."""
-        # fused path on CUDA: the attention kernel may hand its output to o by a counter (kernels.handoff,
-        # off unless BATCHD_ATTENTION_HANDOFF=1: slower as built)
-        handoff = (ReadyHandoff(cache.ready[layer_idx]) if normed_inputs is not None and hidden.is_cuda
-                   and handoff_enabled() else None)
         attn = self.self_attn(hidden, self.input_layernorm, cos, sin, cache, layer_idx, start, positions, use_kernel,
-                              seq_len_on_device, observer, normed_inputs=normed_inputs, handoff=handoff)
+                              seq_len_on_device, observer, normed_inputs=normed_inputs)
         post, mlp = self.post_attention_layernorm, self.mlp
         if normed_inputs is None:
             hidden, normed = fused.add_rms_norm(project(attn, self.self_attn.o_proj), hidden, post.weight, post.eps)
@@ -156,7 +150,7 @@ class Block(nn.Module):
         # (the stream by the last layer's down or kernels.step_inputs, then by o), so the kernels
         # may read them before waiting on the launch just before (kernels._pdl, "Settled inputs").
         hidden, post_inputs = fused_project(attn, self.self_attn.o_proj, residual=hidden, emit_norm=post,
-                                            settled=True, handoff=handoff)
+                                            settled=True)
         return self.fused_mlp(hidden, post_inputs, next_norm)
 
     def fused_mlp(self, hidden, post_inputs, next_norm: Optional[RMSNorm]):
@@ -196,12 +190,11 @@ def decode_fusion_applies(tokens: torch.Tensor) -> bool:
 
 def fused_project(x: torch.Tensor, layer: nn.Linear, *, norm_inputs=None, eps: float = 1e-6,
                   residual: Optional[torch.Tensor] = None, gated: bool = False,
-                  emit_norm: Optional[RMSNorm] = None, settled: bool = False, handoff=None):
+                  emit_norm: Optional[RMSNorm] = None, settled: bool = False):
     """x: [B, T, K] -> [B, T, N] through kernels.small_matmul with its fusions: x = norm_weight * h
     with `norm_inputs` (h's RMSNorm folded in), silu(gate) * up of a stacked gate/up weight
     (N = rows / 2), plus `residual` [B, T, N]; with `emit_norm`: (out, out's NormInputs for it).
-    settled: the residual was written two or more launches back (small_linear); handoff: a
-    kernels.handoff.ReadyHandoff the launch before may have armed."""
+    settled: the residual was written two or more launches back (small_linear)."""
     from kernels.small_matmul import small_linear
 
     rows = x.shape[0] * x.shape[1]
@@ -209,7 +202,7 @@ def fused_project(x: torch.Tensor, layer: nn.Linear, *, norm_inputs=None, eps: f
         x.reshape(rows, x.shape[-1]), layer.weight, layer.bias,
         row_sumsq=None if norm_inputs is None else norm_inputs.sumsq, eps=eps,
         residual=None if residual is None else residual.reshape(rows, -1), gated=gated,
-        emit_norm_weight=None if emit_norm is None else emit_norm.weight, settled=settled, handoff=handoff,
+        emit_norm_weight=None if emit_norm is None else emit_norm.weight, settled=settled,
     )
     if emit_norm is None:
         return result.view(*x.shape[:-1], -1)

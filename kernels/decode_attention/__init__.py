@@ -62,7 +62,6 @@ def decode_attention(
     scale: float | None = None,            # default 1/sqrt(D)
     backend: str = "auto",                 # "auto" | "cluster" | "triton" | "reference"
     settled: bool = False,                 # seq_len and the rows before the new ones written 2+ launches back
-    handoff=None,                          # kernels.handoff.ReadyHandoff for the next launch, or None
 ) -> torch.Tensor:
     """Attention of Q new rows per sequence over the cache. -> [B, Hq, Q, D] in q's dtype.
 
@@ -79,10 +78,6 @@ def decode_attention(
     more kernel launches before this call (in a decode step the new rows come from the launch just
     before, everything else from earlier ones): the kernels then read them before waiting on that
     launch (kernels._pdl, "Settled inputs"). The same bits either way.
-
-    With `handoff`, the cluster kernel arms it (kernels.handoff): its CTAs count themselves done, and
-    the next launch may spin on that instead of waiting for this one to complete. The other paths
-    leave it unarmed.
     """
     check_attention_inputs(q, k_cache, v_cache)
     B, _, QR, D = q.shape
@@ -96,8 +91,7 @@ def decode_attention(
 
         plan = cluster_kernel.supported(q, k_cache, v_cache)
         if plan is not None:
-            return cluster_kernel.decode_attention_cluster(q, k_cache, v_cache, lengths, scale, plan, settled=settled,
-                                                           handoff=handoff)
+            return cluster_kernel.decode_attention_cluster(q, k_cache, v_cache, lengths, scale, plan, settled=settled)
         if backend == "cluster":
             raise ValueError(
                 f"the cluster attention kernel cannot run q {list(q.shape)} {q.dtype} on {q.device} over a cache of "

@@ -24,9 +24,6 @@
 //      0.26 for the mbarrier, NOTES "Stop 29"), and leaves when done, since nobody touches its
 //      memory after that. (A barrier arrive at the start, waited on before the first remote store,
 //      makes sure every CTA of the cluster runs, with its mbarrier set up, before it is written to.)
-//   4. With `ready` (kernels.decode_attention.ReadyHandoff), each CTA then adds 1 to a counter that
-//      the next launch spins on instead of waiting for this grid to complete and flush (the o
-//      projection's griddepcontrol.wait returned 0.4-0.9 us after this kernel's last CTA ended).
 // Bits: every row's arithmetic is the same whatever Q, seq_len or the row's place in its m-tile
 // (the tensor cores compute each output element from its own row; the row reductions run the
 // same shuffle order for every row), and key blocks past a lane's last visible key add exact zeros
@@ -67,8 +64,6 @@ struct Args {                        // kernels/decode_attention/cluster_kernel.
   float qk_scale;                    // softmax scale * log2(e)
   long long* trace;                  // null, or kernels._trace rows: one per CTA from trace_row
   int trace_row;
-  unsigned* ready;                   // null, or a counter the next launch (the o projection) spins on instead
-                                     // of griddepcontrol.wait: each CTA adds 1 once its outputs are stored
 };
 
 __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const scalar_t* p) {
@@ -363,11 +358,6 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS) cluster_attention(cons
     a.out[b * a.o_sb + (kvh * GROUP + r / Q) * a.o_sh + (r % Q) * a.o_sq + c] = to_scalar(o);
   }
   PHASE(3)
-  if (a.ready != nullptr) {  // this CTA's outputs stored: counted (release) for the consumer's acquire
-    __threadfence();
-    __syncthreads();
-    if (tid == 0) asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(a.ready) : "memory");
-  }
   if (mark != nullptr && tid == 0) {
     mark[2] = global_timer();
 #ifdef PHASE_MARKS  // 16 bits of ns after the wait each: staged, partials pushed, partials landed, merged

@@ -117,8 +117,7 @@ class _Args(ctypes.Structure):
                                                          "v_sb", "v_sh", "v_sn", "o_sb", "o_sh", "o_sq")),
                 ("h_kv", ctypes.c_int), ("q_rows", ctypes.c_int), ("keys_per_cta", ctypes.c_int),
                 ("use_pdl", ctypes.c_int), ("trigger", ctypes.c_int), ("early", ctypes.c_int),
-                ("qk_scale", ctypes.c_float), ("trace", ctypes.c_void_p), ("trace_row", ctypes.c_int),
-                ("ready", ctypes.c_void_p)]
+                ("qk_scale", ctypes.c_float), ("trace", ctypes.c_void_p), ("trace_row", ctypes.c_int)]
 
 
 @functools.cache
@@ -145,10 +144,9 @@ def decode_attention_cluster(
     p: ClusterPlan,            # from supported()
     *,
     settled: bool = False,
-    handoff=None,              # a kernels.decode_attention.ReadyHandoff, or None
 ) -> torch.Tensor:
     """-> [B, Hq, Q, D] (memory [B, Q, Hq, D], as the o projection reads it). Shapes are checked
-    by decode_attention; settled and handoff as there."""
+    by decode_attention; settled as there."""
     from kernels._backend import early_reads_enabled, pdl_enabled, pdl_trigger_point
     from kernels.stream_linear import trace_rows
 
@@ -160,8 +158,7 @@ def decode_attention_cluster(
     args = _Args(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), seq_len.data_ptr(), out.data_ptr(),
                  *q.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3], *out.stride()[:3],
                  Hkv, QR, p.keys_per_cta, int(pdl), pdl_trigger_point("split"), int(settled and early_reads_enabled()),
-                 scale * math.log2(math.e), *trace_rows(f"attention cluster x{p.cluster}", grid, out),
-                 handoff.arm(grid) if handoff is not None else None)
+                 scale * math.log2(math.e), *trace_rows(f"attention cluster x{p.cluster}", grid, out))
     kernel = _kernel(q.device, q.dtype, D, Hq // Hkv, p)
     kernel.launch(grid, THREADS, p.shared_mem, args, pdl=pdl, cluster=p.cluster)
     return out

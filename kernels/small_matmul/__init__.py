@@ -91,7 +91,6 @@ def small_linear(
     emit_norm_weight: torch.Tensor | None = None,  # [N]: also return the NormInputs of the output
     settled: bool = False,               # residual written two or more launches before this call
     backend: str = "auto",               # "auto" | "triton" | "reference"
-    handoff=None,                        # kernels.handoff.ReadyHandoff armed by the launch before, or None
 ):
     """x @ weight.T (+ bias) -> [M, N] in x's dtype, float32 accumulation, batch-invariant per row;
     (out, NormInputs) with emit_norm_weight. The fusions are defined by small_linear_reference.
@@ -107,12 +106,10 @@ def small_linear(
     check_fusion_inputs(x, weight, bias, row_sumsq, residual, gated, emit_norm_weight)
     kwargs = dict(row_sumsq=row_sumsq, eps=eps, residual=residual, gated=gated, emit_norm_weight=emit_norm_weight)
     if resolve_backend(backend, x.device) == "reference":
-        if handoff is not None and handoff.armed:
-            handoff.counter.zero_()
         return small_linear_reference(x, weight, bias, **kwargs)
     from kernels.small_matmul.triton_kernel import small_linear_triton
 
-    return small_linear_triton(x, weight, bias, settled=settled, handoff=handoff, **kwargs)
+    return small_linear_triton(x, weight, bias, settled=settled, **kwargs)
 
 
 def qkv_rope_and_store(

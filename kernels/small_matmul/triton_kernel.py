@@ -75,7 +75,8 @@ class SmallLinearConfig:
                                         # this split kernel still runs (see __post_init__)
     skip_wait: bool = False  # a what-if for bench/step_sweep.py only: no griddepcontrol.wait, so the
                              # kernel reads its input while the kernel before still writes it (wrong
-                             # results); its tok/s bounds what a finer-grained handoff could gain
+                             # results). Its tok/s overstates what any real handoff could gain: the
+                             # kernel then overlaps all of the one before (NOTES.md, "Stop 30")
 
     def __post_init__(self):
         # 0 runs launches two deep: the launch after this one may start while the one before it
@@ -276,9 +277,6 @@ def _small_linear_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     Trace, trace_row, TRACE: tl.constexpr,       # kernels._trace
     SKIP_WAIT: tl.constexpr = False,             # SmallLinearConfig.skip_wait (a what-if: wrong results)
-    Ready=None, ready_target=0, ready_programs=0,  # kernels.handoff: spin until Ready[0] >= ready_target
-    READY: tl.constexpr = False,                 # instead of griddepcontrol.wait; the last of the
-    POLL_ASM: tl.constexpr = True,               # ready_programs programs zeroes Ready[0..1] (_wait_ready)
 ):
     """Nothing but loads feeds tl.dot, so Triton pipelines both operands (an elementwise op on x
     in the loop costs a full memory round trip per k step: bench/fused_linear.py measured 2x).
@@ -348,12 +346,7 @@ def _small_linear_kernel(
         bias, next_nw, rope_rows = _epilogue_inputs(cols, pid_n * HALF_N, offs_m, m_ok, N, T, Bias, NextNormW, Cos,
                                                     Sin, Pos, KCache, HAS_BIAS, EMIT_NORM, ROPE, SPLIT, HEAD_DIM,
                                                     HALF_N)
-    if READY:
-        # the producer's CTAs each add 1 (release) once their outputs are stored (kernels.handoff);
-        # the dependents launch after the spin, where griddepcontrol.wait would have let them
-        _wait_ready(Ready, ready_target, POLL_ASM)
-        pdl_trigger(USE_PDL, TRIGGER, 1)
-    elif SKIP_WAIT:
+    if SKIP_WAIT:
         pdl_trigger(USE_PDL, TRIGGER, 1)
     else:
         pdl_wait(USE_PDL, TRIGGER)               # X, SumSqIn, Res: from the previous kernel
@@ -416,39 +409,7 @@ def _small_linear_kernel(
     else:
         _epilogue(acc, acc, acc, cols, offs_m, mask, pid_n, M, bias, Res, next_nw, Out, WeightedOut, SumSqOut,
                   stride_rm, stride_om, False, HAS_BIAS, RESIDUAL, EMIT_NORM)
-    if READY:   # every program is past its spin once the last one counts itself: the counter back to zero
-        if tl.atomic_add(Ready + 1, 1, sem="relaxed", scope="gpu") == ready_programs - 1:
-            tl.atomic_xchg(Ready, 0, sem="relaxed", scope="gpu")
-            tl.atomic_xchg(Ready + 1, 0, sem="relaxed", scope="gpu")
     trace_mark(Trace, trace_row, END, TRACE)
-
-
-@triton.jit
-def _wait_ready(Ready, target, POLL_ASM: tl.constexpr):
-    """Spin until Ready[0] >= target (kernels.handoff). POLL_ASM: warp 0 polls with plain acquire
-    loads and a barrier releases the other warps; a scalar atomic per poll (the interpreter's form:
-    it runs no inline asm) cost every program a barrier and an L2 atomic on the word the producer's
-    CTAs add to, and measured 914 against 945 tok/s without the handoff (NOTES.md, "Stop 30")."""
-    if POLL_ASM:
-        tl.inline_asm_elementwise(
-            """{
-            .reg .pred %ready_skip, %ready_wait;
-            .reg .u32 %ready_tid, %ready_v;
-            mov.u32 %ready_tid, %tid.x;
-            setp.ge.u32 %ready_skip, %ready_tid, 32;
-            @%ready_skip bra.uni READY_DONE;
-            READY_POLL:
-            ld.acquire.gpu.global.u32 %ready_v, [$1];
-            setp.lt.s32 %ready_wait, %ready_v, $2;
-            @%ready_wait bra.uni READY_POLL;
-            READY_DONE:
-            mov.u32 $0, 0;
-            }""", "=r,l,r", [Ready + tl.zeros([1], dtype=tl.int32), tl.full([1], target, tl.int32)],
-            dtype=tl.int32, is_pure=False, pack=1)
-        tl.debug_barrier()
-    else:
-        while tl.atomic_add(Ready, 0, sem="acquire", scope="gpu") < target:
-            pass
 
 
 @triton.jit
@@ -725,14 +686,6 @@ def linear_constexprs(config: SmallLinearConfig, N: int, K: int, dtype: torch.dt
         **({"SKIP_WAIT": True} if config.skip_wait else {}))
 
 
-def ready_args(handoff, grid: tuple[int, int, int]) -> dict:
-    """_small_linear_kernel's arguments for an armed kernels.handoff.ReadyHandoff (else none)."""
-    if handoff is None or not handoff.armed:
-        return {}
-    return dict(Ready=handoff.counter, ready_target=handoff.producers, ready_programs=grid[0] * grid[1] * grid[2],
-                READY=True, POLL_ASM=not interpreting())
-
-
 def small_linear_triton(
     x: torch.Tensor,                     # [M, K], M = 1..32, stride(1) == 1
     weight: torch.Tensor,                # [N, K] ([2N, K] when gated), stride(1) == 1
@@ -746,11 +699,8 @@ def small_linear_triton(
     rope: RopeTarget | None = None,              # the q/k/v projection: rope + cache write, -> q
     settled: bool = False,                       # residual / rope rows written two or more launches back
     config: SmallLinearConfig | None = None,
-    handoff=None,                                # kernels.handoff.ReadyHandoff from the launch before
 ):
     """Shapes are validated by the public wrapper; `config` overrides the table (tests, bench --tune).
-    An armed `handoff`: the Triton kernel spins on its counter instead of griddepcontrol.wait and
-    zeroes it when done; the stream kernel waits as usual and the counter is zeroed after it.
     With `settled` (and `early_reads_enabled()`) the kernels read the rope rows, the constant epilogue
     inputs and (in a k split's reduce) the residual before griddepcontrol.wait (kernels._pdl,
     "Settled inputs").
@@ -765,15 +715,12 @@ def small_linear_triton(
     if config.stream:
         from kernels.stream_linear import stream_linear
 
-        out = stream_linear(x, weight, bias, row_sumsq=row_sumsq, eps=eps, residual=residual, gated=gated,
+        return stream_linear(x, weight, bias, row_sumsq=row_sumsq, eps=eps, residual=residual, gated=gated,
                              emit_norm_weight=emit_norm_weight, ring_bytes=config.ring_kb * 1024,
                              ctas_per_sm=config.stream_ctas, min_shared_bytes=config.stream_min_kb * 1024,
                              max_ctas=config.stream_max_ctas,
                              rope=rope, settled=settled,
                              trigger_at_start=config.trigger == 0, backend="cuda")
-        if handoff is not None and handoff.armed:
-            handoff.counter.zero_()     # (after the kernel in stream order: nobody spins on it here)
-        return out
     k_per_split = config.k_per_split(K)
     splits = triton.cdiv(K, k_per_split)
     if gated and (splits > 1 or config.block_n % 32 or config.gemv):
@@ -818,7 +765,6 @@ def small_linear_triton(
                             residual=residual is not None, emit=emit, pdl=pdl, early=early,
                             rope_heads=rope_heads),
         **trace_args(_linear_label(N, K, gated, rope is not None, splits, residual is not None), grid, out),
-        **ready_args(handoff, grid),
         num_warps=config.num_warps, num_stages=config.num_stages, **launch_options(pdl),
     )
     if rope is not None:

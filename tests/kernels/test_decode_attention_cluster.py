@@ -19,10 +19,9 @@ needs_sm90 = pytest.mark.skipif(not SM90, reason="needs an sm_90+ GPU (thread-bl
 
 def test_args_struct_matches_the_kernels_layout():
     # cluster_attention.cu's struct Args: 5 pointers, 12 strides, 6 ints and a float, the trace
-    # pointer (aligned: 164 -> 168), its row (180, padded to 184) and the handoff's counter
+    # pointer (aligned: 164 -> 168) and its row (180, padded to 184)
     assert cluster_kernel._Args.h_kv.offset == 5 * 8 + 12 * 8 and cluster_kernel._Args.qk_scale.offset == 160
-    assert cluster_kernel._Args.trace.offset == 168 and cluster_kernel._Args.ready.offset == 184
-    assert ctypes.sizeof(cluster_kernel._Args) == 192
+    assert cluster_kernel._Args.trace.offset == 168 and ctypes.sizeof(cluster_kernel._Args) == 184
 
 
 @pytest.mark.parametrize("s_max, D, G, Q, cluster, keys", [
@@ -185,41 +184,3 @@ def test_cuda_graph_replay_follows_seq_len():
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, decode_attention(q, k, v, seq_len, backend="cluster")), f"seq_len {length}"
-
-
-@needs_sm90
-@pytest.mark.parametrize("QR, o_config", [(1, "gemv"), (5, "tiles"), (16, "stream")])
-def test_handoff_to_the_o_projection_gives_the_same_bits_and_leaves_the_counter_zero(QR, o_config):
-    """kernels.handoff: the cluster kernel's CTAs count themselves done and the o projection spins on
-    the count instead of griddepcontrol.wait (Triton tiles and gemv), or waits as usual and clears it
-    (the stream kernel); twice in a row, captured in a CUDA graph and replayed, the counter is zero
-    after every step and the output equals the plain launches' bit for bit."""
-    from kernels.handoff import ReadyHandoff
-    from kernels.small_matmul.triton_kernel import SmallLinearConfig, small_linear_triton
-
-    config = {"gemv": SmallLinearConfig(8, 128, 1, gemv=True), "tiles": SmallLinearConfig(16, 128, 2),
-              "stream": SmallLinearConfig(16, 128, 1, stream=True, ring_kb=96)}[o_config]
-    q, k, v = make(1, 12, 2, QR, 128, 784, torch.bfloat16, seed=5)
-    w = (torch.randn(1536, 1536, device="cuda") / 40).to(torch.bfloat16)
-    counter = torch.zeros(2, dtype=torch.int32, device="cuda")
-    seq_len = torch.tensor([600], device="cuda")
-
-    def step(handoff):
-        out = decode_attention(q, k, v, seq_len, backend="cluster", settled=True, handoff=handoff)
-        x = out.transpose(1, 2).reshape(QR, -1)
-        return small_linear_triton(x, w, None, config=config, handoff=handoff)
-
-    plain = step(None)
-    for _ in range(2):
-        handoff = ReadyHandoff(counter)
-        assert torch.equal(step(handoff), plain) and handoff.producers == 32
-        torch.cuda.synchronize()
-        assert counter.tolist() == [0, 0]
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = step(ReadyHandoff(counter))
-    for _ in range(3):
-        captured.zero_()
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(captured, plain) and counter.tolist() == [0, 0]

@@ -746,24 +746,3 @@ def test_configs_refuse_trigger_points_other_than_0_1_2(field, value):
     # any config may signal at its start (the table entry's promise): a stream kernel's next launch
     # then fills its own ring meanwhile
     assert SmallLinearConfig(16, 128, 1, stream=True, trigger=0).trigger == 0
-
-
-@needs_triton
-@pytest.mark.parametrize("fields", [dict(block_n=16, block_k=64, splits=1), dict(block_n=8, block_k=128, splits=1, gemv=True),
-                                    dict(block_n=16, block_k=64, splits=2)], ids=["tiles", "gemv", "split"])
-def test_an_armed_handoff_is_consumed_and_left_zero(fields):
-    """kernels.handoff: with the producers' count already there, the kernel passes its spin, gives
-    the plain launch's bits and its last program sets the counter back to zero (the GPU test with
-    the cluster attention kernel as producer: test_decode_attention_cluster.py)."""
-    from kernels.handoff import ReadyHandoff
-    from kernels.small_matmul.triton_kernel import SmallLinearConfig, small_linear_triton
-
-    config = SmallLinearConfig(**fields)
-    g = torch.Generator().manual_seed(11)
-    x = torch.randn(2, 256, generator=g).to(DEVICE)
-    w = (torch.randn(64, 256, generator=g) / 16).to(DEVICE)
-    handoff = ReadyHandoff(torch.tensor([7, 0], dtype=torch.int32, device=DEVICE))
-    handoff.arm(7)
-    got = small_linear_triton(x, w, None, config=config, handoff=handoff)
-    assert torch.equal(got, small_linear_triton(x, w, None, config=config))
-    assert handoff.counter.tolist() == [0, 0]

@@ -223,6 +223,8 @@ def launch_switches() -> tuple[tuple[str, ...], int | None]:
         raise ValueError("BATCHD_STREAM_PRODUCER_TRIGGER is 0 or 1 and BATCHD_STREAM_CARVEOUT a percent (0-100), "
                          f"got {trigger!r} and {carveout!r}")
     marks = os.environ.get("BATCHD_STREAM_PHASE_MARKS", "0")
+    if marks not in ("0", "1", "2"):
+        raise ValueError(f"BATCHD_STREAM_PHASE_MARKS is 0, 1 or 2 (the cluster attention kernel's compute), got {marks!r}")
     phases = {"1": ("-DPHASE_MARKS",), "2": ("-DPHASE_MARKS", "-DPHASE_DETAIL")}.get(marks, ())
     return (("-DPRODUCER_TRIGGER",) if trigger == "1" else ()) + phases, (int(carveout) if carveout else None)
 

@@ -255,12 +255,19 @@ def test_launch_switches_name_what_they_take(monkeypatch):
 
     monkeypatch.delenv("BATCHD_STREAM_PRODUCER_TRIGGER", raising=False)
     monkeypatch.delenv("BATCHD_STREAM_CARVEOUT", raising=False)
+    monkeypatch.delenv("BATCHD_STREAM_PHASE_MARKS", raising=False)
     assert launch_switches() == ((), None)                 # off: the driver's carveout, consumers trigger
     monkeypatch.setenv("BATCHD_STREAM_PRODUCER_TRIGGER", "1")
     monkeypatch.setenv("BATCHD_STREAM_CARVEOUT", "100")
     assert launch_switches() == (("-DPRODUCER_TRIGGER",), 100)
     monkeypatch.setenv("BATCHD_STREAM_CARVEOUT", "120")
     with pytest.raises(ValueError, match="a percent"):
+        launch_switches()
+    monkeypatch.delenv("BATCHD_STREAM_CARVEOUT")
+    monkeypatch.setenv("BATCHD_STREAM_PHASE_MARKS", "2")    # the probes' marks; 2: the attention kernel's compute
+    assert launch_switches() == (("-DPRODUCER_TRIGGER", "-DPHASE_MARKS", "-DPHASE_DETAIL"), None)
+    monkeypatch.setenv("BATCHD_STREAM_PHASE_MARKS", "3")
+    with pytest.raises(ValueError, match="0, 1 or 2"):
         launch_switches()
 
 

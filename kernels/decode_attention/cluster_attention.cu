@@ -124,16 +124,17 @@ __device__ __forceinline__ void push_pair(float* p, uint32_t rank, float x, floa
 // PHASE_DETAIL and marks the compute instead: cluster joined, first and last key block's softmax,
 // pushed (DETAIL; DETAIL_AFTER reads the timer once `value` is computed). Off, each is an empty
 // statement, so that `if (c) DETAIL_AFTER(...)` never takes the next statement as its body.
-#if defined(PHASE_MARKS) && defined(PHASE_DETAIL)
-#define PHASE(i) {}
-#define DETAIL(i) { if (mark != nullptr && tid == 0) phase[i] = global_timer(); }
-#define DETAIL_AFTER(i, value) { if (mark != nullptr && tid == 0) phase[i] = global_timer_after(value); }
-#elif defined(PHASE_MARKS)
-#define PHASE(i) { if (mark != nullptr && tid == 0) phase[i] = global_timer(); }
-#define DETAIL(i) {}
-#define DETAIL_AFTER(i, value) {}
+#ifdef PHASE_MARKS
+#define MARK(i, time) { if (mark != nullptr && tid == 0) phase[i] = (time); }
 #else
+#define MARK(i, time) {}
+#endif
+#ifdef PHASE_DETAIL
 #define PHASE(i) {}
+#define DETAIL(i) MARK(i, global_timer())
+#define DETAIL_AFTER(i, value) MARK(i, global_timer_after(value))
+#else
+#define PHASE(i) MARK(i, global_timer())
 #define DETAIL(i) {}
 #define DETAIL_AFTER(i, value) {}
 #endif

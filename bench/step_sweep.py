@@ -28,8 +28,9 @@ A variant is space-separated settings, "table" for none:
   BATCHD_ATTENTION_CLUSTER=0|8|16 decode attention on the cluster kernel with 8 or 16 CTAs a KV head
                                   (kernels/decode_attention/cluster_kernel.py), or 0: Triton's split and merge
   BATCHD_ATTENTION_KEY_BLOCK=32|64 that kernel's keys a step of its online softmax
-  skip=merge|reduce               a what-if, not a config: the step runs without that launch (the
-                                  attention merge; small_linear's split-K reduce), its consumer reading
+  skip=merge|reduce|o             a what-if, not a config: the step runs without that launch (the
+                                  attention merge; small_linear's split-K reduce; the o projection,
+                                  its output the residual unchanged), its consumer reading
                                   whatever the buffer holds. The ids are garbage; the tok/s bounds what
                                   folding that launch into its neighbour could gain at best
   N,K=...,skip_wait:1             another what-if: that weight's kernel never waits for the kernel
@@ -67,7 +68,7 @@ from engine.presets import preset  # noqa: E402
 from engine.runtime import Engine, build_model  # noqa: E402
 from kernels.decode_attention import triton_kernel as attention_kernel  # noqa: E402
 from kernels.fused_mlp import triton_kernel as mlp_kernel  # noqa: E402
-from kernels.small_matmul import triton_kernel  # noqa: E402
+from kernels.small_matmul import NormInputs, triton_kernel  # noqa: E402
 
 TILES = dict(attention_kernel.TUNED_TILES)
 REDUCE_BLOCK = triton_kernel.REDUCE_BLOCK
@@ -80,6 +81,7 @@ MLP_TUNED = dict(mlp_kernel.TUNED)
 MERGE_SPLITS = attention_kernel.merge_splits
 MAX_SPLITS = attention_kernel.MAX_SPLITS
 REDUCE_KERNEL = triton_kernel._reduce_splits_kernel
+SMALL_LINEAR = triton_kernel.small_linear_triton
 
 
 class _SkippedLaunch:
@@ -92,13 +94,27 @@ class _SkippedLaunch:
 SIDE_PREFETCH: list[l2_side_prefetch.SidePrefetch] = []     # the installed probe, if any
 
 
+def _skip_o(x, weight, bias=None, *, residual=None, emit_norm_weight=None, row_sumsq=None, gated=False, **kwargs):
+    """small_linear_triton without the o projection's launch (skip=o): an o call (residual added, the
+    post-attention norm's inputs emitted, a square weight) returns the residual and empty norm inputs."""
+    is_o = (residual is not None and emit_norm_weight is not None and row_sumsq is None and not gated
+            and weight.shape[0] == weight.shape[1] == x.shape[1])
+    if not is_o:
+        return SMALL_LINEAR(x, weight, bias, residual=residual, emit_norm_weight=emit_norm_weight,
+                            row_sumsq=row_sumsq, gated=gated, **kwargs)
+    sumsq = torch.empty(1, x.shape[0], dtype=torch.float32, device=x.device)
+    return residual, NormInputs(torch.empty_like(residual), sumsq)
+
+
 def skip_launch(name: str) -> None:
-    if name == "merge":
+    if name == "o":
+        triton_kernel.small_linear_triton = _skip_o
+    elif name == "merge":
         attention_kernel.merge_splits = lambda o_part, l_part, out, *args, **kwargs: out
     elif name == "reduce":
         triton_kernel._reduce_splits_kernel = _SkippedLaunch()
     else:
-        raise SystemExit(f"skip={name}: merge or reduce")
+        raise SystemExit(f"skip={name}: merge, reduce or o")
 
 
 def apply_variant(spec: str, tuned: dict) -> None:
@@ -115,6 +131,7 @@ def apply_variant(spec: str, tuned: dict) -> None:
     attention_kernel.merge_splits = MERGE_SPLITS
     attention_kernel.MAX_SPLITS = MAX_SPLITS
     triton_kernel._reduce_splits_kernel = REDUCE_KERNEL
+    triton_kernel.small_linear_triton = SMALL_LINEAR
     while SIDE_PREFETCH:
         SIDE_PREFETCH.pop().uninstall()
     for item in spec.split():

@@ -305,6 +305,7 @@ __device__ __forceinline__ void stream_linear_body(const Args& a) {
     consumers_sync();
     if (tid < M) {
       float total = 0.f;
+#pragma unroll 1   // rolled: code size
       for (int u = 0; u < u1 - u0; ++u) total = __fadd_rn(total, unit_sq[(size_t)u * M + tid]);
       a.sumsq_parts[(size_t)b * M + tid] = total;
     }

@@ -629,10 +629,10 @@ def test_step_sweep_runs_variants_interleaved_after_a_warmup():
 
 
 def test_step_sweep_skip_drops_the_launch_until_the_next_variant():
-    """bench/step_sweep.py skip=merge / skip=reduce: the attention merge returns its output buffer
-    untouched and the split-K reduce launches nothing; attn_splits=N caps the attention's splits at
+    """bench/step_sweep.py skip=merge / skip=reduce / skip=o: the attention merge returns its output
+    buffer untouched, the split-K reduce launches nothing, an o projection returns its residual; attn_splits=N caps the attention's splits at
     N instead of 128; l2side installs bench/l2_side_prefetch.py's patches of engine.model; the next
-    variant puts all four back."""
+    variant puts them all back."""
     from bench import step_sweep
     from kernels.decode_attention import triton_kernel as attention_kernel
     from engine import model as model_module
@@ -649,10 +649,17 @@ def test_step_sweep_skip_drops_the_launch_until_the_next_variant():
         out = torch.full((2,), 7.0)
         assert attention_kernel.merge_splits(None, None, out, None, block_n=32, splits_from_seq_len=True) is out
         assert triton_kernel._reduce_splits_kernel[(1, 1)](out, SPLITS=2) is None
-        with pytest.raises(SystemExit, match="merge or reduce"):
+        with pytest.raises(SystemExit, match="merge, reduce or o"):
             step_sweep.apply_variant("skip=split", tuned)
+        step_sweep.apply_variant("skip=o", tuned)
+        residual = torch.randn(1, 8)
+        out, inputs = triton_kernel.small_linear_triton(torch.randn(1, 8), torch.randn(8, 8), residual=residual,
+                                                        emit_norm_weight=torch.ones(8))
+        assert out is residual and inputs.sumsq.shape == (1, 1)   # o: nothing launched, the residual back
+        assert step_sweep.MERGE_SPLITS is attention_kernel.merge_splits   # skip=o alone leaves the merge
     finally:
         step_sweep.apply_variant("table", tuned)
+    assert triton_kernel.small_linear_triton is step_sweep.SMALL_LINEAR
     assert attention_kernel.merge_splits is step_sweep.MERGE_SPLITS
     assert triton_kernel._reduce_splits_kernel is step_sweep.REDUCE_KERNEL
     assert attention_kernel.MAX_SPLITS == step_sweep.MAX_SPLITS == 128

@@ -1,6 +1,9 @@
 """Alembic, driven from Python: `batchd db upgrade`, and the schema check every command makes.
 
-The migrations live in the repository's migrations/ folder, beside the batchd package.
+The migrations live in the repository's migrations/ folder, beside the batchd package; a wheel
+carries the same folder as batchd/migrations (setup.py), so installed and editable copies both run.
+The repository's alembic.ini is for Alembic's own command line (new revisions); these functions
+configure Alembic in code and do not read it.
 """
 from __future__ import annotations
 
@@ -14,7 +17,17 @@ from alembic.script import ScriptDirectory
 
 from batchd.db.session import db_engine
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+PACKAGE_ROOT = Path(__file__).resolve().parents[1]   # batchd/
+REPO_ROOT = PACKAGE_ROOT.parent                      # a checkout's root, or site-packages
+
+
+def migrations_dir() -> Path:
+    """batchd/migrations in an installed wheel, else migrations/ beside the package (a checkout)."""
+    for candidate in (PACKAGE_ROOT / "migrations", REPO_ROOT / "migrations"):
+        if (candidate / "env.py").is_file():
+            return candidate
+    raise FileNotFoundError(f"no Alembic migrations in {PACKAGE_ROOT / 'migrations'} or {REPO_ROOT / 'migrations'}: "
+                            "install batchd from its wheel or run it from a checkout (pip install -e .)")
 
 
 class SchemaOutOfDate(RuntimeError):
@@ -22,8 +35,9 @@ class SchemaOutOfDate(RuntimeError):
 
 
 def alembic_config(url: str) -> Config:
-    cfg = Config(str(REPO_ROOT / "alembic.ini"))
-    cfg.set_main_option("script_location", str(REPO_ROOT / "migrations"))
+    cfg = Config()
+    cfg.set_main_option("script_location", str(migrations_dir()))
+    cfg.set_main_option("path_separator", "os")
     cfg.set_main_option("sqlalchemy.url", url.replace("%", "%%"))
     cfg.attributes["configure_logging"] = False
     return cfg

@@ -38,8 +38,6 @@ def wheel(tmp_path_factory) -> Path:
     source = tmp_path_factory.mktemp("source")
     for name in SOURCES:
         path = ROOT / name
-        if not path.exists():
-            continue
         if path.is_dir():
             shutil.copytree(path, source / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
         else:

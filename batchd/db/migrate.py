@@ -23,10 +23,11 @@ REPO_ROOT = PACKAGE_ROOT.parent                      # a checkout's root, or sit
 
 def migrations_dir() -> Path:
     """batchd/migrations in an installed wheel, else migrations/ beside the package (a checkout)."""
-    for candidate in (PACKAGE_ROOT / "migrations", REPO_ROOT / "migrations"):
+    candidates = (PACKAGE_ROOT / "migrations", REPO_ROOT / "migrations")
+    for candidate in candidates:
         if (candidate / "env.py").is_file():
             return candidate
-    raise FileNotFoundError(f"no Alembic migrations in {PACKAGE_ROOT / 'migrations'} or {REPO_ROOT / 'migrations'}: "
+    raise FileNotFoundError(f"no Alembic migrations in {' or '.join(map(str, candidates))}: "
                             "install batchd from its wheel or run it from a checkout (pip install -e .)")
 
 

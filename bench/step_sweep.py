@@ -28,8 +28,6 @@ A variant is space-separated settings, "table" for none:
   BATCHD_ATTENTION_CLUSTER=0|8|16 decode attention on the cluster kernel with 8 or 16 CTAs a KV head
                                   (kernels/decode_attention/cluster_kernel.py), or 0: Triton's split and merge
   BATCHD_ATTENTION_KEY_BLOCK=32|64 that kernel's keys a step of its online softmax
-  BATCHD_ATTENTION_LONG_CTAS=N    the CTAs its long form (caches past 2048 rows) aims at; 0: long
-                                  caches take Triton's split and merge
   skip=merge|reduce|o             a what-if, not a config: the step runs without that launch (the
                                   attention merge; small_linear's split-K reduce; the o projection,
                                   its output the residual unchanged), its consumer reading
@@ -78,7 +76,7 @@ REDUCE_BLOCK = triton_kernel.REDUCE_BLOCK
 
 SWITCHES = ("BATCHD_PDL_TRIGGER", "BATCHD_EARLY_READS", "BATCHD_PDL", "BATCHD_FUSED_MLP", "BATCHD_STREAM_CARVEOUT",
             "BATCHD_STREAM_PRODUCER_TRIGGER", "BATCHD_STREAM_PHASE_MARKS", "BATCHD_ATTENTION_CLUSTER",
-            "BATCHD_ATTENTION_KEY_BLOCK", "BATCHD_ATTENTION_LONG_CTAS")
+            "BATCHD_ATTENTION_KEY_BLOCK")
 MLP_TUNED = dict(mlp_kernel.TUNED)
 MERGE_SPLITS = attention_kernel.merge_splits
 MAX_SPLITS = attention_kernel.MAX_SPLITS

@@ -65,8 +65,6 @@ struct Args {                        // kernels/decode_attention/cluster_kernel.
   float qk_scale;                    // softmax scale * log2(e)
   long long* trace;                  // null, or kernels._trace rows: one per CTA from trace_row
   int trace_row;
-  float* partials;                   // long form with CLUSTERS > 1: [B * Hkv, CLUSTER, CLUSTERS, rows * (MERGE_COLS + 2)]
-  int* counters;                     // long form with CLUSTERS > 1: [B * Hkv, CLUSTER], zero between launches
 };
 
 __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const scalar_t* p) {
@@ -98,9 +96,6 @@ __device__ __forceinline__ void cp_async16(void* dst, const void* src) {  // L2 
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_addr(dst)), "l"(src) : "memory");
 }
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-template <int PENDING>  // until at most PENDING of this thread's committed groups are in flight
-__device__ __forceinline__ void cp_async_wait_group() { asm volatile("cp.async.wait_group %0;" ::"n"(PENDING) : "memory"); }
 __device__ __forceinline__ long long load_cg(const long long* p) {
   long long v;
   asm volatile("ld.global.cg.s64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
@@ -167,173 +162,6 @@ __device__ __forceinline__ void zero_rows(scalar_t* tile, int first, int last, i
   for (int i = tid; i < (last - first) * WORDS; i += ATT_THREADS) base[i] = make_uint4(0u, 0u, 0u, 0u);
 }
 
-// One warp task's online softmax: rows g and g + 8 of its m-tile (the mma fragments' rows), D_SLICE
-// output columns
-struct TaskState {
-  float m[2], l[2];
-  float acc[4][4];                      // [n-tile of 8 columns][fragment]
-};
-#define STATE_FLOATS 20                 // a lane's TaskState, saved between key blocks (long form)
-
-__device__ __forceinline__ void init_state(TaskState& st) {
-#pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    st.m[i] = -1.0e30f;                 // finite: a row that sees nothing stays NaN-free
-    st.l[i] = 0.f;
-  }
-#pragma unroll
-  for (int n = 0; n < 4; ++n)
-#pragma unroll
-    for (int j = 0; j < 4; ++j) st.acc[n][j] = 0.f;
-}
-
-// the m-tile's q as A fragments, one per 16 columns
-__device__ __forceinline__ void load_q(uint32_t (&qa)[HEAD_DIM / 16][4], const scalar_t* q_s, int mt, int lane) {
-#pragma unroll
-  for (int ks = 0; ks < HEAD_DIM / 16; ++ks)
-    ldmatrix_x4(qa[ks], q_s + (size_t)(mt * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * PITCH + ks * 16 + (lane >> 4) * 8);
-}
-
-// The last cache row that rows g and g + 8 of m-tile mt see (-1: a padding row)
-__device__ __forceinline__ void row_limits(int (&limit)[2], int mt, int g, int rows, int seq_len, int Q) {
-#pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    const int r = mt * 16 + g + 8 * i;
-    limit[i] = r < rows ? seq_len - Q + r % Q : -1;
-  }
-}
-
-// One key block: cache rows [key0, key0 + KEY_BLOCK), their K and V rows at k_blk / v_blk (row i at
-// i * PITCH), into the task's state (output columns ds * D_SLICE ...). upper_real false: rows g + 8 are
-// padding (every decode step) and skip the softmax.
-__device__ __forceinline__ void attend_block(TaskState& st, const uint32_t (&qa)[HEAD_DIM / 16][4],
-                                             const scalar_t* k_blk, const scalar_t* v_blk, int key0,
-                                             const int (&limit)[2], bool upper_real, int ds, int lane, float qk_scale) {
-  const int t = lane % 4;
-  float s[KEY_TILES][4];                // scores: [n-tile of 8 keys][fragment]
-#pragma unroll
-  for (int n = 0; n < KEY_TILES; ++n)
-#pragma unroll
-    for (int j = 0; j < 4; ++j) s[n][j] = 0.f;
-#pragma unroll
-  for (int ks = 0; ks < HEAD_DIM / 16; ++ks) {
-#pragma unroll
-    for (int np = 0; np < KEY_TILES / 2; ++np) {  // keys 16 np .. + 15 of the block as two n-tiles
-      uint32_t kb[4];
-      ldmatrix_x4(kb, k_blk + (size_t)(np * 16 + (lane & 7) + (lane >> 4) * 8) * PITCH + ks * 16 + ((lane >> 3) & 1) * 8);
-      mma_16816(s[2 * np], qa[ks], kb[0], kb[1]);
-      mma_16816(s[2 * np + 1], qa[ks], kb[2], kb[3]);
-    }
-  }
-  float m_new[2], alpha[2] = {1.f, 1.f}, row_sum[2];
-#pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    if (i == 1 && !upper_real) break;        // padding rows: their scores stay 0, their outputs unread
-    float mx = -__int_as_float(0x7f800000);
-#pragma unroll
-    for (int n = 0; n < KEY_TILES; ++n)
-#pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        const int key = key0 + n * 8 + 2 * t + j;
-        float& v = s[n][2 * i + j];
-        v = key <= limit[i] ? v * qk_scale : -__int_as_float(0x7f800000);
-        mx = fmaxf(mx, v);
-      }
-    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-    m_new[i] = fmaxf(st.m[i], mx);
-    alpha[i] = exp2_approx(st.m[i] - m_new[i]);
-    float sum = 0.f;
-#pragma unroll
-    for (int n = 0; n < KEY_TILES; ++n)
-#pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        float& v = s[n][2 * i + j];
-        v = exp2_approx(v - m_new[i]);
-        sum = __fadd_rn(sum, v);
-      }
-    sum = __fadd_rn(sum, __shfl_xor_sync(0xffffffffu, sum, 1));
-    sum = __fadd_rn(sum, __shfl_xor_sync(0xffffffffu, sum, 2));
-    row_sum[i] = sum;
-    st.l[i] = __fmaf_rn(st.l[i], alpha[i], row_sum[i]);
-    st.m[i] = m_new[i];
-  }
-#pragma unroll
-  for (int n = 0; n < 4; ++n)
-#pragma unroll
-    for (int j = 0; j < 4; ++j) st.acc[n][j] = __fmul_rn(st.acc[n][j], alpha[j >> 1]);
-#pragma unroll
-  for (int kk = 0; kk < KEY_TILES / 2; ++kk) {  // keys 16 kk .. + 15 of the block: the probabilities as an A fragment
-    const uint32_t pa[4] = {pack_pair(s[2 * kk][0], s[2 * kk][1]), pack_pair(s[2 * kk][2], s[2 * kk][3]),
-                            pack_pair(s[2 * kk + 1][0], s[2 * kk + 1][1]),
-                            pack_pair(s[2 * kk + 1][2], s[2 * kk + 1][3])};
-#pragma unroll
-    for (int dp = 0; dp < 2; ++dp) {  // columns ds * D_SLICE + 16 dp .. + 15 as two n-tiles
-      uint32_t vb[4];
-      ldmatrix_x4_trans(vb, v_blk + (size_t)(kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * PITCH +
-                                ds * D_SLICE + dp * 16 + (lane >> 4) * 8);
-      mma_16816(st.acc[2 * dp], pa, vb[0], vb[1]);
-      mma_16816(st.acc[2 * dp + 1], pa, vb[2], vb[3]);
-    }
-  }
-}
-
-// The task's partial (m, l, acc) of rows g and g + 8 of m-tile mt, to the owners of its columns
-// (slot = this CTA's rank)
-__device__ __forceinline__ void push_partial(const TaskState& st, int mt, int ds, int rows, uint32_t rank,
-                                             float* recv_acc, float* recv_ml, uint64_t* recv_bar, int lane) {
-  const int g = lane / 4, t = lane % 4;
-#pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    const int r = mt * 16 + g + 8 * i;
-    if (r < rows) {
-#pragma unroll
-      for (int n = 0; n < 4; ++n) {
-        const int col = ds * D_SLICE + n * 8 + 2 * t;   // and col + 1: MERGE_COLS is even
-        push_pair(recv_acc + ((size_t)rank * rows + r) * MERGE_COLS + col % MERGE_COLS, col / MERGE_COLS,
-                  st.acc[n][2 * i], st.acc[n][2 * i + 1], recv_bar);
-      }
-      if (ds == 0)                      // (m, l) to every owner, the row's four lanes taking turns
-        for (int owner = t; owner < CLUSTER; owner += 4)
-          push_pair(recv_ml + ((size_t)rank * rows + r) * 2, owner, st.m[i], st.l[i], recv_bar);
-    }
-  }
-}
-
-// Row r, column c (of this CTA's MERGE_COLS) merged over the N partials at (m, l) ml[s * ml_stride]
-// and acc[s * acc_stride], in slot order: the largest m, and num, den weighted to it. Slots a row does
-// not see have l = 0 and weight 0.
-// L2_ONLY: the partials are other CTAs' global stores, read past the L1 (ld.global.cg).
-template <int N, bool L2_ONLY = false>
-__device__ __forceinline__ void merge_slots(const float* ml, const float* acc, size_t ml_stride, size_t acc_stride,
-                                            float& m, float& num, float& den) {
-  float ms[N], ls[N], as[N];
-#pragma unroll
-  for (int s = 0; s < N; ++s) {
-    if constexpr (L2_ONLY) {
-      ms[s] = __ldcg(ml + s * ml_stride);
-      ls[s] = __ldcg(ml + s * ml_stride + 1);
-      as[s] = __ldcg(acc + s * acc_stride);
-    } else {
-      ms[s] = ml[s * ml_stride];
-      ls[s] = ml[s * ml_stride + 1];
-      as[s] = acc[s * acc_stride];
-    }
-  }
-  m = ms[0];
-#pragma unroll
-  for (int s = 1; s < N; ++s) m = fmaxf(m, ms[s]);
-  num = 0.f;
-  den = 0.f;
-#pragma unroll
-  for (int s = 0; s < N; ++s) {
-    const float w = exp2_approx(ms[s] - m);
-    num = __fmaf_rn(w, as[s], num);
-    den = __fmaf_rn(w, ls[s], den);
-  }
-}
-
-#ifndef RING   // the short form: each CTA holds its whole share of the cache
 // Code size: the kernel runs once a layer on each of its SMs, between other kernels, so its
 // instructions come in cold every time. The compiler unrolled the staging loops (most run zero or one
 // round) four times, with remainders: 2072 SASS instructions, 1416 with them rolled, and whole steps
@@ -403,24 +231,115 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS) cluster_attention(cons
   cluster_wait_acquire();     // every CTA of the cluster runs, its recv_bar set up: it may be pushed to
   DETAIL(0)
 
-  const int g = lane / 4;   // the mma fragments' row group
+  const int g = lane / 4, t = lane % 4;   // the mma fragments' row group and column pair
   for (int task = warp; task < m_tiles * SLICES; task += WARPS) {
     const int mt = task / SLICES, ds = task % SLICES;
-    uint32_t qa[HEAD_DIM / 16][4];
-    load_q(qa, q_s, mt, lane);
-    int limit[2];
-    row_limits(limit, mt, g, rows, seq_len, Q);
+    uint32_t qa[HEAD_DIM / 16][4];       // the m-tile's q as A fragments, one per 16 columns
+#pragma unroll
+    for (int ks = 0; ks < HEAD_DIM / 16; ++ks)
+      ldmatrix_x4(qa[ks], q_s + (size_t)(mt * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * PITCH + ks * 16 + (lane >> 4) * 8);
+    int limit[2];                        // the last cache row rows g and g + 8 of the tile see
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int r = mt * 16 + g + 8 * i;
+      limit[i] = r < rows ? seq_len - Q + r % Q : -1;
+    }
     const bool upper_real = mt * 16 + 8 < rows;   // false: rows g + 8 are padding (every decode step)
-    TaskState st;
-    init_state(st);
+    float m_i[2] = {-1.0e30f, -1.0e30f};  // finite: a row that sees nothing stays NaN-free
+    float l_i[2] = {0.f, 0.f};
+    float acc[4][4];                      // [n-tile of 8 columns][fragment]
+#pragma unroll
+    for (int n = 0; n < 4; ++n)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) acc[n][j] = 0.f;
+
     for (int blk = 0; blk < n_blocks; ++blk) {
       const int k0 = blk * KEY_BLOCK;
-      attend_block(st, qa, k_s + (size_t)k0 * PITCH, v_s + (size_t)k0 * PITCH, cta_start + k0, limit, upper_real, ds,
-                   lane, a.qk_scale);
-      if (blk == 0) DETAIL_AFTER(1, st.l[0] + st.l[1])
-      if (blk == n_blocks - 1) DETAIL_AFTER(2, st.l[0] + st.l[1])
+      float s[KEY_TILES][4];              // scores: [n-tile of 8 keys][fragment]
+#pragma unroll
+      for (int n = 0; n < KEY_TILES; ++n)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) s[n][j] = 0.f;
+#pragma unroll
+      for (int ks = 0; ks < HEAD_DIM / 16; ++ks) {
+#pragma unroll
+        for (int np = 0; np < KEY_TILES / 2; ++np) {  // keys k0 + 16 np .. + 15 as two n-tiles
+          uint32_t kb[4];
+          ldmatrix_x4(kb, k_s + (size_t)(k0 + np * 16 + (lane & 7) + (lane >> 4) * 8) * PITCH + ks * 16 +
+                              ((lane >> 3) & 1) * 8);
+          mma_16816(s[2 * np], qa[ks], kb[0], kb[1]);
+          mma_16816(s[2 * np + 1], qa[ks], kb[2], kb[3]);
+        }
+      }
+      float m_new[2], alpha[2] = {1.f, 1.f}, row_sum[2];
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        if (i == 1 && !upper_real) break;        // padding rows: their scores stay 0, their outputs unread
+        float mx = -__int_as_float(0x7f800000);
+#pragma unroll
+        for (int n = 0; n < KEY_TILES; ++n)
+#pragma unroll
+          for (int j = 0; j < 2; ++j) {
+            const int key = cta_start + k0 + n * 8 + 2 * t + j;
+            float& v = s[n][2 * i + j];
+            v = key <= limit[i] ? v * a.qk_scale : -__int_as_float(0x7f800000);
+            mx = fmaxf(mx, v);
+          }
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        m_new[i] = fmaxf(m_i[i], mx);
+        alpha[i] = exp2_approx(m_i[i] - m_new[i]);
+        float sum = 0.f;
+#pragma unroll
+        for (int n = 0; n < KEY_TILES; ++n)
+#pragma unroll
+          for (int j = 0; j < 2; ++j) {
+            float& v = s[n][2 * i + j];
+            v = exp2_approx(v - m_new[i]);
+            sum = __fadd_rn(sum, v);
+          }
+        sum = __fadd_rn(sum, __shfl_xor_sync(0xffffffffu, sum, 1));
+        sum = __fadd_rn(sum, __shfl_xor_sync(0xffffffffu, sum, 2));
+        row_sum[i] = sum;
+        l_i[i] = __fmaf_rn(l_i[i], alpha[i], row_sum[i]);
+        m_i[i] = m_new[i];
+      }
+      if (blk == 0) DETAIL_AFTER(1, l_i[0] + l_i[1])
+      if (blk == n_blocks - 1) DETAIL_AFTER(2, l_i[0] + l_i[1])
+#pragma unroll
+      for (int n = 0; n < 4; ++n)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) acc[n][j] = __fmul_rn(acc[n][j], alpha[j >> 1]);
+#pragma unroll
+      for (int kk = 0; kk < KEY_TILES / 2; ++kk) {  // keys k0 + 16 kk .. + 15: the probabilities as an A fragment
+        const uint32_t pa[4] = {pack_pair(s[2 * kk][0], s[2 * kk][1]), pack_pair(s[2 * kk][2], s[2 * kk][3]),
+                                pack_pair(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                                pack_pair(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+#pragma unroll
+        for (int dp = 0; dp < 2; ++dp) {  // columns ds * D_SLICE + 16 dp .. + 15 as two n-tiles
+          uint32_t vb[4];
+          ldmatrix_x4_trans(vb, v_s + (size_t)(k0 + kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * PITCH +
+                                    ds * D_SLICE + dp * 16 + (lane >> 4) * 8);
+          mma_16816(acc[2 * dp], pa, vb[0], vb[1]);
+          mma_16816(acc[2 * dp + 1], pa, vb[2], vb[3]);
+        }
+      }
     }
-    push_partial(st, mt, ds, rows, rank, recv_acc, recv_ml, recv_bar, lane);
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {         // the partial of rows g and g + 8, to the owners of its columns
+      const int r = mt * 16 + g + 8 * i;
+      if (r < rows) {
+#pragma unroll
+        for (int n = 0; n < 4; ++n) {
+          const int col = ds * D_SLICE + n * 8 + 2 * t;   // and col + 1: MERGE_COLS is even
+          push_pair(recv_acc + ((size_t)rank * rows + r) * MERGE_COLS + col % MERGE_COLS, col / MERGE_COLS,
+                    acc[n][2 * i], acc[n][2 * i + 1], recv_bar);
+        }
+        if (ds == 0)                      // (m, l) to every owner, the row's four lanes taking turns
+          for (int owner = t; owner < CLUSTER; owner += 4)
+            push_pair(recv_ml + ((size_t)rank * rows + r) * 2, owner, m_i[i], l_i[i], recv_bar);
+      }
+    }
   }
   PHASE(1)
   DETAIL(3)
@@ -429,9 +348,23 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS) cluster_attention(cons
   if (a.use_pdl && a.trigger == 2) asm volatile("griddepcontrol.launch_dependents;" :::);
   for (int e = tid; e < rows * MERGE_COLS; e += ATT_THREADS) {
     const int r = e / MERGE_COLS, c = (int)rank * MERGE_COLS + e % MERGE_COLS;
-    float m, num, den;
-    merge_slots<CLUSTER>(recv_ml + (size_t)r * 2, recv_acc + (size_t)r * MERGE_COLS + e % MERGE_COLS, (size_t)rows * 2,
-                         (size_t)rows * MERGE_COLS, m, num, den);
+    float ms[CLUSTER], ls[CLUSTER], as[CLUSTER];
+#pragma unroll
+    for (int s = 0; s < CLUSTER; ++s) {
+      ms[s] = recv_ml[((size_t)s * rows + r) * 2];
+      ls[s] = recv_ml[((size_t)s * rows + r) * 2 + 1];
+      as[s] = recv_acc[((size_t)s * rows + r) * MERGE_COLS + e % MERGE_COLS];
+    }
+    float m = ms[0];
+#pragma unroll
+    for (int s = 1; s < CLUSTER; ++s) m = fmaxf(m, ms[s]);
+    float num = 0.f, den = 0.f;          // splits a row does not see have l = 0 and weight 0
+#pragma unroll
+    for (int s = 0; s < CLUSTER; ++s) {
+      const float w = exp2_approx(ms[s] - m);
+      num = __fmaf_rn(w, as[s], num);
+      den = __fmaf_rn(w, ls[s], den);
+    }
     const float o = den > 0.f ? __fdiv_rn(num, den) : 0.f;
     a.out[b * a.o_sb + (kvh * GROUP + r / Q) * a.o_sh + (r % Q) * a.o_sq + c] = to_scalar(o);
   }
@@ -443,214 +376,3 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS) cluster_attention(cons
 #endif
   }
 }
-
-#else   // RING: the long form
-
-// The long form, for caches longer than CLUSTER CTAs can hold (cluster_kernel.py plans it): CLUSTERS
-// clusters a KV head, and CTA `rank` of cluster c owns cache rows [(c * CLUSTER + rank) * L, + L),
-// L a multiple of KEY_BLOCK. Its rows stream through a ring of RING key blocks (cp.async groups, one a
-// block; RING - 1 blocks in flight while one is computed; with `early` the first RING - 1 blocks' settled
-// rows are fetched before griddepcontrol.wait). The warp tasks are the short form's, their arithmetic
-// the same block by block; where a warp has more than one task (verify steps of more than 16 / G rows)
-// each task's state waits in shared memory between blocks. The cluster merges as in the short form,
-// and with CLUSTERS > 1 each owner stores its columns' merged (m, l, acc) to `partials`, counts itself
-// on counters[head, rank], and the owner that counts last merges the CLUSTERS partials in cluster
-// order, writes the output and zeroes the counter for the next launch. Every order is fixed, so a
-// decode lane still equals its verify lane bit for bit.
-#ifndef CLUSTERS
-#error "the long form needs -DCLUSTERS=... (clusters a KV head)"
-#endif
-extern "C" __global__ void __launch_bounds__(ATT_THREADS) cluster_attention_long(const Args a) {
-  extern __shared__ __align__(128) uint8_t smem[];
-  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-  long long* mark = a.trace != nullptr ? a.trace + (size_t)(a.trace_row + blockIdx.x) * 4 : nullptr;
-  if (mark != nullptr && tid == 0) {
-    mark[0] = global_timer();
-    mark[3] = sm_id();
-  }
-  if (a.use_pdl && a.trigger == 0) asm volatile("griddepcontrol.launch_dependents;" :::);
-
-  const uint32_t rank = cluster_rank();
-  const int cluster_id = blockIdx.x / CLUSTER, c = cluster_id % CLUSTERS, head_group = cluster_id / CLUSTERS;
-  const int b = head_group / a.h_kv, kvh = head_group % a.h_kv;
-  const int Q = a.q_rows, rows = GROUP * Q, m_tiles = (rows + 15) / 16, L = a.keys_per_cta;
-  const int n_tasks = m_tiles * SLICES;
-  const bool resident = n_tasks <= WARPS;   // a task a warp at most: its state and q stay in registers
-  const int cta_start = (c * CLUSTER + (int)rank) * L;
-  constexpr int STAGE = 2 * KEY_BLOCK * PITCH;             // a ring slot: the block's K rows, then its V rows
-  scalar_t* ring = reinterpret_cast<scalar_t*>(smem);     // [RING, STAGE]
-  scalar_t* q_s = ring + (size_t)RING * STAGE;             // [m_tiles * 16, PITCH]
-  float* recv_acc = reinterpret_cast<float*>(q_s + (size_t)m_tiles * 16 * PITCH);   // as in the short form
-  float* recv_ml = recv_acc + (size_t)CLUSTER * rows * MERGE_COLS;
-  float* saved = recv_ml + (size_t)CLUSTER * rows * 2;     // [n_tasks, STATE_FLOATS, 32] unless resident
-  uint64_t* recv_bar = reinterpret_cast<uint64_t*>(saved + (resident ? 0 : (size_t)n_tasks * STATE_FLOATS * 32));
-  int* last_flag = reinterpret_cast<int*>(recv_bar + 1);
-  const scalar_t* k_head = a.k + b * a.k_sb + kvh * a.k_sh;
-  const scalar_t* v_head = a.v + b * a.v_sb + kvh * a.v_sh;
-
-  if (tid == 0) {
-    mbar_init(recv_bar, 1);
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    mbar_expect_tx(recv_bar, (uint32_t)(CLUSTER * rows * (MERGE_COLS + 2) * 4));
-  }
-  cluster_arrive_relaxed();
-  zero_rows(q_s, rows, m_tiles * 16, tid);
-  // block j of the CTA (rows [cta_start + j * KEY_BLOCK, + KEY_BLOCK)): its rows in [lo, hi) to its slot
-  auto stage_block = [&](int j, int lo, int hi) {
-    scalar_t* k_slot = ring + (size_t)(j % RING) * STAGE;
-    const int first = cta_start + j * KEY_BLOCK;
-    stage_kv(k_slot, k_slot + KEY_BLOCK * PITCH, k_head, v_head, a, first, max(first, lo), min(first + KEY_BLOCK, hi), tid);
-  };
-  int seq_len = 0;
-  if (a.early) {  // settled: the first RING - 1 blocks' rows before the step's new ones, before the wait
-    seq_len = (int)load_cg(a.seq_len + b);
-    const int n_early = (max(0, min(L, seq_len - cta_start)) + KEY_BLOCK - 1) / KEY_BLOCK;
-#pragma unroll 1
-    for (int j = 0; j < RING - 1; ++j) {
-      if (j < n_early) stage_block(j, 0, seq_len - Q);
-      cp_async_commit();
-    }
-  }
-  if (a.use_pdl) {
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-    if (a.trigger == 1) asm volatile("griddepcontrol.launch_dependents;" :::);
-  }
-  if (mark != nullptr && tid == 0) mark[1] = global_timer();
-  if (!a.early) seq_len = (int)load_cg(a.seq_len + b);
-  const int n_keys = max(0, min(L, seq_len - cta_start));
-  const int n_blocks = (n_keys + KEY_BLOCK - 1) / KEY_BLOCK;
-  // block j's rows in [lo, seq_len), and the rows past seq_len in the CTA's last block zeroed
-  auto finish_block = [&](int j, int lo) {
-    stage_block(j, lo, seq_len);
-    if (j == n_blocks - 1) {
-      scalar_t* k_slot = ring + (size_t)(j % RING) * STAGE;
-      zero_rows(k_slot, n_keys - j * KEY_BLOCK, KEY_BLOCK, tid);
-      zero_rows(k_slot + KEY_BLOCK * PITCH, n_keys - j * KEY_BLOCK, KEY_BLOCK, tid);
-    }
-  };
-  {  // the q rows of the group's heads: row r = g * Q + lane
-    constexpr int CHUNKS = HEAD_DIM * 2 / 16;
-#pragma unroll 1
-    for (int i = tid; i < rows * CHUNKS; i += ATT_THREADS) {
-      const int r = i / CHUNKS, cc = (i % CHUNKS) * 8;
-      cp_async16(q_s + (size_t)r * PITCH + cc, a.q + b * a.q_sb + (kvh * GROUP + r / Q) * a.q_sh + (r % Q) * a.q_sq + cc);
-    }
-  }
-  // the prologue's groups: with `early`, RING - 1 groups before the wait and one here (q, the new rows);
-  // else RING - 1 here, q in the first
-#pragma unroll 1
-  for (int j = 0; j < RING - 1; ++j) {
-    if (j < n_blocks) finish_block(j, a.early ? seq_len - Q : 0);
-    if (!a.early) cp_async_commit();
-  }
-  if (a.early) cp_async_commit();
-
-  const int g = lane / 4;
-  TaskState st;                          // the resident task's (warp < n_tasks)
-  uint32_t qa[HEAD_DIM / 16][4];
-  int limit[2];
-  init_state(st);
-  for (int blk = 0; blk < n_blocks; ++blk) {
-    // block blk's group has landed: the groups after it are the RING - 2 blocks after it (with `early`,
-    // the prologue's last group holds the first blocks' new rows, so the first block waits for all)
-    if (blk == 0 && a.early) cp_async_wait_all();
-    else cp_async_wait_group<RING - 2>();
-    __syncthreads();                     // its rows (and zeroes) are everyone's; block blk - 1's slot is free
-    if (blk + RING - 1 < n_blocks) finish_block(blk + RING - 1, 0);
-    cp_async_commit();
-    const scalar_t* k_blk = ring + (size_t)(blk % RING) * STAGE;
-    const int key0 = cta_start + blk * KEY_BLOCK;
-    if (resident) {
-      if (warp < n_tasks) {
-        const int mt = warp / SLICES, ds = warp % SLICES;
-        if (blk == 0) {
-          load_q(qa, q_s, mt, lane);
-          row_limits(limit, mt, g, rows, seq_len, Q);
-        }
-        attend_block(st, qa, k_blk, k_blk + KEY_BLOCK * PITCH, key0, limit, mt * 16 + 8 < rows, ds, lane, a.qk_scale);
-      }
-    } else {
-#pragma unroll 1
-      for (int task = warp; task < n_tasks; task += WARPS) {
-        const int mt = task / SLICES, ds = task % SLICES;
-        float* keep = saved + (size_t)task * STATE_FLOATS * 32 + lane;
-        TaskState ts;
-        if (blk == 0) init_state(ts);
-        else {
-          ts.m[0] = keep[0]; ts.m[1] = keep[32]; ts.l[0] = keep[64]; ts.l[1] = keep[96];
-#pragma unroll
-          for (int i = 0; i < 16; ++i) ts.acc[i / 4][i % 4] = keep[(4 + i) * 32];
-        }
-        uint32_t q_frag[HEAD_DIM / 16][4];
-        int lim[2];
-        load_q(q_frag, q_s, mt, lane);
-        row_limits(lim, mt, g, rows, seq_len, Q);
-        attend_block(ts, q_frag, k_blk, k_blk + KEY_BLOCK * PITCH, key0, lim, mt * 16 + 8 < rows, ds, lane, a.qk_scale);
-        keep[0] = ts.m[0]; keep[32] = ts.m[1]; keep[64] = ts.l[0]; keep[96] = ts.l[1];
-#pragma unroll
-        for (int i = 0; i < 16; ++i) keep[(4 + i) * 32] = ts.acc[i / 4][i % 4];
-      }
-    }
-  }
-  cp_async_wait_all();                   // a CTA with no block still has q's group in flight
-  cluster_wait_acquire();
-  if (resident) {
-    if (warp < n_tasks) push_partial(st, warp / SLICES, warp % SLICES, rows, rank, recv_acc, recv_ml, recv_bar, lane);
-  } else {
-#pragma unroll 1
-    for (int task = warp; task < n_tasks; task += WARPS) {
-      const float* keep = saved + (size_t)task * STATE_FLOATS * 32 + lane;
-      TaskState ts;
-      if (n_blocks == 0) init_state(ts);
-      else {
-        ts.m[0] = keep[0]; ts.m[1] = keep[32]; ts.l[0] = keep[64]; ts.l[1] = keep[96];
-#pragma unroll
-        for (int i = 0; i < 16; ++i) ts.acc[i / 4][i % 4] = keep[(4 + i) * 32];
-      }
-      push_partial(ts, task / SLICES, task % SLICES, rows, rank, recv_acc, recv_ml, recv_bar, lane);
-    }
-  }
-  mbar_wait<true>(recv_bar, 0);
-  if (a.use_pdl && a.trigger == 2) asm volatile("griddepcontrol.launch_dependents;" :::);
-  // this owner's partials in global memory: num [rows, MERGE_COLS], then (m, l) [rows, 2]
-  const size_t part_floats = (size_t)rows * (MERGE_COLS + 2);
-  float* mine = a.partials + ((size_t)(head_group * CLUSTER + rank) * CLUSTERS + c) * part_floats;
-  for (int e = tid; e < rows * MERGE_COLS; e += ATT_THREADS) {
-    const int r = e / MERGE_COLS, col = (int)rank * MERGE_COLS + e % MERGE_COLS;
-    float m, num, den;
-    merge_slots<CLUSTER>(recv_ml + (size_t)r * 2, recv_acc + (size_t)r * MERGE_COLS + e % MERGE_COLS, (size_t)rows * 2,
-                         (size_t)rows * MERGE_COLS, m, num, den);
-    if (CLUSTERS == 1) {
-      const float o = den > 0.f ? __fdiv_rn(num, den) : 0.f;
-      a.out[b * a.o_sb + (kvh * GROUP + r / Q) * a.o_sh + (r % Q) * a.o_sq + col] = to_scalar(o);
-    } else {
-      mine[e] = num;
-      if (e % MERGE_COLS == 0) {
-        mine[(size_t)rows * MERGE_COLS + r * 2] = m;
-        mine[(size_t)rows * MERGE_COLS + r * 2 + 1] = den;
-      }
-    }
-  }
-  if (CLUSTERS > 1) {
-    __threadfence();                     // this CTA's partials before its count
-    __syncthreads();
-    int* counter = a.counters + head_group * CLUSTER + rank;
-    if (tid == 0) *last_flag = atomicAdd(counter, 1) == CLUSTERS - 1;
-    __syncthreads();
-    if (*last_flag) {                    // every cluster's partials for these columns are in
-      __threadfence();
-      const float* first = a.partials + (size_t)(head_group * CLUSTER + rank) * CLUSTERS * part_floats;
-      for (int e = tid; e < rows * MERGE_COLS; e += ATT_THREADS) {
-        const int r = e / MERGE_COLS, col = (int)rank * MERGE_COLS + e % MERGE_COLS;
-        float m, num, den;
-        merge_slots<CLUSTERS, true>(first + (size_t)rows * MERGE_COLS + r * 2, first + e, part_floats, part_floats,
-                                    m, num, den);
-        const float o = den > 0.f ? __fdiv_rn(num, den) : 0.f;
-        a.out[b * a.o_sb + (kvh * GROUP + r / Q) * a.o_sh + (r % Q) * a.o_sq + col] = to_scalar(o);
-      }
-      if (tid == 0) atomicExch(counter, 0);   // ready for the next launch (which runs after this one ends)
-    }
-  }
-  if (mark != nullptr && tid == 0) mark[2] = global_timer();
-}
-#endif  // RING

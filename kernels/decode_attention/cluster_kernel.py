@@ -4,12 +4,9 @@ cluster and merge through distributed shared memory (cluster_attention.cu has th
 The Triton path (triton_kernel.py) runs a split kernel and a merge kernel; at batch 1 and short
 caches the merge launch costs more than its work (at Qwen2.5-1.5B, 512 tokens, skipping it made
 decode steps 4.8% faster: kernels/small_matmul/NOTES.md, "Stop 28"). Here each CTA of a cluster
-holds its whole share of the cache in shared memory (the short form) where that share is small:
-CLUSTER * MAX_KEYS_PER_CTA cache rows (2048 with 16 CTAs), bf16/f16, D a multiple of 32 up to 128.
-Longer caches take the long form: several clusters a KV head, sized to fill the GPU, each CTA
-streaming its rows through a ring of key blocks, and the clusters' partials merged by whichever
-owner CTA finishes last (a counter in global memory), still one launch. `plan` says whether and how
-a call fits; decode_attention routes there on its own.
+holds its whole share of the cache in shared memory, so the kernel runs only where that share is
+small: CLUSTER * MAX_KEYS_PER_CTA cache rows (2048 with 16 CTAs), bf16/f16, D a multiple of 32 up
+to 128. `plan` says whether a call fits; decode_attention routes there on its own.
 
 Which kernel runs depends only on the cache's shape, never on Q or seq_len, and this kernel's lane
 arithmetic does not depend on Q either: a decode step and the verify lane at the same position get
@@ -39,19 +36,14 @@ MAX_KEYS_PER_CTA = 128     # an untimed cap (16 CTAs: 2048 rows; 8: 1024): past 
 MAX_SHARED_MEM = 227 * 1024
 CLUSTER_SIZES = (8, 16)     # 8 is the portable maximum; 16 needs the non-portable opt-in (sm_90 has it)
 DEFAULT_CLUSTER = 16
-RINGS = (4, 3, 2)           # long form: key blocks a CTA's ring holds, the deepest that fits a 16-row verify
-MAX_CLUSTERS_PER_HEAD = 16  # long form: the cross-cluster merge unrolls over them
-STATE_BYTES = 20 * 32 * 4   # long form: a warp task's softmax state (20 floats a lane) parked between blocks
 
 
 @dataclass(frozen=True)
 class ClusterPlan:
-    cluster: int          # CTAs a cluster
+    cluster: int          # CTAs a KV head
     keys_per_cta: int     # cache rows a CTA owns (a multiple of key_block)
     key_block: int        # keys a step of the online softmax
     shared_mem: int       # bytes a CTA asks
-    clusters_per_head: int = 1   # long form: clusters a KV head
-    ring: int = 0         # 0: the short form (a CTA holds its whole share); else the long form's ring depth
 
 
 def key_block() -> int:
@@ -73,44 +65,19 @@ def cluster_size() -> int:
     return int(value)
 
 
-def long_ctas(device: torch.device) -> int:
-    """CTAs the long form aims at (its clusters a KV head: this over heads * cluster), from
-    BATCHD_ATTENTION_LONG_CTAS, read at each call: unset, the GPU's multiprocessor count (one CTA
-    each); 0 turns the long form off (long caches take Triton's split and merge)."""
-    value = os.environ.get("BATCHD_ATTENTION_LONG_CTAS", "")
-    if value == "":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    if not value.isdigit():
-        raise ValueError(f"BATCHD_ATTENTION_LONG_CTAS is a count of CTAs (0: no long form), got {value!r}")
-    return int(value)
-
-
-def _round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
-
-
 def plan(s_max: int, head_dim: int, group: int, q_rows: int, itemsize: int, cluster: int,
-         key_block: int = DEFAULT_KEY_BLOCK, *, heads: int = 1, long_ctas: int = 0) -> ClusterPlan | None:
+         key_block: int = DEFAULT_KEY_BLOCK) -> ClusterPlan | None:
     """The launch for a cache of s_max rows, or None where this kernel cannot take the shape. Whether
-    and how it can depends on the cache, the head layout (heads: batch * KV heads) and long_ctas
-    only, never on q_rows (the plan must fit a 16-row verify whenever it fits a decode step, or the
-    two would run different kernels, and a lane's bits follow the split points); q_rows sizes only
-    the shared memory asked. The short form where each CTA's share fits in shared memory; else, with
-    long_ctas, the long form: long_ctas // (heads * cluster) clusters a head (1..16)."""
+    it can depends on the cache and the head layout only, never on q_rows (the plan must fit a
+    16-row verify whenever it fits a decode step, or the two would run different kernels); q_rows
+    sizes only the shared memory asked."""
     if cluster not in CLUSTER_SIZES or itemsize != 2 or head_dim % D_SLICE or head_dim > 128 or head_dim % cluster:
         return None
-    keys = _round_up(-(-s_max // cluster), key_block)
-    if keys <= MAX_KEYS_PER_CTA and _shared_bytes(keys, head_dim, group, MAX_Q_ROWS, cluster) <= MAX_SHARED_MEM:
-        return ClusterPlan(cluster, keys, key_block, _shared_bytes(keys, head_dim, group, q_rows, cluster))
-    if not long_ctas:
+    keys = -(-s_max // cluster)
+    keys = -(-keys // key_block) * key_block
+    if keys > MAX_KEYS_PER_CTA or _shared_bytes(keys, head_dim, group, MAX_Q_ROWS, cluster) > MAX_SHARED_MEM:
         return None
-    per_head = max(1, min(MAX_CLUSTERS_PER_HEAD, long_ctas // (heads * cluster)))
-    keys = _round_up(-(-s_max // (per_head * cluster)), key_block)
-    for ring in RINGS:
-        if _long_shared_bytes(ring, key_block, head_dim, group, MAX_Q_ROWS, cluster) <= MAX_SHARED_MEM:
-            return ClusterPlan(cluster, keys, key_block, _long_shared_bytes(ring, key_block, head_dim, group, q_rows, cluster),
-                               per_head, ring)
-    return None
+    return ClusterPlan(cluster, keys, key_block, _shared_bytes(keys, head_dim, group, q_rows, cluster))
 
 
 def _shared_bytes(keys: int, head_dim: int, group: int, q_rows: int, cluster: int) -> int:
@@ -121,19 +88,6 @@ def _shared_bytes(keys: int, head_dim: int, group: int, q_rows: int, cluster: in
     rows = group * q_rows
     padded = -(-rows // 16) * 16
     return 2 * keys * pitch_bytes + padded * pitch_bytes + rows * head_dim * 4 + cluster * rows * 2 * 4 + 8
-
-
-def _long_shared_bytes(ring: int, key_block: int, head_dim: int, group: int, q_rows: int, cluster: int) -> int:
-    """The long form's layout: a ring of `ring` key blocks (K rows, then V rows, [key_block, D + 8]
-    each), q and the pushed partials as in the short form, the warp tasks' parked states where a warp
-    has more than one (more than 4 tasks: m-tiles * D / 32), the mbarrier and the last-owner flag."""
-    pitch_bytes = (head_dim + 8) * 2
-    rows = group * q_rows
-    padded = -(-rows // 16) * 16
-    tasks = padded // 16 * (head_dim // D_SLICE)
-    parked = tasks * STATE_BYTES if tasks > 4 else 0
-    return (ring * 2 * key_block * pitch_bytes + padded * pitch_bytes + rows * head_dim * 4 + cluster * rows * 2 * 4
-            + parked + 16)
 
 
 def supported(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> ClusterPlan | None:
@@ -152,8 +106,7 @@ def supported(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> 
             return None
     B, Hq, QR, D = q.shape
     Hkv, S_max = k_cache.shape[1], k_cache.shape[2]
-    return plan(S_max, D, Hq // Hkv, QR, q.element_size(), cluster, key_block(), heads=B * Hkv,
-                long_ctas=long_ctas(q.device))
+    return plan(S_max, D, Hq // Hkv, QR, q.element_size(), cluster, key_block())
 
 
 class _Args(ctypes.Structure):
@@ -164,8 +117,7 @@ class _Args(ctypes.Structure):
                                                          "v_sb", "v_sh", "v_sn", "o_sb", "o_sh", "o_sq")),
                 ("h_kv", ctypes.c_int), ("q_rows", ctypes.c_int), ("keys_per_cta", ctypes.c_int),
                 ("use_pdl", ctypes.c_int), ("trigger", ctypes.c_int), ("early", ctypes.c_int),
-                ("qk_scale", ctypes.c_float), ("trace", ctypes.c_void_p), ("trace_row", ctypes.c_int),
-                ("partials", ctypes.c_void_p), ("counters", ctypes.c_void_p)]
+                ("qk_scale", ctypes.c_float), ("trace", ctypes.c_void_p), ("trace_row", ctypes.c_int)]
 
 
 @functools.cache
@@ -179,24 +131,8 @@ def _kernel(device: torch.device, dtype: torch.dtype, head_dim: int, group: int,
 
     options = (*launch_switches()[0], f"-I{_STREAM_HEADERS}", "-std=c++17", f"-DHEAD_DIM={head_dim}", f"-DGROUP={group}",
                f"-DCLUSTER={p.cluster}", f"-DKEY_BLOCK={p.key_block}", *(("-DSCALAR_F16",) if dtype == torch.float16 else ()))
-    name = "cluster_attention"
-    if p.ring:
-        options += (f"-DRING={p.ring}", f"-DCLUSTERS={p.clusters_per_head}")
-        name = "cluster_attention_long"
-    return compile_kernels(_source_text(), (name,), device, options, max_shared_mem=MAX_SHARED_MEM)[name]
-
-
-_counters: dict[tuple[torch.device, int], torch.Tensor] = {}
-
-
-def _merge_counters(device: torch.device, count: int) -> torch.Tensor:
-    """int32 [count] zeros for the long form's last-owner counts, one buffer a stream (each launch
-    leaves them at zero; two launches on one stream never overlap past griddepcontrol.wait)."""
-    key = (device, torch.cuda.current_stream(device).cuda_stream)
-    counters = _counters.get(key)
-    if counters is None or counters.numel() < count:
-        counters = _counters[key] = torch.zeros(max(count, 256), dtype=torch.int32, device=device)
-    return counters
+    return compile_kernels(_source_text(), ("cluster_attention",), device, options,
+                           max_shared_mem=MAX_SHARED_MEM)["cluster_attention"]
 
 
 def decode_attention_cluster(
@@ -217,22 +153,15 @@ def decode_attention_cluster(
     B, Hq, QR, D = q.shape
     Hkv = k_cache.shape[1]
     out = torch.empty(B, QR, Hq, D, dtype=q.dtype, device=q.device).transpose(1, 2)
-    grid = p.cluster * p.clusters_per_head * B * Hkv
-    partials = counters = None
-    if p.clusters_per_head > 1:   # each owner's merged columns: [B * Hkv, cluster, clusters, rows * (D / cluster + 2)]
-        rows = Hq // Hkv * QR
-        partials = torch.empty(grid * rows * (D // p.cluster + 2), dtype=torch.float32, device=q.device)
-        counters = _merge_counters(q.device, B * Hkv * p.cluster)
-    label = f"attention cluster x{p.cluster}" + (f" long x{p.clusters_per_head}" if p.ring else "")
+    grid = p.cluster * B * Hkv
     pdl = pdl_enabled(q.device)
     args = _Args(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), seq_len.data_ptr(), out.data_ptr(),
                  *q.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3], *out.stride()[:3],
                  Hkv, QR, p.keys_per_cta, int(pdl), pdl_trigger_point("split"), int(settled and early_reads_enabled()),
-                 scale * math.log2(math.e), *trace_rows(label, grid, out),
-                 None if partials is None else partials.data_ptr(), None if counters is None else counters.data_ptr())
+                 scale * math.log2(math.e), *trace_rows(f"attention cluster x{p.cluster}", grid, out))
     kernel = _kernel(q.device, q.dtype, D, Hq // Hkv, p)
     kernel.launch(grid, THREADS, p.shared_mem, args, pdl=pdl, cluster=p.cluster)
     return out
 
 
-__all__ = ["decode_attention_cluster", "supported", "plan", "cluster_size", "long_ctas", "ClusterPlan", "CLUSTER_SIZES"]
+__all__ = ["decode_attention_cluster", "supported", "plan", "cluster_size", "ClusterPlan", "CLUSTER_SIZES"]

@@ -17,8 +17,9 @@ A variant is space-separated settings, "table" for none:
   reduce=BLOCK                    columns per program of small_linear's split-K reduce (REDUCE_BLOCK)
   attnG=bn,warps,stages,fit       replaces decode attention's tile for query-head group size G
                                   (kernels.decode_attention.triton_kernel.DecodeTile; warps 0: auto)
-  attn_splits=N                   at most N key splits per decode attention call instead of 128
+  attn_splits=N                   at most N key splits per decode attention call instead of 132
                                   (kernels.decode_attention.triton_kernel.MAX_SPLITS)
+  merge_cols=N                    N output columns a merge program (triton_kernel.MERGE_COLUMNS; 0: all)
   l2side=COLS,PROGRAMS,STEP_NS     a probe (bench/l2_side_prefetch.py): each layer's gate_up rows'
                                   first COLS columns asked of the L2 from a second stream during the
                                   attention half, PROGRAMS programs, one row per thread every STEP_NS
@@ -80,6 +81,7 @@ SWITCHES = ("BATCHD_PDL_TRIGGER", "BATCHD_EARLY_READS", "BATCHD_PDL", "BATCHD_FU
 MLP_TUNED = dict(mlp_kernel.TUNED)
 MERGE_SPLITS = attention_kernel.merge_splits
 MAX_SPLITS = attention_kernel.MAX_SPLITS
+MERGE_COLUMNS = attention_kernel.MERGE_COLUMNS
 REDUCE_KERNEL = triton_kernel._reduce_splits_kernel
 SMALL_LINEAR = triton_kernel.small_linear_triton
 
@@ -130,6 +132,7 @@ def apply_variant(spec: str, tuned: dict) -> None:
     triton_kernel.REDUCE_BLOCK = REDUCE_BLOCK
     attention_kernel.merge_splits = MERGE_SPLITS
     attention_kernel.MAX_SPLITS = MAX_SPLITS
+    attention_kernel.MERGE_COLUMNS = MERGE_COLUMNS
     triton_kernel._reduce_splits_kernel = REDUCE_KERNEL
     triton_kernel.small_linear_triton = SMALL_LINEAR
     while SIDE_PREFETCH:
@@ -157,6 +160,9 @@ def apply_variant(spec: str, tuned: dict) -> None:
             continue
         if shape == "attn_splits":
             attention_kernel.MAX_SPLITS = int(values)
+            continue
+        if shape == "merge_cols":
+            attention_kernel.MERGE_COLUMNS = int(values)
             continue
         if shape == "l2side":
             SIDE_PREFETCH.append(l2_side_prefetch.parse(values))

@@ -192,7 +192,7 @@ def _merge_splits_kernel(
     head = (pid // Q_ROWS) % H_Q
     lane = pid % Q_ROWS
     offs_s = tl.arange(0, SPLITS_P2)
-    offs_d = tl.arange(0, BLOCK_D)
+    offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)   # this program's columns
     if EARLY and SPLITS_FROM_SEQ_LEN:
         n_active = _active_splits(SeqLen, b, S_MAX, NUM_SPLITS, BLOCK_N)
     pdl_wait(USE_PDL, TRIGGER)
@@ -237,9 +237,12 @@ def dot_flags(dtype: torch.dtype) -> tuple[bool, str]:
     return interpreting() and dtype == torch.bfloat16, precision
 
 
-# At most this many key splits a call: at 32K rows of Qwen2.5-1.5B, 64, 96, 192 and 256 were all
-# slower in whole decode steps (NOTES.md "Stop 17"); past 128 the merge's split axis pads to 256.
-MAX_SPLITS = 128
+# At most this many key splits a call. At 32K rows of Qwen2.5-1.5B (2 KV heads) 132 splits put two
+# programs on each of the H200's 132 SMs: 746 tok/s in whole decode steps against 734 with 128 (with
+# 32-column merge programs; 714 with whole-head ones, whose tile of partials, its split axis padded
+# to 256, no longer fits in registers). 64, 96, 192, 256 and 264 were all slower (NOTES.md "Stop 17",
+# "Stop 32").
+MAX_SPLITS = 132
 
 
 def default_num_splits(batch_heads: int, max_len: int, block_n: int, device: torch.device) -> int:
@@ -249,18 +252,27 @@ def default_num_splits(batch_heads: int, max_len: int, block_n: int, device: tor
     return max(1, min(MAX_SPLITS, triton.cdiv(max_len, block_n), triton.cdiv(4 * sms, batch_heads)))
 
 
+# Output columns a merge program takes (0: the whole head). 32: four programs a head at D = 128, each
+# with a quarter of the partials to load; at 32K rows of Qwen2.5-1.5B whole steps ran 740 against
+# 734 tok/s (64 columns: 740), and the split axis may pad to 256 without spilling (NOTES.md "Stop 32").
+MERGE_COLUMNS = 32
+
+
 def merge_splits(o_part: torch.Tensor, l_part: torch.Tensor, out: torch.Tensor, seq_len: torch.Tensor,
                  *, block_n: int, splits_from_seq_len: bool, s_max: int = 0, early: bool = False) -> torch.Tensor:
-    """Merge the splits' partial outputs into `out`; early: seq_len is settled (read before the wait)."""
+    """Merge the splits' partial outputs into `out`; early: seq_len is settled (read before the wait).
+    A program per (b, head, lane) and MERGE_COLUMNS output columns; every program computes its row's
+    weights the same way, so the split of the columns changes no bits within a call's layout."""
     B, Hq, QR, num_splits, D = o_part.shape
     pdl = pdl_enabled(out.device)
-    grid = (B * Hq * QR,)
+    block_d = min(MERGE_COLUMNS or triton.next_power_of_2(D), triton.next_power_of_2(D))
+    grid = (B * Hq * QR, triton.cdiv(D, block_d))
     _merge_splits_kernel[grid](
         o_part, l_part, out, seq_len,
         out.stride(0), out.stride(1), out.stride(2),
         Hq, s_max,
         Q_ROWS=QR, HEAD_DIM=D, NUM_SPLITS=num_splits, SPLITS_P2=triton.next_power_of_2(num_splits),
-        BLOCK_N=block_n, BLOCK_D=triton.next_power_of_2(D), SPLITS_FROM_SEQ_LEN=splits_from_seq_len,
+        BLOCK_N=block_n, BLOCK_D=block_d, SPLITS_FROM_SEQ_LEN=splits_from_seq_len,
         USE_PDL=pdl, TRIGGER=pdl_trigger_point("merge"), EARLY=early,
         **trace_args(f"attention merge of {num_splits}", grid, out), num_warps=4, **launch_options(pdl),
     )

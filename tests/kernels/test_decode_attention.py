@@ -179,8 +179,34 @@ def test_default_splits_stop_at_max_splits(monkeypatch):
     from kernels.decode_attention import triton_kernel
 
     cpu = torch.device("cpu")                      # counts as 4 multiprocessors
-    assert triton_kernel.MAX_SPLITS == 128
+    assert triton_kernel.MAX_SPLITS == 132
     assert triton_kernel.default_num_splits(1, 32768, 32, cpu) == 16
     assert triton_kernel.default_num_splits(1, 96, 32, cpu) == 3
     monkeypatch.setattr(triton_kernel, "MAX_SPLITS", 5)
     assert triton_kernel.default_num_splits(1, 32768, 32, cpu) == 5
+
+
+@needs_triton
+@pytest.mark.parametrize("columns", [0, 16, 32, 64])
+def test_merge_columns_split_changes_no_bits(columns, monkeypatch):
+    """The merge's programs may take a head's output columns in slices (MERGE_COLUMNS): each
+    column's weights and sums are the same arithmetic, so the output is the same bits whatever the
+    slice (D = 64 and 48, the latter not a multiple of the slice)."""
+    from kernels.decode_attention import triton_kernel
+
+    for D in (64, 48):
+        g = torch.Generator().manual_seed(D)
+        o_part = torch.randn(1, 4, 2, 6, D, generator=g).to(DEVICE)
+        l_part = torch.randn(1, 4, 2, 6, generator=g).to(DEVICE)
+        l_part[0, 1, 0, 3:] = float("-inf")            # splits a row never saw
+        seq_len = torch.tensor([6 * 32], device=DEVICE)
+        outs = []
+        for cols in (0, columns):
+            monkeypatch.setattr(triton_kernel, "MERGE_COLUMNS", cols)
+            out = torch.empty(1, 4, 2, D, device=DEVICE)
+            outs.append(triton_kernel.merge_splits(o_part, l_part, out, seq_len, block_n=32, splits_from_seq_len=True,
+                                                   s_max=6 * 32))
+        w = torch.exp2(l_part - l_part.amax(-1, keepdim=True))
+        ref = (w[..., None] * o_part).sum(-2) / w.sum(-1)[..., None]
+        assert torch.allclose(outs[0], ref, atol=1e-5)
+        assert torch.equal(outs[0], outs[1]), f"D {D}: {columns} columns a program"

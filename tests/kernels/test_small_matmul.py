@@ -631,7 +631,7 @@ def test_step_sweep_runs_variants_interleaved_after_a_warmup():
 def test_step_sweep_skip_drops_the_launch_until_the_next_variant():
     """bench/step_sweep.py skip=merge / skip=reduce / skip=o: the attention merge returns its output
     buffer untouched, the split-K reduce launches nothing, an o projection returns its residual; attn_splits=N caps the attention's splits at
-    N instead of 128; l2side installs bench/l2_side_prefetch.py's patches of engine.model; the next
+    N instead of 132; merge_cols=N sets the merge's columns a program; l2side installs bench/l2_side_prefetch.py's patches of engine.model; the next
     variant puts them all back."""
     from bench import step_sweep
     from kernels.decode_attention import triton_kernel as attention_kernel
@@ -641,11 +641,11 @@ def test_step_sweep_skip_drops_the_launch_until_the_next_variant():
     tuned = dict(triton_kernel.TUNED)
     block_forward, forward_at = model_module.Block.forward, model_module.Transformer.forward_at
     try:
-        step_sweep.apply_variant("skip=merge skip=reduce attn_splits=200 l2side=256,16,1000", tuned)
+        step_sweep.apply_variant("skip=merge skip=reduce attn_splits=200 merge_cols=64 l2side=256,16,1000", tuned)
         probe = step_sweep.SIDE_PREFETCH[0]
         assert (probe.cols, probe.programs, probe.step_ns) == (256, 16, 1000)
         assert model_module.Block.forward is not block_forward
-        assert attention_kernel.MAX_SPLITS == 200
+        assert attention_kernel.MAX_SPLITS == 200 and attention_kernel.MERGE_COLUMNS == 64
         out = torch.full((2,), 7.0)
         assert attention_kernel.merge_splits(None, None, out, None, block_n=32, splits_from_seq_len=True) is out
         assert triton_kernel._reduce_splits_kernel[(1, 1)](out, SPLITS=2) is None
@@ -662,7 +662,8 @@ def test_step_sweep_skip_drops_the_launch_until_the_next_variant():
     assert triton_kernel.small_linear_triton is step_sweep.SMALL_LINEAR
     assert attention_kernel.merge_splits is step_sweep.MERGE_SPLITS
     assert triton_kernel._reduce_splits_kernel is step_sweep.REDUCE_KERNEL
-    assert attention_kernel.MAX_SPLITS == step_sweep.MAX_SPLITS == 128
+    assert attention_kernel.MAX_SPLITS == step_sweep.MAX_SPLITS == 132
+    assert attention_kernel.MERGE_COLUMNS == step_sweep.MERGE_COLUMNS == 32
     assert model_module.Block.forward is block_forward and not step_sweep.SIDE_PREFETCH
     assert model_module.Transformer.forward_at is forward_at
 

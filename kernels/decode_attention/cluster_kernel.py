@@ -35,7 +35,6 @@ MAX_KEYS_PER_CTA = 128     # an untimed cap (16 CTAs: 2048 rows; 8: 1024): past 
                            # grows, where the split and merge kernels spread a long cache over more programs
 MAX_SHARED_MEM = 227 * 1024
 CLUSTER_SIZES = (8, 16)     # 8 is the portable maximum; 16 needs the non-portable opt-in (sm_90 has it)
-DEFAULT_CLUSTER = 16
 
 
 @dataclass(frozen=True)
@@ -56,10 +55,15 @@ def key_block() -> int:
     return int(value)
 
 
-def cluster_size() -> int:
+def cluster_size(heads: int = 1, sms: int = 132) -> int:
     """CTAs a cluster from BATCHD_ATTENTION_CLUSTER (8 or 16; 0 turns the kernel off), read at
-    each call (bench/step_sweep.py sets it per variant)."""
-    value = os.environ.get("BATCHD_ATTENTION_CLUSTER", str(DEFAULT_CLUSTER))
+    each call (bench/step_sweep.py sets it per variant). Unset: 16 where the clusters of all
+    `heads` (batch * KV heads) take at most half of the GPU's `sms`, else 8. A cluster of 16 must fit
+    in one GPC. At 2 KV heads (Qwen2.5-1.5B) 16 was faster, 960 against 935 tok/s; at 8 (Llama-3-8B,
+    128 CTAs) 8 was, 247 against 239 (kernels/small_matmul/NOTES.md, "Stop 29" and "Stop 32")."""
+    value = os.environ.get("BATCHD_ATTENTION_CLUSTER", "")
+    if value == "":
+        return 16 if heads * 16 <= sms // 2 else 8
     if value not in ("0", *map(str, CLUSTER_SIZES)):
         raise ValueError(f"BATCHD_ATTENTION_CLUSTER is 0 (off) or one of {CLUSTER_SIZES}, got {value!r}")
     return int(value)
@@ -98,14 +102,14 @@ def supported(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> 
 
     if not cuda_supported(q.device) or q.dtype not in (torch.bfloat16, torch.float16):
         return None
-    cluster = cluster_size()
+    B, Hq, QR, D = q.shape
+    Hkv, S_max = k_cache.shape[1], k_cache.shape[2]
+    cluster = cluster_size(B * Hkv, torch.cuda.get_device_properties(q.device).multi_processor_count)
     if not cluster:
         return None
     for t in (q, k_cache, v_cache):
         if t.data_ptr() % 16 or any(s % 8 for s in t.stride()[:-1]):
             return None
-    B, Hq, QR, D = q.shape
-    Hkv, S_max = k_cache.shape[1], k_cache.shape[2]
     return plan(S_max, D, Hq // Hkv, QR, q.element_size(), cluster, key_block())
 
 

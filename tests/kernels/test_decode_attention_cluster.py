@@ -65,6 +65,16 @@ def test_cluster_switch_is_validated(monkeypatch):
         cluster_kernel.cluster_size()
     monkeypatch.setenv("BATCHD_ATTENTION_CLUSTER", "0")
     assert cluster_kernel.cluster_size() == 0
+    monkeypatch.setenv("BATCHD_ATTENTION_CLUSTER", "16")
+    assert cluster_kernel.cluster_size(8, 132) == 16
+
+
+@pytest.mark.parametrize("heads, cluster", [(2, 16), (3, 16), (4, 16), (5, 8), (8, 8), (16, 8)])
+def test_default_cluster_size_follows_the_heads(heads, cluster, monkeypatch):
+    """Unset, clusters of 16 while all the heads' clusters take at most half of the 132 SMs, else 8
+    (Qwen2.5-1.5B's 2 KV heads: 16; Llama-3-8B's 8: 8)."""
+    monkeypatch.delenv("BATCHD_ATTENTION_CLUSTER", raising=False)
+    assert cluster_kernel.cluster_size(heads, 132) == cluster
 
 
 def test_cluster_backend_off_sm90_says_what_to_use():

@@ -68,10 +68,11 @@ def decode_attention(
     float32 accumulation; GQA when Hq is a multiple of Hkv. seq_len must be >= Q for every sequence
     (a tensor is not checked, to keep the call free of host syncs; a lane that sees no row gets 0).
     backend "auto" runs, on CUDA, the one-launch cluster kernel (cluster_kernel.py: sm_90+, 16-bit
-    caches of at most about 2048 rows, 1024 where many KV heads take clusters of 8) where the cache's shape fits it and Triton's split and merge
-    kernels elsewhere, and the reference off CUDA; "cluster" insists on the cluster kernel; "triton"
-    also runs on CPU under TRITON_INTERPRET=1. The choice depends on shapes only, never on Q or
-    seq_len, so a verify lane still equals its decode step. With seq_len as a device tensor the GPU
+    caches of at most about 2048 rows, 1024 where many KV heads take clusters of 8) where the
+    cache's shape fits it and Triton's split and merge kernels elsewhere, and the reference off
+    CUDA; "cluster" insists on the cluster kernel; "triton" also runs on CPU under
+    TRITON_INTERPRET=1. The choice depends on shapes only, never on Q or seq_len, so a verify lane
+    still equals its decode step. With seq_len as a device tensor the GPU
     paths never sync the host and can be captured in a CUDA graph.
 
     settled=True promises that seq_len and the cache rows before the Q new ones were written two or

@@ -55,7 +55,7 @@ def key_block() -> int:
     return int(value)
 
 
-def cluster_size(heads: int = 1, sms: int = 132) -> int:
+def cluster_size(heads: int, sms: int) -> int:
     """CTAs a cluster from BATCHD_ATTENTION_CLUSTER (8 or 16; 0 turns the kernel off), read at
     each call (bench/step_sweep.py sets it per variant). Unset: 16 where the clusters of all
     `heads` (batch * KV heads) take at most half of the GPU's `sms`, else 8. A cluster of 16 must fit
@@ -98,13 +98,14 @@ def supported(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> 
     """The plan for this call if the cluster kernel can run it (an sm_90+ GPU, 16-bit caches, rows
     of 16-byte-aligned pieces, a cache short enough), else None. Depends on shapes, dtypes and
     layouts only."""
+    from kernels._backend import multiprocessor_count
     from kernels.stream_linear import cuda_supported
 
     if not cuda_supported(q.device) or q.dtype not in (torch.bfloat16, torch.float16):
         return None
     B, Hq, QR, D = q.shape
     Hkv, S_max = k_cache.shape[1], k_cache.shape[2]
-    cluster = cluster_size(B * Hkv, torch.cuda.get_device_properties(q.device).multi_processor_count)
+    cluster = cluster_size(B * Hkv, multiprocessor_count(q.device))
     if not cluster:
         return None
     for t in (q, k_cache, v_cache):

@@ -62,9 +62,9 @@ def test_whether_the_kernel_runs_never_depends_on_the_steps_width(D, G):
 def test_cluster_switch_is_validated(monkeypatch):
     monkeypatch.setenv("BATCHD_ATTENTION_CLUSTER", "12")
     with pytest.raises(ValueError, match="0 \\(off\\) or one of"):
-        cluster_kernel.cluster_size()
+        cluster_kernel.cluster_size(2, 132)
     monkeypatch.setenv("BATCHD_ATTENTION_CLUSTER", "0")
-    assert cluster_kernel.cluster_size() == 0
+    assert cluster_kernel.cluster_size(2, 132) == 0
     monkeypatch.setenv("BATCHD_ATTENTION_CLUSTER", "16")
     assert cluster_kernel.cluster_size(8, 132) == 16
 

@@ -630,8 +630,9 @@ def test_step_sweep_runs_variants_interleaved_after_a_warmup():
 
 def test_step_sweep_skip_drops_the_launch_until_the_next_variant():
     """bench/step_sweep.py skip=merge / skip=reduce / skip=o: the attention merge returns its output
-    buffer untouched, the split-K reduce launches nothing, an o projection returns its residual; attn_splits=N caps the attention's splits at
-    N instead of 132; merge_cols=N sets the merge's columns a program; l2side installs bench/l2_side_prefetch.py's patches of engine.model; the next
+    buffer untouched, the split-K reduce launches nothing, an o projection returns its residual;
+    attn_splits=N caps the attention's splits at N instead of 132; merge_cols=N sets the merge's
+    columns a program; l2side installs bench/l2_side_prefetch.py's patches of engine.model; the next
     variant puts them all back."""
     from bench import step_sweep
     from kernels.decode_attention import triton_kernel as attention_kernel

@@ -33,7 +33,7 @@ def new_worker_id(model_name: str) -> str:
 
 def load_engine(settings: Settings):
     """The resident target (engine.runtime.Engine) for this worker's model path and device."""
-    from engine.runtime import Engine
+    from batchd.engine.runtime import Engine
 
     started = time.perf_counter()
     engine = Engine.load(settings.model_path, device=settings.device, dtype=settings.dtype,

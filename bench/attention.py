@@ -34,17 +34,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import triton  # noqa: E402
 from triton.testing import do_bench, do_bench_cudagraph  # noqa: E402
 
-from kernels import BlockKeySummary, decode_attention, score_tail_queries  # noqa: E402
-from kernels.chunk_scoring.reference import score_tail_queries_reference  # noqa: E402
-from kernels.decode_attention.reference import decode_attention_reference  # noqa: E402
-from kernels.decode_attention.triton_kernel import decode_attention_triton, decode_tile, invariant_tile_rows  # noqa: E402
-from kernels.sparse_attention import (  # noqa: E402
+from batchd.kernels import BlockKeySummary, decode_attention, score_tail_queries  # noqa: E402
+from batchd.kernels.chunk_scoring.reference import score_tail_queries_reference  # noqa: E402
+from batchd.kernels.decode_attention.reference import decode_attention_reference  # noqa: E402
+from batchd.kernels.decode_attention.triton_kernel import decode_attention_triton, decode_tile, invariant_tile_rows  # noqa: E402
+from batchd.kernels.sparse_attention import (  # noqa: E402
     keep_all_rows,
     select_blocks,
     sparse_attention,
     sparse_decode_attention,
 )
-from kernels.sparse_attention.reference import sparse_attention_reference  # noqa: E402
+from batchd.kernels.sparse_attention.reference import sparse_attention_reference  # noqa: E402
 
 if TINY:   # same code paths, toy sizes (G = 4 and D = 128 as in Llama-3-8B)
     HQ, HKV, D = 8, 2, 128
@@ -195,7 +195,7 @@ def sparse_lane_steps(q16, k, v, summary, length, widths):
     """Sparse steps of Q rows ending at `length` for Q in widths, and the 16 one-row steps that their
     lanes stand for; float32 outputs, so that any difference in the partial sums shows (bf16 rounding
     of the output would hide most). -> (solo [16 outputs], {Q: output})"""
-    from kernels.sparse_attention.triton_kernel import sparse_attention_triton
+    from batchd.kernels.sparse_attention.triton_kernel import sparse_attention_triton
 
     def step(q, sl):
         chosen = select_blocks(q, summary, sl, top_k=TOP_K, backend="triton")
@@ -348,7 +348,7 @@ def sweep(S: int = 65536, hq: int = HQ, hkv: int = HKV, copy_bw: float | None = 
 
 def sparse_breakdown(q, k, v, sl, summary, selected) -> str:
     """Graph-replay time of each stage of one sparse step (eager under --tiny)."""
-    from kernels.sparse_attention.triton_kernel import (
+    from batchd.kernels.sparse_attention.triton_kernel import (
         block_scores_triton,
         select_from_scores_triton,
         sparse_attention_triton,
@@ -371,7 +371,7 @@ def sparse_sweep() -> None:
     """Time the union attention kernel's launch knobs at the largest context, q = 8 (fixed selection).
     Splits other than the default keep lanes equal to their decode steps but no longer equal to the
     dense kernel where a lane keeps all its blocks."""
-    from kernels.sparse_attention.triton_kernel import sparse_attention_triton
+    from batchd.kernels.sparse_attention.triton_kernel import sparse_attention_triton
 
     S = SPARSE_CONTEXTS[-1]
     q, k, v = make_inputs(S, 8)

@@ -75,7 +75,7 @@ def linear_config(values: str):
     """A kernels.small_matmul config from a bench spec's right-hand side:
     `bn,bk,splits,stages[,preload]`, `gemv,rows[,warps]` or `stream[,ring_kb[,ctas_per_sm]]`, then any `field:value` of
     SmallLinearConfig (`num_warps:8`, `trigger:2`)."""
-    from kernels.small_matmul.triton_kernel import SmallLinearConfig
+    from batchd.kernels.small_matmul.triton_kernel import SmallLinearConfig
 
     items = values.split(",")
     named = {name: int(value) for name, value in (item.split(":") for item in items if ":" in item)}

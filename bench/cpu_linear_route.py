@@ -15,9 +15,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from batchd.config import default_model_path  # noqa: E402
-from engine import linear  # noqa: E402
-from engine.runtime import Engine  # noqa: E402
-from engine.types import GenerationRequest, SamplingParams  # noqa: E402
+from batchd.engine import linear  # noqa: E402
+from batchd.engine.runtime import Engine  # noqa: E402
+from batchd.engine.types import GenerationRequest, SamplingParams  # noqa: E402
 
 
 def main() -> None:

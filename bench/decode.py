@@ -26,10 +26,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import copy_bandwidth, print_table  # noqa: E402
-from engine import fused  # noqa: E402
-from engine.presets import hf_config_dict, preset  # noqa: E402
-from engine.runtime import Engine, build_model  # noqa: E402
-from engine.types import GenerationRequest, SamplingParams  # noqa: E402
+from batchd.engine import fused  # noqa: E402
+from batchd.engine.presets import hf_config_dict, preset  # noqa: E402
+from batchd.engine.runtime import Engine, build_model  # noqa: E402
+from batchd.engine.types import GenerationRequest, SamplingParams  # noqa: E402
 
 
 def reference_model(config):

@@ -13,7 +13,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import print_table  # noqa: E402
-from kernels.small_matmul.triton_kernel import small_linear_triton  # noqa: E402
+from batchd.kernels.small_matmul.triton_kernel import small_linear_triton  # noqa: E402
 
 SHAPES = {  # name: (N, K) of the stored weight
     "qwen2.5-1.5b qkv": (2048, 1536), "qwen2.5-1.5b o": (1536, 1536), "qwen2.5-1.5b gate_up": (17920, 1536),

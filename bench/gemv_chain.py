@@ -14,8 +14,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch, triton, triton.language as tl
 from bench.common import graph_replay_time, print_table
-from kernels._backend import launch_options
-from kernels.small_matmul.triton_kernel import SmallLinearConfig, small_linear_triton
+from batchd.kernels._backend import launch_options
+from batchd.kernels.small_matmul.triton_kernel import SmallLinearConfig, small_linear_triton
 
 @triton.jit
 def _gemv(X, W, Out, M, K: tl.constexpr, ROWS: tl.constexpr, BK: tl.constexpr, PRE: tl.constexpr):

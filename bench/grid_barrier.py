@@ -15,7 +15,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch, triton, triton.language as tl
 from bench.common import graph_replay_time
-from kernels._backend import launch_options
+from batchd.kernels._backend import launch_options
 
 @triton.jit
 def _persistent(Counter, Data, n_stages, NPROG: tl.constexpr, BLOCK: tl.constexpr, POLL_ATOMIC: tl.constexpr):

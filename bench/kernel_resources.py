@@ -38,8 +38,8 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from bench.common import print_table  # noqa: E402
-from kernels.fused_mlp import triton_kernel as mlp_tk  # noqa: E402
-from kernels.small_matmul import triton_kernel as tk  # noqa: E402
+from batchd.kernels.fused_mlp import triton_kernel as mlp_tk  # noqa: E402
+from batchd.kernels.small_matmul import triton_kernel as tk  # noqa: E402
 
 POINTERS = dict(X="*bf16", W="*bf16", Bias="*bf16", Res="*bf16", Out="*bf16", Part="*fp32", SumSqIn="*fp32",
                 NextNormW="*bf16", WeightedOut="*bf16", SumSqOut="*fp32", Cos="*fp32", Sin="*fp32", Pos="*i64",

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine import model as model_module
+from batchd.engine import model as model_module
 
 THREADS = 128
 

@@ -19,8 +19,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import print_table  # noqa: E402
-from engine.presets import preset  # noqa: E402
-from engine.runtime import Engine, build_model  # noqa: E402
+from batchd.engine.presets import preset  # noqa: E402
+from batchd.engine.runtime import Engine, build_model  # noqa: E402
 
 
 def fill_cache(engine: Engine, length: int) -> None:

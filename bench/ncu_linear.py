@@ -18,7 +18,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import linear_config  # noqa: E402
-from kernels.small_matmul.triton_kernel import small_linear_triton  # noqa: E402
+from batchd.kernels.small_matmul.triton_kernel import small_linear_triton  # noqa: E402
 
 
 def main() -> None:

@@ -39,7 +39,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from bench.common import copy_bandwidth, graph_replay_time, print_table  # noqa: E402
-from kernels.small_matmul.triton_kernel import SmallLinearConfig, small_linear_triton  # noqa: E402
+from batchd.kernels.small_matmul.triton_kernel import SmallLinearConfig, small_linear_triton  # noqa: E402
 
 BLOCK_M = tl.constexpr(16)
 

@@ -81,12 +81,12 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from kernels._backend import interpreting, launch_options  # noqa: E402
-from kernels._trace import _globaltimer  # noqa: E402
-from engine.fused import rotate  # noqa: E402
-from kernels.decode_attention.reference import decode_attention_reference  # noqa: E402
-from kernels.decode_attention.triton_kernel import dot_flags  # noqa: E402
-from kernels.rope_cache.triton_kernel import rope_rows_at, rotate_with  # noqa: E402
+from batchd.kernels._backend import interpreting, launch_options  # noqa: E402
+from batchd.kernels._trace import _globaltimer  # noqa: E402
+from batchd.engine.fused import rotate  # noqa: E402
+from batchd.kernels.decode_attention.reference import decode_attention_reference  # noqa: E402
+from batchd.kernels.decode_attention.triton_kernel import dot_flags  # noqa: E402
+from batchd.kernels.rope_cache.triton_kernel import rope_rows_at, rotate_with  # noqa: E402
 
 O_ROWS = 16        # o weight rows per program (the qkv stage: 8 rope pairs, rows d and d + D/2)
 MAX_SPINS = tl.constexpr(1 << 16)   # polls before a wait gives up (some 50 ms; a healthy wait takes a few)
@@ -525,13 +525,13 @@ def reference_layer(x, sumsq, h, qkv_w, qkv_b, o_w, emit_norm_w, k_cache, v_cach
 
 def main() -> None:
     from bench.common import copy_bandwidth, graph_replay_time, print_table
-    from engine import fused
-    from engine.kv_cache import KVCache
-    from engine.linear import enable_invariant_kernel
-    from engine.model import fused_project
-    from engine.presets import preset
-    from engine.runtime import build_model
-    from kernels.step_inputs import step_inputs
+    from batchd.engine import fused
+    from batchd.engine.kv_cache import KVCache
+    from batchd.engine.linear import enable_invariant_kernel
+    from batchd.engine.model import fused_project
+    from batchd.engine.presets import preset
+    from batchd.engine.runtime import build_model
+    from batchd.kernels.step_inputs import step_inputs
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", type=int, default=28)

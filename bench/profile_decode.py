@@ -15,9 +15,9 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.presets import preset  # noqa: E402
-from engine.runtime import Engine, build_model  # noqa: E402
-from engine.types import GenerationRequest, SamplingParams  # noqa: E402
+from batchd.engine.presets import preset  # noqa: E402
+from batchd.engine.runtime import Engine, build_model  # noqa: E402
+from batchd.engine.types import GenerationRequest, SamplingParams  # noqa: E402
 
 
 def main() -> None:

@@ -20,14 +20,14 @@ from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.model import unfuse_hf_tensors  # noqa: E402
-from engine.presets import hf_config_dict, preset  # noqa: E402
-from engine.runtime import build_model  # noqa: E402
+from batchd.engine.model import unfuse_hf_tensors  # noqa: E402
+from batchd.engine.presets import hf_config_dict, preset  # noqa: E402
+from batchd.engine.runtime import build_model  # noqa: E402
 
 
 def export_tokenizer(checkpoint: str, out: Path) -> None:
     """tokenizer.json + tokenizer_config.json (chat template, bos/eos) from any checkpoint we load."""
-    from engine.checkpoint import load_checkpoint
+    from batchd.engine.checkpoint import load_checkpoint
 
     ckpt = load_checkpoint(checkpoint)
     out.mkdir(parents=True, exist_ok=True)

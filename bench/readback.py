@@ -19,12 +19,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import print_table  # noqa: E402
-from engine.generate import generate_plain  # noqa: E402
-from engine.presets import preset  # noqa: E402
-from engine.runtime import Engine, build_model  # noqa: E402
-from engine.sampling import Sampler  # noqa: E402
-from engine.stopping import StopChecker  # noqa: E402
-from engine.types import SamplingParams  # noqa: E402
+from batchd.engine.generate import generate_plain  # noqa: E402
+from batchd.engine.presets import preset  # noqa: E402
+from batchd.engine.runtime import Engine, build_model  # noqa: E402
+from batchd.engine.sampling import Sampler  # noqa: E402
+from batchd.engine.stopping import StopChecker  # noqa: E402
+from batchd.engine.types import SamplingParams  # noqa: E402
 
 
 def main() -> None:

@@ -36,9 +36,9 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from bench.common import copy_bandwidth, cuda_time, print_table  # noqa: E402
-from kernels.small_matmul import small_linear  # noqa: E402
-from kernels.small_matmul import triton_kernel as tk  # noqa: E402
-from kernels.small_matmul.triton_kernel import SmallLinearConfig, small_linear_triton  # noqa: E402
+from batchd.kernels.small_matmul import small_linear  # noqa: E402
+from batchd.kernels.small_matmul import triton_kernel as tk  # noqa: E402
+from batchd.kernels.small_matmul.triton_kernel import SmallLinearConfig, small_linear_triton  # noqa: E402
 
 # (model, name, N, K, bias)
 SHAPES = [

@@ -15,8 +15,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from batchd.samples import aclsum_papers  # noqa: E402
 from bench.common import print_table  # noqa: E402
-from engine.runtime import Engine  # noqa: E402
-from engine.types import GenerationRequest, SamplingParams  # noqa: E402
+from batchd.engine.runtime import Engine  # noqa: E402
+from batchd.engine.types import GenerationRequest, SamplingParams  # noqa: E402
 from tests.conftest import smollm2_gguf_path  # noqa: E402
 
 

@@ -34,11 +34,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import cuda_time, print_table  # noqa: E402
-from engine.generate import synchronize  # noqa: E402
-from engine.runtime import Engine  # noqa: E402
-from engine.sampling import Sampler  # noqa: E402
-from engine.speculative import Proposal, register_drafter, self_drafter, verify_step  # noqa: E402
-from engine.types import GenerationRequest, SamplingParams, SpeculationOptions, Telemetry  # noqa: E402
+from batchd.engine.generate import synchronize  # noqa: E402
+from batchd.engine.runtime import Engine  # noqa: E402
+from batchd.engine.sampling import Sampler  # noqa: E402
+from batchd.engine.speculative import Proposal, register_drafter, self_drafter, verify_step  # noqa: E402
+from batchd.engine.types import GenerationRequest, SamplingParams, SpeculationOptions, Telemetry  # noqa: E402
 
 VERIFY_WIDTHS = (1, 2, 4, 8, 16)
 
@@ -174,7 +174,7 @@ def modelled_speedup(totals: dict, costs: dict[int, float]) -> float:
 # ---- GPU: random weights at real shapes -------------------------------------------------------
 
 def bench_cuda(args, device: str = "cuda") -> None:
-    from engine.presets import preset
+    from batchd.engine.presets import preset
 
     rows = []
     for shape in args.shapes:

@@ -65,11 +65,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench import l2_side_prefetch  # noqa: E402
 from bench.common import copy_bandwidth, linear_config, print_table  # noqa: E402
 from bench.decode import kv_bytes_per_token, time_ours, weight_bytes_per_token  # noqa: E402
-from engine.presets import preset  # noqa: E402
-from engine.runtime import Engine, build_model  # noqa: E402
-from kernels.decode_attention import triton_kernel as attention_kernel  # noqa: E402
-from kernels.fused_mlp import triton_kernel as mlp_kernel  # noqa: E402
-from kernels.small_matmul import NormInputs, triton_kernel  # noqa: E402
+from batchd.engine.presets import preset  # noqa: E402
+from batchd.engine.runtime import Engine, build_model  # noqa: E402
+from batchd.kernels.decode_attention import triton_kernel as attention_kernel  # noqa: E402
+from batchd.kernels.fused_mlp import triton_kernel as mlp_kernel  # noqa: E402
+from batchd.kernels.small_matmul import NormInputs, triton_kernel  # noqa: E402
 
 TILES = dict(attention_kernel.TUNED_TILES)
 REDUCE_BLOCK = triton_kernel.REDUCE_BLOCK

@@ -21,9 +21,9 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import copy_bandwidth, graph_replay_time, print_table  # noqa: E402
-from kernels.small_matmul import small_linear  # noqa: E402
-from kernels.small_matmul.reference import small_linear_reference  # noqa: E402
-from kernels.stream_linear import stream_linear  # noqa: E402
+from batchd.kernels.small_matmul import small_linear  # noqa: E402
+from batchd.kernels.small_matmul.reference import small_linear_reference  # noqa: E402
+from batchd.kernels.stream_linear import stream_linear  # noqa: E402
 
 # name -> [(projection, N, K, fusion)]; fusion: "plain", "bias", "gated" (norm folded in), "residual"
 # (residual + emitted norm inputs), as the decode layer calls them

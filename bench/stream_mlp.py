@@ -21,11 +21,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import copy_bandwidth, graph_replay_time, print_table  # noqa: E402
-from engine.presets import preset  # noqa: E402
-from kernels.fused_mlp import fused_mlp  # noqa: E402
-from kernels.fused_mlp.triton_kernel import FusedMlpConfig  # noqa: E402
-from kernels.small_matmul import small_linear  # noqa: E402
-from kernels.small_matmul.reference import norm_inputs_reference  # noqa: E402
+from batchd.engine.presets import preset  # noqa: E402
+from batchd.kernels.fused_mlp import fused_mlp  # noqa: E402
+from batchd.kernels.fused_mlp.triton_kernel import FusedMlpConfig  # noqa: E402
+from batchd.kernels.small_matmul import small_linear  # noqa: E402
+from batchd.kernels.small_matmul.reference import norm_inputs_reference  # noqa: E402
 
 
 def layer_copies(H: int, I: int, copies: int, gen: torch.Generator):

@@ -34,10 +34,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.presets import preset  # noqa: E402
-from engine.runtime import Engine, build_model  # noqa: E402
-from engine.types import GenerationRequest, SamplingParams  # noqa: E402
-from kernels import _trace  # noqa: E402
+from batchd.engine.presets import preset  # noqa: E402
+from batchd.engine.runtime import Engine, build_model  # noqa: E402
+from batchd.engine.types import GenerationRequest, SamplingParams  # noqa: E402
+from batchd.kernels import _trace  # noqa: E402
 
 START, WAITED, END, SM = (int(column.value) for column in (_trace.START, _trace.WAITED, _trace.END, _trace.SM))
 
@@ -155,7 +155,7 @@ def main() -> None:
     parser.add_argument("--variants", default="table", help="bench/step_sweep.py variants separated by ';'")
     args = parser.parse_args()
     from bench.step_sweep import apply_variant
-    from kernels.small_matmul import triton_kernel
+    from batchd.kernels.small_matmul import triton_kernel
 
     config = preset(args.shape)
     model = build_model(config, "cuda", torch.bfloat16)

@@ -30,8 +30,8 @@ import triton.language as tl  # noqa: E402
 from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: E402
 
 from bench.common import copy_bandwidth, graph_replay_time, print_table  # noqa: E402
-from kernels._backend import launch_options  # noqa: E402
-from kernels.small_matmul.triton_kernel import SmallLinearConfig, choose_config, small_linear_triton  # noqa: E402
+from batchd.kernels._backend import launch_options  # noqa: E402
+from batchd.kernels.small_matmul.triton_kernel import SmallLinearConfig, choose_config, small_linear_triton  # noqa: E402
 
 BLOCK_M = tl.constexpr(16)
 

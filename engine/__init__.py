@@ -3,9 +3,9 @@
 The engine knows nothing of Redis or SQL. The service calls `Engine.load(...)` once per worker
 and `Engine.generate(GenerationRequest)` per job (engine/runtime.py).
 """
-from engine.errors import (BadInputError, CheckpointError, DeviceOutOfMemoryError, EngineError,
+from batchd.engine.errors import (BadInputError, CheckpointError, DeviceOutOfMemoryError, EngineError,
                            PromptTooLongError, UnsupportedFeatureError)
-from engine.types import (CompressionOptions, GenerationRequest, GenerationResult, SamplingParams,
+from batchd.engine.types import (CompressionOptions, GenerationRequest, GenerationResult, SamplingParams,
                           SpeculationOptions, Telemetry)
 
 __all__ = [

@@ -20,7 +20,7 @@ def kernel_available(device: torch.device) -> bool:
     if device.type != "cuda":
         return False
     try:
-        import kernels.decode_attention  # noqa: F401
+        import batchd.kernels.decode_attention  # noqa: F401
     except ImportError:
         return False
     return True
@@ -39,7 +39,7 @@ def attend_cached(q, cache, layer_idx: int, start: int, scale: float, use_kernel
     summary.update(k_cache, summary.length, start + T)
     if T > MAX_KERNEL_QUERY_ROWS:
         return attend(q, k_cache, v_cache, start, scale, use_kernel)
-    from kernels.sparse_attention import sparse_decode_attention
+    from batchd.kernels.sparse_attention import sparse_decode_attention
 
     # dense below the point where sparse removes half the rows (the kernel's rule); exact there
     return sparse_decode_attention(q, k_cache, v_cache, start + T, summary, top_k=cache.sparse_top_k,
@@ -49,7 +49,7 @@ def attend_cached(q, cache, layer_idx: int, start: int, scale: float, use_kernel
 def _attend_sparse_captured(q, cache, summary, k_cache, v_cache, start, scale, use_kernel, seq_len_on_device):
     """A CUDA-graph step: the summary update and block choice read lengths on the device; whether
     this graph is a sparse or a dense one was decided on the host (StepRunner, cache.sparse_step)."""
-    from kernels.sparse_attention import select_blocks, sparse_attention
+    from batchd.kernels.sparse_attention import select_blocks, sparse_attention
 
     T = q.shape[2]
     summary.update_on_device(k_cache, seq_len_on_device - T, T)
@@ -98,7 +98,7 @@ def attend_kernel_lanes(q, k_cache, v_cache, seq_len, scale: float) -> torch.Ten
 
     settled=True: in a layer the kernel just before wrote only the T new rows (the q/k/v projection
     or its rope launch); the lengths and the older rows are from earlier launches (kernels._pdl)."""
-    from kernels.decode_attention import MAX_Q_ROWS, decode_attention
+    from batchd.kernels.decode_attention import MAX_Q_ROWS, decode_attention
 
     T = q.shape[2]
     if T <= MAX_Q_ROWS:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.errors import UnsupportedFeatureError
+from batchd.engine.errors import UnsupportedFeatureError
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from engine.errors import CheckpointError
+from batchd.engine.errors import CheckpointError
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 

@@ -57,8 +57,8 @@ def enable_fusion() -> None:
     rms_norm, add_rms_norm = compiled["rms_norm"], compiled["add_rms_norm"]
     rotate, silu_mul = compiled["rotate"], compiled["silu_mul"]
     try:
-        from kernels.rms_norm import rms_norm as norm_kernel
-        from kernels.rope_cache import rope_and_store
+        from batchd.kernels.rms_norm import rms_norm as norm_kernel
+        from batchd.kernels.rope_cache import rope_and_store
     except ImportError:
         pass
     else:

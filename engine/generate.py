@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.sampling import Sampler
-from engine.step import StepRunner
-from engine.stopping import StopChecker
+from batchd.engine.sampling import Sampler
+from batchd.engine.step import StepRunner
+from batchd.engine.stopping import StopChecker
 
 
 @dataclass

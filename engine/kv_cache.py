@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.config import ModelConfig
-from engine.errors import PromptTooLongError
+from batchd.engine.config import ModelConfig
+from batchd.engine.errors import PromptTooLongError
 
 
 class KVCache:
@@ -30,7 +30,7 @@ class KVCache:
 
     def enable_sparse_attention(self, top_k_blocks: int, block_size: int = 64) -> None:
         """Keep per-block key summaries so decode and verify attend to the top-k blocks only."""
-        from kernels.sparse_attention import BlockKeySummary
+        from batchd.kernels.sparse_attention import BlockKeySummary
 
         self.block_summaries = [BlockKeySummary.for_cache(k, block_size=block_size) for k in self.keys]
         self.sparse_top_k = top_k_blocks

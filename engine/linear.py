@@ -41,7 +41,7 @@ def enable_invariant_kernel() -> bool:
     """Use kernels.small_matmul for small steps on CUDA; False if it is not available."""
     global _small_linear
     try:
-        from kernels.small_matmul import small_linear
+        from batchd.kernels.small_matmul import small_linear
     except ImportError:
         return False
     _small_linear = small_linear

@@ -14,15 +14,15 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from engine import fused
-from engine.attention import attend_cached, kernel_available
-from engine.config import ModelConfig
-from engine.errors import CheckpointError
-from engine.kv_cache import KVCache
-from engine import linear
-from engine.linear import project
-from engine.rope import rope_tables
-from kernels.step_inputs import step_inputs
+from batchd.engine import fused
+from batchd.engine.attention import attend_cached, kernel_available
+from batchd.engine.config import ModelConfig
+from batchd.engine.errors import CheckpointError
+from batchd.engine.kv_cache import KVCache
+from batchd.engine import linear
+from batchd.engine.linear import project
+from batchd.engine.rope import rope_tables
+from batchd.kernels.step_inputs import step_inputs
 
 # observer(layer_idx, q [B, Hq, T, D] after rope, keys, values [B, Hkv, start+T, D], start)
 AttentionObserver = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, int], None]
@@ -62,7 +62,7 @@ class Attention(nn.Module):
         k_cache, v_cache = cache.keys[layer_idx], cache.values[layer_idx]
         if normed_inputs is not None and self.q_norm is None:
             # projection, rope and the cache write in one launch (kernels.small_matmul.qkv_rope_and_store)
-            from kernels.small_matmul import qkv_rope_and_store
+            from batchd.kernels.small_matmul import qkv_rope_and_store
 
             # the step's rope rows and positions come from kernels.step_inputs: the launch just
             # before the first layer's projection, two or more launches back for every other layer
@@ -164,7 +164,7 @@ class Block(nn.Module):
         mlp = self.mlp
         down_t = mlp.down_proj.weight.t()  # [I, H]
         if down_t.is_contiguous():
-            from kernels.fused_mlp import fused_mlp
+            from batchd.kernels.fused_mlp import fused_mlp
 
             rows = hidden.shape[0] * hidden.shape[1]
             result = fused_mlp(post_inputs.weighted.reshape(rows, -1), post_inputs.sumsq, mlp.gate_up_proj.weight,
@@ -195,7 +195,7 @@ def fused_project(x: torch.Tensor, layer: nn.Linear, *, norm_inputs=None, eps: f
     with `norm_inputs` (h's RMSNorm folded in), silu(gate) * up of a stacked gate/up weight
     (N = rows / 2), plus `residual` [B, T, N]; with `emit_norm`: (out, out's NormInputs for it).
     settled: the residual was written two or more launches back (small_linear)."""
-    from kernels.small_matmul import small_linear
+    from batchd.kernels.small_matmul import small_linear
 
     rows = x.shape[0] * x.shape[1]
     result = small_linear(
@@ -287,7 +287,7 @@ class Transformer(nn.Module):
         then. A change moves the weights to new storage, which CUDA graphs captured before do not
         follow: call it before capturing (Engine does, when it is built; parking drops the graphs).
         -> whether the fused MLP is on (False where the kernel does not fit the shape)."""
-        from kernels.fused_mlp import mlp_fits
+        from batchd.kernels.fused_mlp import mlp_fits
 
         enabled = enabled and mlp_fits(self.config.hidden_size, self.config.intermediate_size, self.dtype)
         for layer in self.layers:

@@ -1,7 +1,7 @@
 """Named shapes of real models (../shared/MODELS.md), for benchmarks with random weights."""
 from __future__ import annotations
 
-from engine.config import ModelConfig
+from batchd.engine.config import ModelConfig
 
 PRESETS = {
     "smollm2-135m": dict(architecture="llama", vocab_size=49152, hidden_size=576, num_layers=30, num_heads=9,

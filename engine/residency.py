@@ -44,11 +44,11 @@ from typing import Callable, Literal, Optional, TypeVar
 
 import torch
 
-from engine.checkpoint import Checkpoint, load_checkpoint
-from engine.errors import DeviceOutOfMemoryError, EngineError
-from engine.model import Transformer
-from engine.text import TextCodec
-from engine.types import Telemetry
+from batchd.engine.checkpoint import Checkpoint, load_checkpoint
+from batchd.engine.errors import DeviceOutOfMemoryError, EngineError
+from batchd.engine.model import Transformer
+from batchd.engine.text import TextCodec
+from batchd.engine.types import Telemetry
 
 log = logging.getLogger(__name__)
 
@@ -197,7 +197,7 @@ class Residency:
         return result
 
     def _place(self, ckpt: Checkpoint, device, dtype) -> Drafter:
-        from engine.runtime import build_model
+        from batchd.engine.runtime import build_model
 
         model = build_model(ckpt.config, str(device), dtype, tensors=ckpt.tensors, source=ckpt.path)
         self.last_drafter = weakref.ref(model)
@@ -338,7 +338,7 @@ class Residency:
 
     def _reload(self, engine, params, parked: _Parked) -> None:
         """Read the weights again: from the checkpoint, or the same random weights again."""
-        from engine.runtime import init_random
+        from batchd.engine.runtime import init_random
 
         device, dtype = engine.device, engine.model.dtype
         for name in parked.moved:
@@ -381,7 +381,7 @@ def forget_frames(exc: BaseException) -> None:
 def _drop_step_graphs(engine) -> None:
     """Captured CUDA graphs point at the old buffers: start a fresh step runner (graphs are
     captured again on first use)."""
-    from engine.step import StepRunner
+    from batchd.engine.step import StepRunner
 
     runner = engine.runner
     engine.runner = StepRunner(engine.model, engine.cache, cuda_graphs=runner.cuda_graphs)
@@ -390,7 +390,7 @@ def _drop_step_graphs(engine) -> None:
 def checkpoint_stamp(folder: str) -> list[tuple[str, int, int]]:
     """(name, size, mtime_ns) of a Hugging Face folder's weight files: a reload checks that they
     are the files the target was loaded from, without hashing them again."""
-    from engine.checkpoint.hf import _weight_files
+    from batchd.engine.checkpoint.hf import _weight_files
 
     files, _ = _weight_files(Path(folder))
     return [(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files]
@@ -419,8 +419,8 @@ def reload_hf_weights(model: Transformer, folder: str) -> None:
     load_checkpoint costs: the reload strategy's unpark). Every parameter must be written."""
     from safetensors import safe_open
 
-    from engine.checkpoint.hf import _weight_files
-    from engine.checkpoint.validate import IGNORED_SUFFIXES
+    from batchd.engine.checkpoint.hf import _weight_files
+    from batchd.engine.checkpoint.validate import IGNORED_SUFFIXES
 
     params = dict(model.named_parameters())
     slots = hf_weight_slots(model.config)

@@ -10,8 +10,8 @@ import math
 
 import torch
 
-from engine.config import ModelConfig
-from engine.errors import CheckpointError
+from batchd.engine.config import ModelConfig
+from batchd.engine.errors import CheckpointError
 
 
 def inverse_frequencies(config: ModelConfig) -> torch.Tensor:

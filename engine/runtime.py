@@ -18,21 +18,21 @@ from typing import Optional
 
 import torch
 
-from engine import fused
-from engine.capabilities import check_features
-from engine.config import ModelConfig
-from engine.errors import BadInputError, DeviceOutOfMemoryError, PromptTooLongError
-from engine.generate import TokenOutput, generate_plain, synchronize
-from engine.kv_cache import KVCache
-from engine.linear import decode_kernels_enabled, enable_invariant_kernel
-from engine.model import Transformer
-from engine.pflash import compress_for_request, ensure_target_resident
-from engine.sampling import Sampler
-from engine.step import StepRunner
-from engine.stopping import StopChecker, cut_at_stop_string
-from engine.text import TextCodec
-from engine.types import GenerationRequest, GenerationResult, SamplingParams, Telemetry
-from kernels.fused_mlp import fused_mlp_wanted
+from batchd.engine import fused
+from batchd.engine.capabilities import check_features
+from batchd.engine.config import ModelConfig
+from batchd.engine.errors import BadInputError, DeviceOutOfMemoryError, PromptTooLongError
+from batchd.engine.generate import TokenOutput, generate_plain, synchronize
+from batchd.engine.kv_cache import KVCache
+from batchd.engine.linear import decode_kernels_enabled, enable_invariant_kernel
+from batchd.engine.model import Transformer
+from batchd.engine.pflash import compress_for_request, ensure_target_resident
+from batchd.engine.sampling import Sampler
+from batchd.engine.step import StepRunner
+from batchd.engine.stopping import StopChecker, cut_at_stop_string
+from batchd.engine.text import TextCodec
+from batchd.engine.types import GenerationRequest, GenerationResult, SamplingParams, Telemetry
+from batchd.kernels.fused_mlp import fused_mlp_wanted
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16, "f16": torch.float16}
@@ -97,7 +97,7 @@ class Engine:
     @classmethod
     def load(cls, path: str, *, device: str = "cpu", dtype: Optional[str] = None,
              max_context: Optional[int] = None, **options) -> "Engine":
-        from engine.checkpoint import load_checkpoint
+        from batchd.engine.checkpoint import load_checkpoint
 
         torch_dtype = parse_dtype(dtype, device)
         ckpt = load_checkpoint(path, dtype=torch_dtype)
@@ -172,7 +172,7 @@ class Engine:
         spec = request.speculation
         if spec.method == "none":
             return generate_plain(self.runner, prompt_ids, sampler, stopper, prefill_chunk=self.prefill_chunk)
-        from engine.speculative import generate_speculative
+        from batchd.engine.speculative import generate_speculative
 
         telemetry.spec_method = spec.method
         return generate_speculative(self, prompt_ids, sampler, stopper, spec, telemetry)
@@ -183,7 +183,7 @@ class Engine:
         self.compress_drafter_sha256 = ""
         if request.compression.mode == "off":
             return prompt_ids
-        from engine.pflash import compressor_for
+        from batchd.engine.pflash import compressor_for
 
         before = compressor_for(self).last_report
         ids = compress_for_request(self, prompt_ids, request, telemetry)
@@ -234,7 +234,7 @@ class Engine:
 
     def _scoring_window_key(self) -> str:
         """How long prompts are scored: the window decides which chunks survive compression."""
-        from engine.pflash import compressor_for
+        from batchd.engine.pflash import compressor_for
 
         window = compressor_for(self).scoring_window
         return "exact" if window is None else f"w{window.window}-b{window.block}-s{window.sink}"

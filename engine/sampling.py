@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.errors import BadInputError
-from engine.types import SamplingParams
+from batchd.engine.errors import BadInputError
+from batchd.engine.types import SamplingParams
 
 
 def validate_sampling(params: SamplingParams) -> None:

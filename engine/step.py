@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import torch
 
-from engine.kv_cache import KVCache
-from engine.model import Transformer
-from kernels.argmax import pick_and_advance
+from batchd.engine.kv_cache import KVCache
+from batchd.engine.model import Transformer
+from batchd.kernels.argmax import pick_and_advance
 
 MAX_GRAPH_WIDTH = 17  # the widest verify step: 16 drafts plus the last accepted token
 
@@ -83,7 +83,7 @@ class StepRunner:
     def _sparse_rule(self, width: int) -> bool:
         if self.cache.block_summaries is None:
             return False
-        from kernels.sparse_attention import sparse_is_worthwhile
+        from batchd.kernels.sparse_attention import sparse_is_worthwhile
 
         block_size = self.cache.block_summaries[0].block_size
         return sparse_is_worthwhile(self.cache.length + width, width, self.cache.sparse_top_k, block_size)

@@ -13,7 +13,7 @@ import jinja2.ext
 import jinja2.sandbox
 from tokenizers import Tokenizer
 
-from engine.errors import BadInputError
+from batchd.engine.errors import BadInputError
 
 
 class TextCodec:

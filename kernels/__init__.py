@@ -14,12 +14,12 @@
 backend="auto" runs Triton on CUDA and the reference elsewhere. This package imports neither
 `batchd` nor `engine`, and imports `triton` only when a Triton kernel is used.
 """
-from kernels.chunk_scoring import score_tail_queries
-from kernels.decode_attention import decode_attention
-from kernels.rms_norm import rms_norm
-from kernels.rope_cache import rope_and_store
-from kernels.small_matmul import small_linear
-from kernels.sparse_attention import BlockKeySummary, sparse_decode_attention, sparse_is_worthwhile
+from batchd.kernels.chunk_scoring import score_tail_queries
+from batchd.kernels.decode_attention import decode_attention
+from batchd.kernels.rms_norm import rms_norm
+from batchd.kernels.rope_cache import rope_and_store
+from batchd.kernels.small_matmul import small_linear
+from batchd.kernels.sparse_attention import BlockKeySummary, sparse_decode_attention, sparse_is_worthwhile
 
 __all__ = [
     "decode_attention",

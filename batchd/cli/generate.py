@@ -40,7 +40,7 @@ def generate(model_path: str, prompt: Optional[str], prompt_file: Optional[str],
     if not Path(model_path).exists():
         raise click.ClickException(f"no checkpoint at {model_path}: give --model PATH (a GGUF file or a HF folder)")
     request = build_request(prompt, None, params_from_options(options))
-    from engine.runtime import Engine
+    from batchd.engine.runtime import Engine
 
     engine = Engine.load(model_path, device=device, dtype=dtype, max_context=max_context, attention=attention,
                          sparse_top_k_blocks=sparse_top_k_blocks)

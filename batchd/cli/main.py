@@ -12,7 +12,7 @@ from batchd.config import redact_url
 from batchd.db.migrate import SchemaOutOfDate
 from batchd.jobs.inputs import InputError
 from batchd.jobs.progress import UnknownBatch
-from engine.errors import EngineError
+from batchd.engine.errors import EngineError
 
 
 class BatchdGroup(click.Group):

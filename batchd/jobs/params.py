@@ -9,8 +9,8 @@ import math
 from pathlib import Path
 from typing import Any, Optional
 
-from engine.errors import BadInputError
-from engine.types import CompressionOptions, GenerationRequest, SamplingParams, SpeculationOptions
+from batchd.engine.errors import BadInputError
+from batchd.engine.types import CompressionOptions, GenerationRequest, SamplingParams, SpeculationOptions
 
 # name -> (python types accepted, what a person should write)
 PARAM_TYPES: dict[str, tuple[tuple[type, ...], str]] = {

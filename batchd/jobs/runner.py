@@ -27,8 +27,8 @@ from batchd.config import Settings
 from batchd.db.types import utcnow
 from batchd.jobs import lifecycle
 from batchd.jobs.params import build_request
-from engine.errors import EngineError
-from engine.types import GenerationResult, Telemetry
+from batchd.engine.errors import EngineError
+from batchd.engine.types import GenerationResult, Telemetry
 
 log = logging.getLogger(__name__)
 

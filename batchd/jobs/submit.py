@@ -22,7 +22,7 @@ from batchd.db.session import db_engine, is_postgresql, one_statement, session_s
 from batchd.db.types import utcnow
 from batchd.jobs.inputs import JobInput
 from batchd.jobs.params import validate_input, validate_params
-from engine.errors import BadInputError
+from batchd.engine.errors import BadInputError
 
 INSERT_CHUNK = 2000
 

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import torch
 
-from engine.checkpoint.base import Checkpoint, files_sha256
-from engine.checkpoint.gguf_file import GGUF_MAGIC
-from engine.errors import CheckpointError
+from batchd.engine.checkpoint.base import Checkpoint, files_sha256
+from batchd.engine.checkpoint.gguf_file import GGUF_MAGIC
+from batchd.engine.errors import CheckpointError
 
 __all__ = ["Checkpoint", "load_checkpoint"]
 
@@ -28,7 +28,7 @@ def load_checkpoint(path: str | Path, *, dtype: torch.dtype = torch.float32) -> 
     if not path.exists():
         raise CheckpointError(f"{path}: no such file or folder; pass a Hugging Face model folder or a .gguf file")
     if path.is_dir():
-        from engine.checkpoint.hf import load_hf_folder
+        from batchd.engine.checkpoint.hf import load_hf_folder
 
         return load_hf_folder(path, dtype)
     if _has_gguf_magic(path):
@@ -40,8 +40,8 @@ def load_checkpoint(path: str | Path, *, dtype: torch.dtype = torch.float32) -> 
 
 
 def load_gguf(path: Path, dtype: torch.dtype = torch.float32) -> Checkpoint:
-    from engine.checkpoint import gguf_file
-    from engine.checkpoint.validate import check_tensor_shapes
+    from batchd.engine.checkpoint import gguf_file
+    from batchd.engine.checkpoint.validate import check_tensor_shapes
 
     gguf = gguf_file.read_gguf(path)
     if int(gguf.metadata.get("split.count", 1)) > 1:

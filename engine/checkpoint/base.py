@@ -9,7 +9,7 @@ from typing import Literal, Optional
 import torch
 from tokenizers import Tokenizer
 
-from engine.config import ModelConfig
+from batchd.engine.config import ModelConfig
 
 HASH_READ_BYTES = 1 << 20
 

@@ -23,10 +23,10 @@ import numpy as np
 import torch
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from engine.checkpoint import dequant
-from engine.checkpoint.gguf_tokenizer import GGUFTokenizerError, build_tokenizer, control_token_ids
-from engine.config import ModelConfig
-from engine.errors import CheckpointError
+from batchd.engine.checkpoint import dequant
+from batchd.engine.checkpoint.gguf_tokenizer import GGUFTokenizerError, build_tokenizer, control_token_ids
+from batchd.engine.config import ModelConfig
+from batchd.engine.errors import CheckpointError
 
 GGUF_MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32

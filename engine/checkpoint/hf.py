@@ -15,10 +15,10 @@ import torch
 from safetensors import safe_open
 from tokenizers import Tokenizer
 
-from engine.checkpoint.base import Checkpoint, files_sha256
-from engine.checkpoint.validate import IGNORED_SUFFIXES, check_tensor_shapes
-from engine.config import ModelConfig
-from engine.errors import CheckpointError
+from batchd.engine.checkpoint.base import Checkpoint, files_sha256
+from batchd.engine.checkpoint.validate import IGNORED_SUFFIXES, check_tensor_shapes
+from batchd.engine.config import ModelConfig
+from batchd.engine.errors import CheckpointError
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"

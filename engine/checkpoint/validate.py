@@ -4,8 +4,8 @@ Shapes are checked from the file headers before any data is read, so a wrong fil
 """
 from __future__ import annotations
 
-from engine.config import ModelConfig
-from engine.errors import CheckpointError
+from batchd.engine.config import ModelConfig
+from batchd.engine.errors import CheckpointError
 
 # Names some HF checkpoints carry that are not weights; dropped without comment.
 IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)

@@ -23,15 +23,15 @@ from typing import Optional
 
 import torch
 
-from engine.capabilities import check_compression
-from engine.config import HF_ARCHITECTURE_NAMES
-from engine.errors import CheckpointError, UnsupportedFeatureError
-from engine.pflash.bridge import INSTRUCTION_TOKENS, MIN_INSTRUCTION_KEPT, DrafterView, drafter_view, target_ids_after
-from engine.pflash.scoring import TAIL_ROWS, score_prompt
-from engine.pflash.selection import SelectionParams, Selection, select_chunks
-from engine.pflash.window import DEFAULT_SCORING_WINDOW, ScoringWindow
-from engine.residency import Drafter, Residency
-from engine.types import CompressionOptions, GenerationRequest, Telemetry
+from batchd.engine.capabilities import check_compression
+from batchd.engine.config import HF_ARCHITECTURE_NAMES
+from batchd.engine.errors import CheckpointError, UnsupportedFeatureError
+from batchd.engine.pflash.bridge import INSTRUCTION_TOKENS, MIN_INSTRUCTION_KEPT, DrafterView, drafter_view, target_ids_after
+from batchd.engine.pflash.scoring import TAIL_ROWS, score_prompt
+from batchd.engine.pflash.selection import SelectionParams, Selection, select_chunks
+from batchd.engine.pflash.window import DEFAULT_SCORING_WINDOW, ScoringWindow
+from batchd.engine.residency import Drafter, Residency
+from batchd.engine.types import CompressionOptions, GenerationRequest, Telemetry
 
 __all__ = ["PromptCompressor", "CompressionReport", "ScoringWindow", "DEFAULT_SCORING_WINDOW", "compress_for_request",
            "compressor_for", "set_compressor", "check_compression_options", "drafter_architecture",
@@ -191,7 +191,7 @@ def drafter_architecture(path: str) -> str:
             if name in HF_ARCHITECTURE_NAMES:
                 return HF_ARCHITECTURE_NAMES[name]
         return str(raw.get("model_type") or (raw.get("architectures") or ["unknown"])[0])
-    from engine.checkpoint.gguf_file import read_gguf
+    from batchd.engine.checkpoint.gguf_file import read_gguf
 
     arch = str(read_gguf(p).metadata.get("general.architecture", "unknown"))
     return GGUF_ARCHITECTURES.get(arch, arch)

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from engine.text import TextCodec
+from batchd.engine.text import TextCodec
 
 INSTRUCTION_TOKENS = 96
 MIN_INSTRUCTION_KEPT = 0.8

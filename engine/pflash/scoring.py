@@ -22,9 +22,9 @@ from typing import Callable, Optional
 
 import torch
 
-from engine.kv_cache import KVCache
-from engine.model import Transformer
-from engine.pflash.window import DEFAULT_SCORING_WINDOW, ScoringWindow, prefill_windowed
+from batchd.engine.kv_cache import KVCache
+from batchd.engine.model import Transformer
+from batchd.engine.pflash.window import DEFAULT_SCORING_WINDOW, ScoringWindow, prefill_windowed
 
 TAIL_ROWS = 8
 
@@ -52,7 +52,7 @@ def score_tail_queries_torch(q_tail: torch.Tensor, k: torch.Tensor, *, scale: Op
 
 def default_tail_scorer() -> TailScorer:
     try:
-        from kernels.chunk_scoring import score_tail_queries
+        from batchd.kernels.chunk_scoring import score_tail_queries
     except ImportError:
         return score_tail_queries_torch
     return score_tail_queries

@@ -41,10 +41,10 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
-from engine import fused
-from engine.kv_cache import KVCache
-from engine.linear import project
-from engine.model import Transformer
+from batchd.engine import fused
+from batchd.engine.kv_cache import KVCache
+from batchd.engine.linear import project
+from batchd.engine.model import Transformer
 
 # (q [1, Hq, T, D] rows at [start, start + T), k_cache, v_cache [1, Hkv, >= start + T, D], start, scale)
 #   -> [1, Hq, T, D]

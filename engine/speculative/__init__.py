@@ -12,12 +12,12 @@ Modules: proposers (where drafts come from), drafters (loading and building draf
 verify (the decision), adaptive (width and switch-off), stats (telemetry counters),
 decode (the loop).
 """
-from engine.speculative.adaptive import MAX_WIDTH, WidthPolicy
-from engine.speculative.decode import generate_speculative, verify_step
-from engine.speculative.drafters import load_drafter, register_drafter, self_drafter, truncated_drafter
-from engine.speculative.proposers import DraftModelProposer, PromptLookupProposer, Proposal
-from engine.speculative.stats import SpecStats
-from engine.speculative.verify import Verdict, rejection_sample, verify_greedy
+from batchd.engine.speculative.adaptive import MAX_WIDTH, WidthPolicy
+from batchd.engine.speculative.decode import generate_speculative, verify_step
+from batchd.engine.speculative.drafters import load_drafter, register_drafter, self_drafter, truncated_drafter
+from batchd.engine.speculative.proposers import DraftModelProposer, PromptLookupProposer, Proposal
+from batchd.engine.speculative.stats import SpecStats
+from batchd.engine.speculative.verify import Verdict, rejection_sample, verify_greedy
 
 __all__ = [
     "MAX_WIDTH", "WidthPolicy", "generate_speculative", "verify_step", "load_drafter", "register_drafter",

@@ -22,7 +22,7 @@ import time
 from collections import deque
 from typing import Callable, Optional
 
-from engine.errors import BadInputError
+from batchd.engine.errors import BadInputError
 
 MAX_WIDTH = 16
 

@@ -18,19 +18,19 @@ from typing import Optional
 
 import torch
 
-from engine.errors import BadInputError
-from engine.generate import TokenOutput, decode_plain, prefill_prompt, synchronize
-from engine.linear import rows_are_invariant
-from engine.sampling import Sampler
-from engine.speculative.adaptive import MAX_WIDTH, WidthPolicy, check_width
-from engine.speculative.drafters import load_drafter
-from engine.speculative.proposers import DraftModelProposer, PromptLookupProposer, Proposal, Proposer
-from engine.speculative.stats import SpecStats
-from engine.speculative.verify import Verdict, certified_argmax, rejection_sample, verify_greedy
-from engine.attention import MAX_KERNEL_QUERY_ROWS
-from engine.step import MAX_GRAPH_WIDTH
-from engine.stopping import StopChecker
-from engine.types import SpeculationOptions, Telemetry
+from batchd.engine.errors import BadInputError
+from batchd.engine.generate import TokenOutput, decode_plain, prefill_prompt, synchronize
+from batchd.engine.linear import rows_are_invariant
+from batchd.engine.sampling import Sampler
+from batchd.engine.speculative.adaptive import MAX_WIDTH, WidthPolicy, check_width
+from batchd.engine.speculative.drafters import load_drafter
+from batchd.engine.speculative.proposers import DraftModelProposer, PromptLookupProposer, Proposal, Proposer
+from batchd.engine.speculative.stats import SpecStats
+from batchd.engine.speculative.verify import Verdict, certified_argmax, rejection_sample, verify_greedy
+from batchd.engine.attention import MAX_KERNEL_QUERY_ROWS
+from batchd.engine.step import MAX_GRAPH_WIDTH
+from batchd.engine.stopping import StopChecker
+from batchd.engine.types import SpeculationOptions, Telemetry
 
 
 def max_width_on(engine) -> int:

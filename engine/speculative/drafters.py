@@ -21,8 +21,8 @@ from typing import Optional
 import torch
 from torch import nn
 
-from engine.errors import BadInputError
-from engine.model import Transformer
+from batchd.engine.errors import BadInputError
+from batchd.engine.model import Transformer
 
 
 def load_drafter(engine, drafter_path: str, telemetry=None):
@@ -63,7 +63,7 @@ def _build_drafter(engine, drafter_path: str):
     if engine.checkpoint_path and _same_file(path, engine.checkpoint_path):
         base = engine
     else:
-        from engine.runtime import Engine
+        from batchd.engine.runtime import Engine
 
         if not os.path.exists(path):
             raise BadInputError(f"drafter checkpoint {path} does not exist; give a GGUF file or a model folder")
@@ -90,7 +90,7 @@ def _same_file(a: str, b: str) -> bool:
 
 
 def _drafter_engine(target, model: Transformer, sha256: str, path: str):
-    from engine.runtime import Engine
+    from batchd.engine.runtime import Engine
 
     return Engine(model, target.codec, max_context=target.max_context, eos_ids=set(target.eos_ids),
                   checkpoint_sha256=sha256, checkpoint_path=path, cuda_graphs=target.runner.cuda_graphs,

@@ -19,7 +19,7 @@ from typing import Optional, Protocol
 
 import torch
 
-from engine.sampling import Sampler
+from batchd.engine.sampling import Sampler
 
 
 @dataclass

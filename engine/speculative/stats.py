@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.speculative.adaptive import MAX_WIDTH
-from engine.types import Telemetry
+from batchd.engine.speculative.adaptive import MAX_WIDTH
+from batchd.engine.types import Telemetry
 
 
 @dataclass

@@ -27,8 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.linear import project
-from engine.sampling import Sampler
+from batchd.engine.linear import project
+from batchd.engine.sampling import Sampler
 
 # accept_rule(uniforms [q], p_target(d) [q], p_draft(d) [q]) -> accepted [q] bool
 AcceptRule = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels._backend import resolve_backend
-from kernels.argmax.reference import argmax_rows_reference
+from batchd.kernels._backend import resolve_backend
+from batchd.kernels.argmax.reference import argmax_rows_reference
 
 
 def argmax_rows(logits: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
@@ -24,7 +24,7 @@ def argmax_rows(logits: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
         raise ValueError(f"expected logits [M, V] with V >= 1, got {list(logits.shape)}")
     if resolve_backend(backend, logits.device) == "reference" or logits.stride(1) != 1:
         return argmax_rows_reference(logits)
-    from kernels.argmax.triton_kernel import argmax_rows_triton
+    from batchd.kernels.argmax.triton_kernel import argmax_rows_triton
 
     return argmax_rows_triton(logits)
 
@@ -45,7 +45,7 @@ def pick_and_advance(logits: torch.Tensor, picked: torch.Tensor, next_token: tor
         next_token.copy_(ids.view_as(next_token))
         length.add_(1)
         return
-    from kernels.argmax.triton_kernel import argmax_rows_triton
+    from batchd.kernels.argmax.triton_kernel import argmax_rows_triton
 
     argmax_rows_triton(logits, record=(picked, next_token, length))
 

@@ -7,8 +7,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._backend import launch_options, pdl_enabled
-from kernels._pdl import AFTER_WAIT, pdl_wait
+from batchd.kernels._backend import launch_options, pdl_enabled
+from batchd.kernels._pdl import AFTER_WAIT, pdl_wait
 
 BLOCK = 2048
 

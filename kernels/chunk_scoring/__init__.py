@@ -13,8 +13,8 @@ import math
 
 import torch
 
-from kernels._backend import resolve_backend
-from kernels.chunk_scoring.reference import score_tail_queries_reference
+from batchd.kernels._backend import resolve_backend
+from batchd.kernels.chunk_scoring.reference import score_tail_queries_reference
 
 MAX_TAIL_ROWS = 64
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -47,7 +47,7 @@ def score_tail_queries(
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     if resolve_backend(backend, k.device) == "reference":
         return score_tail_queries_reference(q_tail, k, scale)
-    from kernels.chunk_scoring.triton_kernel import score_tail_queries_triton
+    from batchd.kernels.chunk_scoring.triton_kernel import score_tail_queries_triton
 
     return score_tail_queries_triton(q_tail, k, scale)
 

@@ -15,8 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._backend import interpreting, multiprocessor_count, patch_interpreter_index
-from kernels.decode_attention.triton_kernel import LOG2E, dot_flags
+from batchd.kernels._backend import interpreting, multiprocessor_count, patch_interpreter_index
+from batchd.kernels.decode_attention.triton_kernel import LOG2E, dot_flags
 
 if interpreting():
     patch_interpreter_index()

@@ -12,8 +12,8 @@ import math
 
 import torch
 
-from kernels._backend import resolve_backend, seq_len_tensor
-from kernels.decode_attention.reference import (
+from batchd.kernels._backend import resolve_backend, seq_len_tensor
+from batchd.kernels.decode_attention.reference import (
     causal_visibility,
     decode_attention_reference,
     masked_attention_reference,
@@ -88,7 +88,7 @@ def decode_attention(
     lengths = seq_len_tensor(seq_len, B, S_max, q.device)
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     if backend in ("auto", "cluster"):
-        from kernels.decode_attention import cluster_kernel
+        from batchd.kernels.decode_attention import cluster_kernel
 
         plan = cluster_kernel.supported(q, k_cache, v_cache)
         if plan is not None:
@@ -101,7 +101,7 @@ def decode_attention(
         backend = "auto"
     if resolve_backend(backend, q.device) == "reference":
         return decode_attention_reference(q, k_cache, v_cache, lengths, scale)
-    from kernels.decode_attention.triton_kernel import decode_attention_triton
+    from batchd.kernels.decode_attention.triton_kernel import decode_attention_triton
 
     return decode_attention_triton(q, k_cache, v_cache, lengths, scale, settled=settled)
 

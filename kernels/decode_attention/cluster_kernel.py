@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from kernels.decode_attention import MAX_Q_ROWS   # the plan must fit the widest verify
+from batchd.kernels.decode_attention import MAX_Q_ROWS   # the plan must fit the widest verify
 
 _SOURCE = Path(__file__).with_name("cluster_attention.cu")
 _STREAM_HEADERS = Path(__file__).parents[1] / "stream_linear"   # stream_common.cuh
@@ -98,8 +98,8 @@ def supported(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> 
     """The plan for this call if the cluster kernel can run it (an sm_90+ GPU, 16-bit caches, rows
     of 16-byte-aligned pieces, a cache short enough), else None. Depends on shapes, dtypes and
     layouts only."""
-    from kernels._backend import multiprocessor_count
-    from kernels.stream_linear import cuda_supported
+    from batchd.kernels._backend import multiprocessor_count
+    from batchd.kernels.stream_linear import cuda_supported
 
     if not cuda_supported(q.device) or q.dtype not in (torch.bfloat16, torch.float16):
         return None
@@ -131,8 +131,8 @@ def _source_text() -> str:
 
 
 def _kernel(device: torch.device, dtype: torch.dtype, head_dim: int, group: int, p: ClusterPlan):
-    from kernels._cuda_launch import compile_kernels
-    from kernels.stream_linear import launch_switches
+    from batchd.kernels._cuda_launch import compile_kernels
+    from batchd.kernels.stream_linear import launch_switches
 
     options = (*launch_switches()[0], f"-I{_STREAM_HEADERS}", "-std=c++17", f"-DHEAD_DIM={head_dim}", f"-DGROUP={group}",
                f"-DCLUSTER={p.cluster}", f"-DKEY_BLOCK={p.key_block}", *(("-DSCALAR_F16",) if dtype == torch.float16 else ()))
@@ -152,8 +152,8 @@ def decode_attention_cluster(
 ) -> torch.Tensor:
     """-> [B, Hq, Q, D] (memory [B, Q, Hq, D], as the o projection reads it). Shapes are checked
     by decode_attention; settled as there."""
-    from kernels._backend import early_reads_enabled, pdl_enabled, pdl_trigger_point
-    from kernels.stream_linear import trace_rows
+    from batchd.kernels._backend import early_reads_enabled, pdl_enabled, pdl_trigger_point
+    from batchd.kernels.stream_linear import trace_rows
 
     B, Hq, QR, D = q.shape
     Hkv = k_cache.shape[1]

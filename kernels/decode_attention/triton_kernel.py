@@ -17,10 +17,10 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._backend import (early_reads_enabled, interpreting, launch_options, multiprocessor_count,
+from batchd.kernels._backend import (early_reads_enabled, interpreting, launch_options, multiprocessor_count,
                               patch_interpreter_index, pdl_enabled, pdl_trigger_point)
-from kernels._pdl import pdl_trigger, pdl_wait
-from kernels._trace import END, START, WAITED, trace_args, trace_mark
+from batchd.kernels._pdl import pdl_trigger, pdl_wait
+from batchd.kernels._trace import END, START, WAITED, trace_args, trace_mark
 
 LOG2E = 1.4426950408889634
 INVARIANT_Q_ROWS = 16  # tiles are sized for the widest verify, whatever Q a call has

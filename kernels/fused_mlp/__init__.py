@@ -21,9 +21,9 @@ import os
 
 import torch
 
-from kernels._backend import resolve_backend
-from kernels.fused_mlp.reference import fused_mlp_reference
-from kernels.small_matmul import check_fusion_inputs, check_linear_inputs
+from batchd.kernels._backend import resolve_backend
+from batchd.kernels.fused_mlp.reference import fused_mlp_reference
+from batchd.kernels.small_matmul import check_fusion_inputs, check_linear_inputs
 
 
 def fused_mlp_wanted(hidden: int, intermediate: int, dtype: torch.dtype) -> bool:
@@ -38,11 +38,11 @@ def fused_mlp_wanted(hidden: int, intermediate: int, dtype: torch.dtype) -> bool
         return False
     if switch == "1":
         return True
-    from kernels._backend import triton_available
+    from batchd.kernels._backend import triton_available
 
     if not triton_available():
         return False
-    from kernels.fused_mlp.triton_kernel import measured_faster
+    from batchd.kernels.fused_mlp.triton_kernel import measured_faster
 
     return measured_faster(intermediate, hidden, dtype)
 
@@ -88,7 +88,7 @@ def fused_mlp(
     if resolve_backend(backend, x.device) == "reference":
         return fused_mlp_reference(x, row_sumsq, gate_up, down_t, residual, eps=eps,
                                    emit_norm_weight=emit_norm_weight)
-    from kernels.fused_mlp.triton_kernel import fused_mlp_triton
+    from batchd.kernels.fused_mlp.triton_kernel import fused_mlp_triton
 
     return fused_mlp_triton(x, row_sumsq, gate_up, down_t, residual, eps=eps, emit_norm_weight=emit_norm_weight,
                             settled=settled, config=config)

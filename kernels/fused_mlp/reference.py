@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.small_matmul.reference import norm_inputs_reference, small_linear_reference
+from batchd.kernels.small_matmul.reference import norm_inputs_reference, small_linear_reference
 
 
 def fused_mlp_reference(

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from kernels.stream_linear import (CONSUMER_WARPS, MAX_ROWS, MAX_SHARED_MEM, THREADS, X_STAGE_BYTES, M_BUCKETS,
+from batchd.kernels.stream_linear import (CONSUMER_WARPS, MAX_ROWS, MAX_SHARED_MEM, THREADS, X_STAGE_BYTES, M_BUCKETS,
                                    StreamPlan, check_cuda_operands, chunk_units_for, compile_stream_kernels,
                                    ring_slots, trace_rows)
 
@@ -77,7 +77,7 @@ def stream_mlp_partials(
 ) -> torch.Tensor:
     """-> part [G, M, H] f32, G = min(ctas or multiprocessors, I): slice b's sum of act down_t.
     Shapes are validated by kernels.fused_mlp.fused_mlp; this checks what only the CUDA kernel needs."""
-    from kernels._backend import multiprocessor_count, pdl_enabled
+    from batchd.kernels._backend import multiprocessor_count, pdl_enabled
 
     check_cuda_operands(x, "the stream MLP")
     x = x.contiguous()      # read at a row pitch of H

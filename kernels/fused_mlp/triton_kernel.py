@@ -30,11 +30,11 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._backend import (early_reads_enabled, interpreting, launch_options, multiprocessor_count,
+from batchd.kernels._backend import (early_reads_enabled, interpreting, launch_options, multiprocessor_count,
                               patch_interpreter_index, pdl_enabled, pdl_trigger_point)
-from kernels._pdl import pdl_trigger, pdl_wait
-from kernels._trace import END, START, WAITED, trace_args, trace_mark
-from kernels.small_matmul.triton_kernel import (BLOCK_M, dot_flags, reduce_epilogue_inputs, silu_mul_rounded,
+from batchd.kernels._pdl import pdl_trigger, pdl_wait
+from batchd.kernels._trace import END, START, WAITED, trace_args, trace_mark
+from batchd.kernels.small_matmul.triton_kernel import (BLOCK_M, dot_flags, reduce_epilogue_inputs, silu_mul_rounded,
                                                store_reduced_row)
 
 if interpreting():
@@ -281,7 +281,7 @@ def fused_mlp_triton(
     config: FusedMlpConfig | None = None,
 ):
     """Shapes are validated by the public wrapper. -> out [M, H], or (out, NormInputs)."""
-    from kernels.small_matmul.reference import NormInputs
+    from batchd.kernels.small_matmul.reference import NormInputs
 
     M, H = x.shape
     I = down_t.shape[0]
@@ -289,7 +289,7 @@ def fused_mlp_triton(
         config = choose_mlp_config(I, H, x.dtype, x.device)
     pdl = pdl_enabled(x.device)
     if config.stream:
-        from kernels.fused_mlp.stream_kernel import stream_mlp_partials
+        from batchd.kernels.fused_mlp.stream_kernel import stream_mlp_partials
 
         part = stream_mlp_partials(x, row_sumsq, gate_up, down_t, eps=eps, ring_bytes=config.ring_kb << 10,
                                    ctas=config.programs)

@@ -6,8 +6,8 @@ x, residual: [..., H] (rows contiguous); weight [H]; statistics in float32.
 """
 from __future__ import annotations
 
-from kernels._backend import resolve_backend
-from kernels.rms_norm.reference import rms_norm_reference
+from batchd.kernels._backend import resolve_backend
+from batchd.kernels.rms_norm.reference import rms_norm_reference
 
 
 def rms_norm(x, weight, eps: float, residual=None, *, backend: str = "auto"):
@@ -17,7 +17,7 @@ def rms_norm(x, weight, eps: float, residual=None, *, backend: str = "auto"):
         raise ValueError(f"residual {list(residual.shape)} and x {list(x.shape)} differ")
     if resolve_backend(backend, x.device) == "reference" or x.dtype != weight.dtype:
         return rms_norm_reference(x, weight, eps, residual)
-    from kernels.rms_norm.triton_kernel import rms_norm_triton
+    from batchd.kernels.rms_norm.triton_kernel import rms_norm_triton
 
     return rms_norm_triton(x.contiguous(), weight, eps, None if residual is None else residual.contiguous())
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels._backend import resolve_backend
-from kernels.rope_cache.reference import rope_and_store_reference
+from batchd.kernels._backend import resolve_backend
+from batchd.kernels.rope_cache.reference import rope_and_store_reference
 
 
 def check_rope_inputs(B: int, T: int, width: int, cos, sin, positions, k_cache, v_cache, num_heads: int,
@@ -40,7 +40,7 @@ def rope_and_store(qkv, cos, sin, positions, k_cache, v_cache, num_heads: int, n
     if resolve_backend(backend, qkv.device) == "reference" or qkv.stride(-1) != 1 or qkv.dtype != k_cache.dtype:
         return rope_and_store_reference(qkv, cos, sin, positions, k_cache, v_cache, num_heads, num_kv_heads,
                                         q_norm, k_norm, eps)
-    from kernels.rope_cache.triton_kernel import rope_and_store_triton
+    from batchd.kernels.rope_cache.triton_kernel import rope_and_store_triton
 
     return rope_and_store_triton(qkv.contiguous(), cos.contiguous(), sin.contiguous(), positions, k_cache, v_cache,
                                  num_heads, num_kv_heads, q_norm, k_norm, eps)

@@ -11,8 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._backend import interpreting, launch_options, patch_interpreter_index, pdl_enabled
-from kernels._pdl import AFTER_WAIT, pdl_wait
+from batchd.kernels._backend import interpreting, launch_options, patch_interpreter_index, pdl_enabled
+from batchd.kernels._pdl import AFTER_WAIT, pdl_wait
 
 if interpreting():
     patch_interpreter_index()

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels._backend import resolve_backend
-from kernels.small_matmul.reference import NormInputs, norm_inputs_reference, small_linear_reference
+from batchd.kernels._backend import resolve_backend
+from batchd.kernels.small_matmul.reference import NormInputs, norm_inputs_reference, small_linear_reference
 
 MAX_ROWS = 32
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -107,7 +107,7 @@ def small_linear(
     kwargs = dict(row_sumsq=row_sumsq, eps=eps, residual=residual, gated=gated, emit_norm_weight=emit_norm_weight)
     if resolve_backend(backend, x.device) == "reference":
         return small_linear_reference(x, weight, bias, **kwargs)
-    from kernels.small_matmul.triton_kernel import small_linear_triton
+    from batchd.kernels.small_matmul.triton_kernel import small_linear_triton
 
     return small_linear_triton(x, weight, bias, settled=settled, **kwargs)
 
@@ -131,7 +131,7 @@ def qkv_rope_and_store(
     launches; the bits are the same either way. settled=True (every decode layer but the first,
     whose tables the launch just before writes) lets the epilogue's table reads run before the
     kernel waits on that launch (kernels._pdl, "Settled inputs")."""
-    from kernels.rope_cache import check_rope_inputs, rope_and_store
+    from batchd.kernels.rope_cache import check_rope_inputs, rope_and_store
 
     check_linear_inputs(x, weight, bias)
     check_fusion_inputs(x, weight, bias, row_sumsq, None, False, None)
@@ -140,7 +140,7 @@ def qkv_rope_and_store(
         raise ValueError(f"x has {x.shape[0]} rows, not a multiple of the caches' batch {B}")
     check_rope_inputs(B, T, weight.shape[0], cos, sin, positions, k_cache, v_cache, num_heads, num_kv_heads)
     if resolve_backend(backend, x.device) == "triton" and x.dtype == k_cache.dtype:
-        from kernels.small_matmul.triton_kernel import RopeTarget, choose_config, rope_fits, small_linear_triton
+        from batchd.kernels.small_matmul.triton_kernel import RopeTarget, choose_config, rope_fits, small_linear_triton
 
         N, K = weight.shape
         config = choose_config(N, K, x.dtype, x.device)
@@ -159,7 +159,7 @@ def norm_inputs(h: torch.Tensor, norm_weight: torch.Tensor, *, backend: str = "a
         raise ValueError(f"expected h [M, K] and norm_weight [K], got {list(h.shape)}, {list(norm_weight.shape)}")
     if resolve_backend(backend, h.device) == "reference" or h.dtype != norm_weight.dtype:
         return norm_inputs_reference(h, norm_weight)
-    from kernels.small_matmul.triton_kernel import norm_inputs_triton
+    from batchd.kernels.small_matmul.triton_kernel import norm_inputs_triton
 
     return norm_inputs_triton(h.contiguous(), norm_weight)
 

@@ -39,11 +39,11 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._backend import (early_reads_enabled, interpreting, launch_options, multiprocessor_count,
+from batchd.kernels._backend import (early_reads_enabled, interpreting, launch_options, multiprocessor_count,
                               patch_interpreter_index, pdl_enabled, pdl_trigger_point)
-from kernels._pdl import AFTER_WAIT, pdl_trigger, pdl_wait
-from kernels._trace import END, START, WAITED, trace_args, trace_mark
-from kernels.rope_cache.triton_kernel import rope_rows_at, rotate_with
+from batchd.kernels._pdl import AFTER_WAIT, pdl_trigger, pdl_wait
+from batchd.kernels._trace import END, START, WAITED, trace_args, trace_mark
+from batchd.kernels.rope_cache.triton_kernel import rope_rows_at, rotate_with
 
 BLOCK_M = 16
 REDUCE_BLOCK = 1024
@@ -198,7 +198,7 @@ def choose_config(N: int, K: int, dtype: torch.dtype, device: torch.device, *, g
 
 def stream_runs(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether a `stream=True` config can run here: kernels.stream_linear on an sm_90+ GPU, bf16/f16."""
-    from kernels.stream_linear import cuda_supported
+    from batchd.kernels.stream_linear import cuda_supported
 
     return not interpreting() and dtype in (torch.bfloat16, torch.float16) and cuda_supported(device)
 
@@ -630,7 +630,7 @@ def norm_row(h, NormW, Weighted, SumSq, row, K, offs, ok):
 
 def norm_inputs_triton(h: torch.Tensor, norm_weight: torch.Tensor):
     """h [M, K] -> NormInputs(norm_weight * h, sums of squares [1, M]), one program per row."""
-    from kernels.small_matmul.reference import NormInputs
+    from batchd.kernels.small_matmul.reference import NormInputs
 
     M, K = h.shape
     weighted = torch.empty_like(h)
@@ -706,14 +706,14 @@ def small_linear_triton(
     "Settled inputs").
     -> out [M, N], or (out, NormInputs) with emit_norm_weight, or rotated q [B, Hq, T, D] with rope
     (the caller checks `rope_fits` first)."""
-    from kernels.small_matmul.reference import NormInputs
+    from batchd.kernels.small_matmul.reference import NormInputs
 
     M, K = x.shape
     N = weight.shape[0] // 2 if gated else weight.shape[0]
     if config is None:
         config = choose_config(N, K, x.dtype, x.device, gated=gated)
     if config.stream:
-        from kernels.stream_linear import stream_linear
+        from batchd.kernels.stream_linear import stream_linear
 
         return stream_linear(x, weight, bias, row_sumsq=row_sumsq, eps=eps, residual=residual, gated=gated,
                              emit_norm_weight=emit_norm_weight, ring_bytes=config.ring_kb * 1024,

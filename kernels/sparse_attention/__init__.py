@@ -27,15 +27,15 @@ import math
 
 import torch
 
-from kernels._backend import resolve_backend, seq_len_tensor
-from kernels.decode_attention import check_attention_inputs, decode_attention
-from kernels.sparse_attention.reference import (
+from batchd.kernels._backend import resolve_backend, seq_len_tensor
+from batchd.kernels.decode_attention import check_attention_inputs, decode_attention
+from batchd.kernels.sparse_attention.reference import (
     block_scores_reference,
     select_from_scores,
     selection_visibility,
     sparse_attention_reference,
 )
-from kernels.sparse_attention.summary import BlockKeySummary
+from batchd.kernels.sparse_attention.summary import BlockKeySummary
 
 
 def keep_all_rows(top_k: int, block_size: int) -> int:
@@ -83,7 +83,7 @@ def select_blocks(
     if resolve_backend(backend, q.device) == "reference":
         scores = block_scores_reference(q, summary.kmin, summary.kmax, seq_len, summary.block_size, recent_blocks)
         return select_from_scores(scores, top_k, seq_len, keep_all)
-    from kernels.sparse_attention.triton_kernel import block_scores_triton, select_from_scores_triton
+    from batchd.kernels.sparse_attention.triton_kernel import block_scores_triton, select_from_scores_triton
 
     scores = block_scores_triton(q, summary.kmin, summary.kmax, seq_len, summary.block_size, recent_blocks)
     return select_from_scores_triton(scores, seq_len, top_k, keep_all)
@@ -111,7 +111,7 @@ def sparse_attention(
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     if resolve_backend(backend, q.device) == "reference":
         return sparse_attention_reference(q, k_cache, v_cache, seq_len, selected, block_size, scale)
-    from kernels.sparse_attention.triton_kernel import sparse_attention_triton
+    from batchd.kernels.sparse_attention.triton_kernel import sparse_attention_triton
 
     return sparse_attention_triton(q, k_cache, v_cache, seq_len, selected, block_size, scale)
 

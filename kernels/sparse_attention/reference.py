@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.decode_attention.reference import causal_visibility, masked_attention_reference
+from batchd.kernels.decode_attention.reference import causal_visibility, masked_attention_reference
 
 
 def lane_limits(seq_len: torch.Tensor, q_rows: int) -> torch.Tensor:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels._backend import resolve_backend
+from batchd.kernels._backend import resolve_backend
 
 
 class BlockKeySummary:
@@ -48,7 +48,7 @@ class BlockKeySummary:
         if not 0 <= old_len <= S_max or not 0 <= new_len <= S_max:
             raise ValueError(f"old_len ({old_len}) and new_len ({new_len}) must be in 0..{S_max}")
         if new_len > old_len and resolve_backend(backend, k_cache.device) == "triton":
-            from kernels.sparse_attention.triton_kernel import summary_update_triton
+            from batchd.kernels.sparse_attention.triton_kernel import summary_update_triton
 
             if k_cache.stride(-1) != 1:
                 raise ValueError(f"k_cache must be contiguous in its head dim, got strides {k_cache.stride()}")
@@ -73,7 +73,7 @@ class BlockKeySummary:
         """`update(k_cache, start, start + rows)` with `start` ([1] int64) read on the device, so a CUDA
         graph can replay it at any length. The caller keeps `length` in step (it is host state)."""
         if resolve_backend(backend, k_cache.device) == "triton":
-            from kernels.sparse_attention.triton_kernel import summary_update_at_triton
+            from batchd.kernels.sparse_attention.triton_kernel import summary_update_at_triton
 
             summary_update_at_triton(k_cache, self.kmin, self.kmax, self.block_size, start, rows)
             return

@@ -29,9 +29,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._backend import interpreting, launch_options, patch_interpreter_index, pdl_enabled
-from kernels._pdl import AFTER_WAIT, pdl_wait
-from kernels.decode_attention.triton_kernel import (
+from batchd.kernels._backend import interpreting, launch_options, patch_interpreter_index, pdl_enabled
+from batchd.kernels._pdl import AFTER_WAIT, pdl_wait
+from batchd.kernels.decode_attention.triton_kernel import (
     INVARIANT_Q_ROWS,
     attend_block,
     store_split,

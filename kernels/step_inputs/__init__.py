@@ -18,8 +18,8 @@ from typing import Optional
 
 import torch
 
-from kernels._backend import resolve_backend
-from kernels.step_inputs.reference import StepInputs, step_inputs_reference
+from batchd.kernels._backend import resolve_backend
+from batchd.kernels.step_inputs.reference import StepInputs, step_inputs_reference
 
 
 def step_inputs(tokens: torch.Tensor, start, embed_weight: torch.Tensor, rope_cos: torch.Tensor,
@@ -38,7 +38,7 @@ def step_inputs(tokens: torch.Tensor, start, embed_weight: torch.Tensor, rope_co
                     and rope_sin.is_contiguous() and (norm_weight is None or norm_weight.dtype == embed_weight.dtype))
     if resolve_backend(backend, tokens.device) == "reference" or not exact_layout:
         return step_inputs_reference(tokens, start, embed_weight, rope_cos, rope_sin, norm_weight)
-    from kernels.step_inputs.triton_kernel import step_inputs_triton
+    from batchd.kernels.step_inputs.triton_kernel import step_inputs_triton
 
     return step_inputs_triton(tokens, start, embed_weight, rope_cos, rope_sin, norm_weight)
 

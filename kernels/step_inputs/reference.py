@@ -6,7 +6,7 @@ from typing import NamedTuple, Optional
 import torch
 import torch.nn.functional as F
 
-from kernels.small_matmul.reference import NormInputs, norm_inputs_reference
+from batchd.kernels.small_matmul.reference import NormInputs, norm_inputs_reference
 
 
 class StepInputs(NamedTuple):

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from kernels.small_matmul.reference import NormInputs, small_linear_reference
+from batchd.kernels.small_matmul.reference import NormInputs, small_linear_reference
 
 MAX_ROWS = 32
 CONSUMER_WARPS = 8
@@ -165,7 +165,7 @@ def stream_linear(
     launch start (and its producer fill its ring) while this one still waits: the caller's promise
     that the next launch reads early nothing the launch before this one writes. "auto" runs the CUDA
     kernel on an sm_90+ GPU and the references elsewhere."""
-    from kernels.small_matmul import check_fusion_inputs, check_linear_inputs
+    from batchd.kernels.small_matmul import check_fusion_inputs, check_linear_inputs
 
     check_linear_inputs(x, weight[: weight.shape[0] // 2] if gated else weight, bias)
     check_fusion_inputs(x, weight, bias, row_sumsq, residual, gated, emit_norm_weight)
@@ -178,7 +178,7 @@ def stream_linear(
                                      emit_norm_weight=emit_norm_weight)
         if rope is None:
             return out
-        from kernels.rope_cache import rope_and_store
+        from batchd.kernels.rope_cache import rope_and_store
 
         return rope_and_store(out.view(rope.k_cache.shape[0], -1, out.shape[-1]), rope.cos, rope.sin, rope.positions,
                               rope.k_cache, rope.v_cache, rope.num_heads, rope.num_kv_heads, backend="reference")
@@ -234,7 +234,7 @@ def compile_stream_kernels(source: Path, prefix: str, device: torch.device, dtyp
     """The stream kernels of `source` (`{prefix}_m{bucket}` for every M bucket) for `device` and
     dtype, with the probes' launch switches, compiled at first use (kernels._cuda_launch caches per
     options). Both stream sources include this folder's stream_common.cuh and bulk_ring.cuh."""
-    from kernels._cuda_launch import compile_kernels
+    from batchd.kernels._cuda_launch import compile_kernels
 
     names = tuple(f"{prefix}_m{b}" for b in M_BUCKETS)
     defines, carveout = launch_switches()
@@ -252,11 +252,11 @@ def trace_rows(label: str, grid: int, any_tensor: torch.Tensor) -> tuple[int | N
     """(rows pointer, first row) in kernels._trace's open recorder, one row per CTA of a stream
     kernel, for bench/timeline.py; (None, 0) when none is open (or without triton, which _trace
     imports)."""
-    from kernels._backend import triton_available
+    from batchd.kernels._backend import triton_available
 
     if not triton_available():
         return None, 0
-    from kernels import _trace
+    from batchd.kernels import _trace
 
     args = _trace.trace_args(label, (grid,), any_tensor)
     return (args["Trace"].data_ptr(), args["trace_row"]) if args["TRACE"] else (None, 0)
@@ -280,7 +280,7 @@ def _rope_args(rope, M: int, dtype: torch.dtype, early: bool) -> tuple[torch.Ten
 
 def _launch(x, weight, bias, row_sumsq, eps, residual, gated, emit_norm_weight, ring_bytes, ctas_per_sm, rope=None,
             settled=False, trigger_at_start=False, min_shared_bytes=0, max_ctas=0):
-    from kernels._backend import early_reads_enabled, multiprocessor_count, pdl_enabled
+    from batchd.kernels._backend import early_reads_enabled, multiprocessor_count, pdl_enabled
 
     M, K = x.shape
     N = weight.shape[0] // 2 if gated or rope is not None else weight.shape[0]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.attention import attend_kernel_lanes
+from batchd.engine.attention import attend_kernel_lanes
 
 
 def test_seventeen_lanes_match_lower_right_causal_attention():

@@ -13,8 +13,8 @@ import torch
 from gguf import GGMLQuantizationType as QT
 from safetensors.torch import load_file, save_file
 
-from engine.checkpoint import load_checkpoint
-from engine.errors import CheckpointError
+from batchd.engine.checkpoint import load_checkpoint
+from batchd.engine.errors import CheckpointError
 from tests.engine.test_checkpoint_builders import tiny_hf_model, tiny_tokenizer, write_gguf, write_hf_folder
 
 

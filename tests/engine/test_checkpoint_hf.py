@@ -8,8 +8,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine.checkpoint import Checkpoint, load_checkpoint
-from engine.checkpoint.validate import expected_shapes
+from batchd.engine.checkpoint import Checkpoint, load_checkpoint
+from batchd.engine.checkpoint.validate import expected_shapes
 from tests.engine.test_checkpoint_builders import (CHAT_TEMPLATE, TEXT, hf_state_dict, tiny_hf_model,
                                                    tiny_tokenizer, write_hf_folder)
 

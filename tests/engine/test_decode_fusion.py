@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import model as model_module
-from engine.kv_cache import KVCache
+from batchd.engine import model as model_module
+from batchd.engine.kv_cache import KVCache
 from tests.engine.tiny_models import hf_model, ours_from_hf
 
 pytest.importorskip("transformers")

@@ -4,10 +4,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.errors import BadInputError, PromptTooLongError
-from engine.runtime import Engine
-from engine.generate import TokenOutput
-from engine.types import GenerationRequest, SamplingParams, Telemetry
+from batchd.engine.errors import BadInputError, PromptTooLongError
+from batchd.engine.runtime import Engine
+from batchd.engine.generate import TokenOutput
+from batchd.engine.types import GenerationRequest, SamplingParams, Telemetry
 from tests.engine.tiny_models import ARCHITECTURES, hf_model, ours_from_hf
 
 pytest.importorskip("transformers")
@@ -113,9 +113,9 @@ def test_second_job_matches_fresh_engine():
 def test_batched_late_read_back_keeps_ids_budget_and_stops(sync_every, read_lag):
     """The CUDA loop's read-back schedule (batches of sync_every ids, read read_lag steps late),
     forced on the CPU: the same ids, the budget to the token, EOS and the full cache in time."""
-    from engine.generate import generate_plain
-    from engine.sampling import Sampler
-    from engine.stopping import StopChecker
+    from batchd.engine.generate import generate_plain
+    from batchd.engine.sampling import Sampler
+    from batchd.engine.stopping import StopChecker
 
     _, engine = tiny_engine("llama", max_context=len(PROMPT) + 20)
 

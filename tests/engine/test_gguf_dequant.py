@@ -11,7 +11,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as QT
 
-from engine.checkpoint import dequant
+from batchd.engine.checkpoint import dequant
 from tests.engine.test_checkpoint_builders import random_blocks
 
 QUANTISABLE = [QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q8_0, QT.BF16]

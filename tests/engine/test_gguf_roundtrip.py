@@ -10,8 +10,8 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as QT
 
-from engine.checkpoint import load_checkpoint
-from engine.checkpoint.gguf_file import llama3_rope_factors
+from batchd.engine.checkpoint import load_checkpoint
+from batchd.engine.checkpoint.gguf_file import llama3_rope_factors
 from tests.engine.test_checkpoint_builders import (CHAT_TEMPLATE, TEXT, hf_state_dict, quantize_like_gguf,
                                                    tiny_hf_model, tiny_tokenizer, write_gguf, write_hf_folder)
 

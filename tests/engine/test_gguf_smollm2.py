@@ -12,8 +12,8 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as QT
 
-from engine.checkpoint import load_checkpoint
-from engine.checkpoint.gguf_file import hf_name, read_gguf
+from batchd.engine.checkpoint import load_checkpoint
+from batchd.engine.checkpoint.gguf_file import hf_name, read_gguf
 
 SMOLLM2_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 

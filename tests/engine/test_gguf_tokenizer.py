@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine.checkpoint import load_checkpoint
-from engine.checkpoint.gguf_tokenizer import build_tokenizer
+from batchd.engine.checkpoint import load_checkpoint
+from batchd.engine.checkpoint.gguf_tokenizer import build_tokenizer
 from tests.engine.test_checkpoint_builders import TEXT, tiny_hf_model, tiny_tokenizer, tokenizer_metadata, write_gguf
 
 SAMPLES = [

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.presets import preset
-from engine.runtime import Engine, build_model
-from engine.types import GenerationRequest, SamplingParams
+from batchd.engine.presets import preset
+from batchd.engine.runtime import Engine, build_model
+from batchd.engine.types import GenerationRequest, SamplingParams
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -36,7 +36,7 @@ def test_graph_replay_matches_eager_steps(model):
 
 
 def test_greedy_chain_and_plain_graph_give_the_same_ids(model, monkeypatch):
-    from engine.step import StepRunner
+    from batchd.engine.step import StepRunner
 
     chained = Engine(model, None, max_context=1024, eos_ids=set())
     plain = Engine(model, None, max_context=1024, eos_ids=set())
@@ -78,7 +78,7 @@ def test_verify_rows_equal_decode_steps_bitwise(shape, width, mlp, monkeypatch):
     very logits that one-token decode produces at that position (batch-invariant projections,
     fixed attention splits), with the MLP as the chain of small_matmul launches (the default), as
     kernels.fused_mlp (BATCHD_FUSED_MLP=1), or as its bulk-copy stream kernel (a stream config)."""
-    from kernels.fused_mlp import triton_kernel as mlp_kernel
+    from batchd.kernels.fused_mlp import triton_kernel as mlp_kernel
 
     monkeypatch.setenv("BATCHD_FUSED_MLP", "0" if mlp == "chain" else "1")
     config = preset(shape)

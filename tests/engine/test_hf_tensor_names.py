@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.config import ModelConfig
-from engine.model import Transformer, fuse_hf_tensors, unfuse_hf_tensors
+from batchd.engine.config import ModelConfig
+from batchd.engine.model import Transformer, fuse_hf_tensors, unfuse_hf_tensors
 from tests.engine.tiny_models import hf_model
 
 

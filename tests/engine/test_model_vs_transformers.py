@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.kv_cache import KVCache
+from batchd.engine.kv_cache import KVCache
 from tests.engine.tiny_models import ARCHITECTURES, hf_model, ours_from_hf
 
 pytest.importorskip("transformers")

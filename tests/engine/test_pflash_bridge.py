@@ -8,9 +8,9 @@ import pytest
 import torch
 from tokenizers import Tokenizer
 
-from engine.pflash.bridge import drafter_view, kept_text, same_tokenizer, target_ids_after, token_bounds
-from engine.pflash.selection import SelectionParams, chunk_spans, select_chunks
-from engine.text import TextCodec
+from batchd.engine.pflash.bridge import drafter_view, kept_text, same_tokenizer, target_ids_after, token_bounds
+from batchd.engine.pflash.selection import SelectionParams, chunk_spans, select_chunks
+from batchd.engine.text import TextCodec
 from tests.engine.test_pflash_helpers import llama3_tokenizer_json, long_paper_text, smollm2_folder
 
 QUESTION = "\n\nQuestion: which datasets does the paper evaluate on, and what is the main result?"

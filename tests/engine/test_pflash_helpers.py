@@ -39,7 +39,7 @@ NEEDLE_DEPTHS = (0.02, 0.20, 0.50, 0.80, 0.98)
 
 @functools.cache
 def smollm2_folder() -> Path:
-    from engine.checkpoint import load_checkpoint
+    from batchd.engine.checkpoint import load_checkpoint
 
     ckpt = load_checkpoint(smollm2_gguf_path(), dtype=torch.float32)
     folder = Path(tempfile.mkdtemp(prefix="batchd-smollm2-hf-"))

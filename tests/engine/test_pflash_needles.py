@@ -16,9 +16,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.pflash import compress_for_request
-from engine.runtime import Engine
-from engine.types import CompressionOptions, GenerationRequest, Telemetry
+from batchd.engine.pflash import compress_for_request
+from batchd.engine.runtime import Engine
+from batchd.engine.types import CompressionOptions, GenerationRequest, Telemetry
 from tests.engine.test_pflash_helpers import NEEDLES, document_with_needles, smollm2_folder
 
 DOCUMENT_TOKENS = 7600  # + the questions: under SmolLM2's 8192-token context with the answers

@@ -6,8 +6,8 @@ import math
 import pytest
 import torch
 
-from engine.pflash.scoring import score_prompt, score_tail_queries_torch
-from engine.pflash.selection import (
+from batchd.engine.pflash.scoring import score_prompt, score_tail_queries_torch
+from batchd.engine.pflash.selection import (
     SelectionParams,
     chunk_scores,
     head_and_tail,

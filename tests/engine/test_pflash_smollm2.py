@@ -7,12 +7,12 @@ import json
 
 import pytest
 
-from engine.capabilities import check_features
-from engine.config import ModelConfig
-from engine.errors import UnsupportedFeatureError
-from engine.pflash import compress_for_request, compressor_for
-from engine.runtime import Engine
-from engine.types import CompressionOptions, GenerationRequest, SamplingParams, Telemetry
+from batchd.engine.capabilities import check_features
+from batchd.engine.config import ModelConfig
+from batchd.engine.errors import UnsupportedFeatureError
+from batchd.engine.pflash import compress_for_request, compressor_for
+from batchd.engine.runtime import Engine
+from batchd.engine.types import CompressionOptions, GenerationRequest, SamplingParams, Telemetry
 from tests.engine.test_pflash_helpers import llama3_tokenizer_json, long_paper_text, smollm2_folder, tiny_drafter
 
 QUESTION = "Question: what problem does this paper address, and which method does it propose?"
@@ -170,7 +170,7 @@ def test_fingerprint_names_the_compression_drafter_of_compressed_jobs_only(engin
     """A compressed job's output depends on the drafter's weights: their hash is in its fingerprint."""
     from pathlib import Path
 
-    from engine.checkpoint.base import files_sha256
+    from batchd.engine.checkpoint.base import files_sha256
 
     def fingerprint_after(words: int, mode: str) -> dict:
         request = GenerationRequest(prompt=paper_prompt(words), chat=True, compression=CompressionOptions(

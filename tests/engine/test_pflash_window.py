@@ -6,10 +6,10 @@ import random
 import pytest
 import torch
 
-from engine.attention import attend
-from engine.kv_cache import KVCache
-from engine.pflash.scoring import score_prompt, score_tail
-from engine.pflash.window import ScoringWindow, prefill_windowed
+from batchd.engine.attention import attend
+from batchd.engine.kv_cache import KVCache
+from batchd.engine.pflash.scoring import score_prompt, score_tail
+from batchd.engine.pflash.window import ScoringWindow, prefill_windowed
 from tests.engine.tiny_models import hf_model, ours_from_hf
 
 SMALL = ScoringWindow(window=32, block=16, sink=4)  # exact up to 48 tokens
@@ -110,9 +110,9 @@ def test_bad_windows_are_refused(bad):
 
 
 def test_the_compressor_scores_long_prompts_windowed_and_says_so(tmp_path):
-    from engine.pflash import PromptCompressor
-    from engine.runtime import Engine
-    from engine.types import CompressionOptions, Telemetry
+    from batchd.engine.pflash import PromptCompressor
+    from batchd.engine.runtime import Engine
+    from batchd.engine.types import CompressionOptions, Telemetry
     from tests.engine.test_pflash_helpers import llama3_tokenizer_json, tiny_drafter
 
     engine = Engine.load(str(tiny_drafter(tmp_path / "tiny", llama3_tokenizer_json())), max_context=1024)
@@ -129,9 +129,9 @@ def test_the_compressor_scores_long_prompts_windowed_and_says_so(tmp_path):
 
 
 def test_fingerprint_tells_how_long_prompts_were_scored():
-    from engine.pflash import PromptCompressor, ScoringWindow, set_compressor
-    from engine.runtime import Engine
-    from engine.types import CompressionOptions, GenerationRequest
+    from batchd.engine.pflash import PromptCompressor, ScoringWindow, set_compressor
+    from batchd.engine.runtime import Engine
+    from batchd.engine.types import CompressionOptions, GenerationRequest
     from tests.engine.tiny_models import hf_model, ours_from_hf
 
     engine = Engine(ours_from_hf(hf_model("llama")), None, max_context=256, eos_ids=set())

@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.errors import CheckpointError, EngineError
-from engine.pflash import PromptCompressor, ensure_target_resident, set_compressor
-from engine.checkpoint import load_checkpoint
-from engine.residency import DrafterError, Residency, TargetRestoreError, drafter_bytes_needed
-from engine.runtime import Engine
-from engine.types import CompressionOptions, GenerationRequest, SamplingParams
+from batchd.engine.errors import CheckpointError, EngineError
+from batchd.engine.pflash import PromptCompressor, ensure_target_resident, set_compressor
+from batchd.engine.checkpoint import load_checkpoint
+from batchd.engine.residency import DrafterError, Residency, TargetRestoreError, drafter_bytes_needed
+from batchd.engine.runtime import Engine
+from batchd.engine.types import CompressionOptions, GenerationRequest, SamplingParams
 from tests.engine.test_pflash_helpers import llama3_tokenizer_json, long_paper_text, smollm2_folder, tiny_drafter
 
 PLAIN_JOB = GenerationRequest(prompt="Name three planets of the solar system.", chat=True,

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.runtime import Engine
-from engine.types import GenerationRequest, SamplingParams
+from batchd.engine.runtime import Engine
+from batchd.engine.types import GenerationRequest, SamplingParams
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")  # transformers needs it to read GGUF

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.runtime import Engine
-from engine.types import GenerationRequest, SamplingParams
+from batchd.engine.runtime import Engine
+from batchd.engine.types import GenerationRequest, SamplingParams
 from tests.engine.tiny_models import hf_model, ours_from_hf
 
 pytest.importorskip("transformers")

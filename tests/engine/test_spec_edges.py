@@ -7,17 +7,17 @@ import torch
 from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
 
-from engine.errors import BadInputError
-from engine.generate import generate_plain
-from engine.runtime import Engine
-from engine.sampling import Sampler
-from engine.speculative import (PromptLookupProposer, WidthPolicy, generate_speculative, register_drafter,
+from batchd.engine.errors import BadInputError
+from batchd.engine.generate import generate_plain
+from batchd.engine.runtime import Engine
+from batchd.engine.sampling import Sampler
+from batchd.engine.speculative import (PromptLookupProposer, WidthPolicy, generate_speculative, register_drafter,
                                 self_drafter, truncated_drafter)
-from engine.speculative.adaptive import best_width
-from engine.speculative.decode import make_proposer
-from engine.stopping import StopChecker
-from engine.text import TextCodec
-from engine.types import GenerationRequest, SamplingParams, SpeculationOptions, Telemetry
+from batchd.engine.speculative.adaptive import best_width
+from batchd.engine.speculative.decode import make_proposer
+from batchd.engine.stopping import StopChecker
+from batchd.engine.text import TextCodec
+from batchd.engine.types import GenerationRequest, SamplingParams, SpeculationOptions, Telemetry
 from tests.engine.tiny_models import TINY, hf_model, ours_from_hf
 
 pytest.importorskip("transformers")

@@ -8,13 +8,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.presets import preset
-from engine.runtime import Engine
-from engine.sampling import Sampler
-from engine.speculative import (PromptLookupProposer, generate_speculative, register_drafter, self_drafter,
+from batchd.engine.presets import preset
+from batchd.engine.runtime import Engine
+from batchd.engine.sampling import Sampler
+from batchd.engine.speculative import (PromptLookupProposer, generate_speculative, register_drafter, self_drafter,
                                 truncated_drafter)
-from engine.stopping import StopChecker
-from engine.types import GenerationRequest, SamplingParams, SpeculationOptions, Telemetry
+from batchd.engine.stopping import StopChecker
+from batchd.engine.types import GenerationRequest, SamplingParams, SpeculationOptions, Telemetry
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

@@ -13,10 +13,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine import linear
-from engine.kv_cache import KVCache
-from engine.linear import project
-from engine.speculative.verify import certified_argmax
+from batchd.engine import linear
+from batchd.engine.kv_cache import KVCache
+from batchd.engine.linear import project
+from batchd.engine.speculative.verify import certified_argmax
 from tests.engine.tiny_models import ARCHITECTURES, hf_model, ours_from_hf
 
 pytest.importorskip("transformers")

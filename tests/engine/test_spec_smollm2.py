@@ -13,8 +13,8 @@ import functools
 import pytest
 
 from batchd.samples import aclsum_papers
-from engine.runtime import Engine
-from engine.types import GenerationRequest, SamplingParams, SpeculationOptions
+from batchd.engine.runtime import Engine
+from batchd.engine.types import GenerationRequest, SamplingParams, SpeculationOptions
 
 WIDTHS = [1, 2, 4, 8, 16]
 MAX_NEW_TOKENS = 24

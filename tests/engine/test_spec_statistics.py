@@ -12,9 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.sampling import Sampler
-from engine.speculative.verify import accept_min_ratio, rejection_sample
-from engine.types import SamplingParams
+from batchd.engine.sampling import Sampler
+from batchd.engine.speculative.verify import accept_min_ratio, rejection_sample
+from batchd.engine.types import SamplingParams
 
 V, POSITIONS, WIDTH, RUNS = 12, 4, 3, 6000
 

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.config import ModelConfig
-from engine.model import Transformer
+from batchd.engine.config import ModelConfig
+from batchd.engine.model import Transformer
 
 TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)

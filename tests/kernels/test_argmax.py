@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.argmax import argmax_rows, argmax_rows_reference
+from batchd.kernels.argmax import argmax_rows, argmax_rows_reference
 from tests.kernels.conftest import DEVICE, needs_triton
 
 
@@ -22,7 +22,7 @@ def test_matches_torch_argmax(M, V, dtype):
 @needs_triton
 @pytest.mark.triton
 def test_ties_take_the_first_index_across_blocks():
-    from kernels.argmax.triton_kernel import BLOCK
+    from batchd.kernels.argmax.triton_kernel import BLOCK
 
     logits = torch.zeros(4, 3 * BLOCK + 5).to(DEVICE)
     logits[0, [7, BLOCK + 1, 2 * BLOCK]] = 3.0          # the same maximum in three blocks
@@ -43,8 +43,8 @@ def test_bad_shape_says_what_was_given():
 @pytest.mark.triton
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])
 def test_pick_and_advance_records_feeds_and_advances(dtype):
-    from kernels.argmax import pick_and_advance
-    from kernels.argmax.triton_kernel import BLOCK
+    from batchd.kernels.argmax import pick_and_advance
+    from batchd.kernels.argmax.triton_kernel import BLOCK
 
     logits = torch.randn(1, 2 * BLOCK + 3, generator=torch.Generator().manual_seed(1)).to(dtype).to(DEVICE)
     results = []
@@ -59,7 +59,7 @@ def test_pick_and_advance_records_feeds_and_advances(dtype):
 
 
 def test_pick_and_advance_wants_one_row():
-    from kernels.argmax import pick_and_advance
+    from batchd.kernels.argmax import pick_and_advance
 
     with pytest.raises(ValueError, match=r"one row \[1, V\]"):
         pick_and_advance(torch.zeros(2, 5), torch.zeros(4, dtype=torch.long), torch.zeros(1, dtype=torch.long),

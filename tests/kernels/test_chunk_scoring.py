@@ -6,8 +6,8 @@ import math
 import pytest
 import torch
 
-from kernels import score_tail_queries
-from kernels.chunk_scoring import score_tail_queries_reference
+from batchd.kernels import score_tail_queries
+from batchd.kernels.chunk_scoring import score_tail_queries_reference
 from tests.kernels.conftest import DEVICE, needs_triton, rel_err
 
 

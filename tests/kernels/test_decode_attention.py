@@ -6,8 +6,8 @@ import math
 import pytest
 import torch
 
-from kernels import decode_attention
-from kernels.decode_attention import decode_attention_reference
+from batchd.kernels import decode_attention
+from batchd.kernels.decode_attention import decode_attention_reference
 from tests.kernels.conftest import DEVICE, REL_ERR, needs_triton, rel_err
 
 
@@ -142,7 +142,7 @@ def test_settled_rows_read_early_change_no_bits(QR, lengths, monkeypatch):
     """settled=True reads seq_len and each split's first block of older rows before the wait and
     only the QR new rows after it (new rows inside and across a block edge, splits of one and of
     several blocks): the same bits as settled=False and as BATCHD_EARLY_READS=0."""
-    from kernels.decode_attention.triton_kernel import decode_attention_triton
+    from batchd.kernels.decode_attention.triton_kernel import decode_attention_triton
 
     q, k, v = make(2, 4, 2, QR, 32, 96, torch.bfloat16, seed=4)
     seq_len = torch.tensor(lengths, device=DEVICE)
@@ -176,7 +176,7 @@ def test_cuda_settled_rows_change_no_bits_at_qwen_shape(QR, monkeypatch):
 def test_default_splits_stop_at_max_splits(monkeypatch):
     """default_num_splits: four programs per multiprocessor, no more splits than key blocks, and
     never more than MAX_SPLITS (what bench/step_sweep.py attn_splits=N sets)."""
-    from kernels.decode_attention import triton_kernel
+    from batchd.kernels.decode_attention import triton_kernel
 
     cpu = torch.device("cpu")                      # counts as 4 multiprocessors
     assert triton_kernel.MAX_SPLITS == 132
@@ -192,7 +192,7 @@ def test_merge_columns_split_changes_no_bits(columns, monkeypatch):
     """The merge's programs may take a head's output columns in slices (MERGE_COLUMNS): each
     column's weights and sums are the same arithmetic, so the output is the same bits whatever the
     slice (D = 64 and 48, the latter not a multiple of the slice)."""
-    from kernels.decode_attention import triton_kernel
+    from batchd.kernels.decode_attention import triton_kernel
 
     for D in (64, 48):
         g = torch.Generator().manual_seed(D)

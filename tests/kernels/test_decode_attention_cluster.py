@@ -8,9 +8,9 @@ import ctypes
 import pytest
 import torch
 
-from kernels import decode_attention
-from kernels.decode_attention import cluster_kernel, decode_attention_reference
-from kernels.stream_linear import cuda_supported
+from batchd.kernels import decode_attention
+from batchd.kernels.decode_attention import cluster_kernel, decode_attention_reference
+from batchd.kernels.stream_linear import cuda_supported
 from tests.kernels.conftest import REL_ERR, rel_err
 
 SM90 = torch.cuda.is_available() and cuda_supported(torch.device("cuda"))

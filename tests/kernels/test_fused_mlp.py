@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.fused_mlp import check_mlp_inputs, fused_mlp, fused_mlp_reference, fused_mlp_wanted
-from kernels.small_matmul.reference import norm_inputs_reference
+from batchd.kernels.fused_mlp import check_mlp_inputs, fused_mlp, fused_mlp_reference, fused_mlp_wanted
+from batchd.kernels.small_matmul.reference import norm_inputs_reference
 from tests.kernels.conftest import DEVICE, REL_ERR, needs_triton, rel_err
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -32,7 +32,7 @@ def make(M, H, I, dtype, seed=0, device=DEVICE):
 
 
 def config(programs, block=32, remainder=True):
-    from kernels.fused_mlp.triton_kernel import FusedMlpConfig
+    from batchd.kernels.fused_mlp.triton_kernel import FusedMlpConfig
 
     return FusedMlpConfig(programs=programs, block_k=block, block_n=block, num_stages=2, reduce_block=32,
                           remainder=remainder)
@@ -107,7 +107,7 @@ def test_act_rows_match_the_gated_projection():
     """The slice's silu(gate) * up is the gated small_linear's, bit for bit (the same k steps in the
     interpreter), so the fused and chained MLPs differ only in how down's sums are ordered: with
     down = identity rows the outputs agree."""
-    from kernels.small_matmul import small_linear
+    from batchd.kernels.small_matmul import small_linear
 
     M, H = 3, 64
     x, sumsq, gate_up, _, residual, _ = make(M, H, H, torch.float32, seed=2)
@@ -168,7 +168,7 @@ def test_cuda_model_shapes_in_a_graph(shape):
 # ---- the bulk-copy stream kernel (kernels/fused_mlp/stream_mlp.cu) ----
 
 def stream_config(ring_kb=128):
-    from kernels.fused_mlp.triton_kernel import FusedMlpConfig
+    from batchd.kernels.fused_mlp.triton_kernel import FusedMlpConfig
 
     return FusedMlpConfig(stream=True, ring_kb=ring_kb)
 
@@ -176,8 +176,8 @@ def stream_config(ring_kb=128):
 @pytest.mark.parametrize("M, I, H", [(1, 8960, 1536), (17, 8960, 1536), (32, 8960, 1536), (17, 14336, 4096),
                                      (1, 1536, 576), (3, 40, 64)])
 def test_stream_plan_fits_shared_memory_and_covers_every_row(M, I, H):
-    from kernels.fused_mlp.stream_kernel import COLUMNS_PER_THREAD_GROUP, plan_stream_mlp
-    from kernels.stream_linear import MAX_SHARED_MEM
+    from batchd.kernels.fused_mlp.stream_kernel import COLUMNS_PER_THREAD_GROUP, plan_stream_mlp
+    from batchd.kernels.stream_linear import MAX_SHARED_MEM
 
     p = plan_stream_mlp(M, I, H, 2, sms=132, ring_bytes=128 << 10)
     assert p.grid == min(132, I) and p.m_bucket >= M
@@ -189,7 +189,7 @@ def test_stream_plan_fits_shared_memory_and_covers_every_row(M, I, H):
 
 
 def test_stream_plan_refuses_what_the_kernel_cannot_run():
-    from kernels.fused_mlp.stream_kernel import plan_stream_mlp
+    from batchd.kernels.fused_mlp.stream_kernel import plan_stream_mlp
 
     with pytest.raises(ValueError, match="1..32 rows"):
         plan_stream_mlp(33, 64, 64, 2, sms=4, ring_bytes=1 << 16)
@@ -202,7 +202,7 @@ def test_stream_plan_refuses_what_the_kernel_cannot_run():
 def test_stream_args_struct_matches_the_kernels_layout():
     import ctypes
 
-    from kernels.fused_mlp.stream_kernel import _MlpArgs
+    from batchd.kernels.fused_mlp.stream_kernel import _MlpArgs
 
     # 5 pointers, 4 ints, a float, 4 ints, the trace pointer (8-aligned) and its row -> 96 bytes
     assert _MlpArgs.eps.offset == 5 * 8 + 4 * 4
@@ -210,7 +210,7 @@ def test_stream_args_struct_matches_the_kernels_layout():
 
 
 def _sm90():
-    from kernels.stream_linear import cuda_supported
+    from batchd.kernels.stream_linear import cuda_supported
 
     return torch.cuda.is_available() and cuda_supported(torch.device("cuda"))
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kernels._backend import PDL_TRIGGER_DEFAULT, pdl_trigger_point
+from batchd.kernels._backend import PDL_TRIGGER_DEFAULT, pdl_trigger_point
 from tests.kernels.conftest import needs_triton
 
 
@@ -31,7 +31,7 @@ def test_trigger_point_out_of_range_is_refused(monkeypatch):
 
 @needs_triton
 def test_fitted_tiles_only_where_measured():
-    from kernels.decode_attention.triton_kernel import DecodeTile, decode_tile
+    from batchd.kernels.decode_attention.triton_kernel import DecodeTile, decode_tile
 
     assert decode_tile(4) == DecodeTile()            # Llama-3-8B's G keeps the tuned default
     assert decode_tile(3) == DecodeTile()            # SmolLM2
@@ -43,7 +43,7 @@ def test_fitted_tiles_only_where_measured():
 def test_early_reads_stop_with_a_trigger_before_the_wait(monkeypatch):
     """Settled inputs are only settled while no kernel launches its dependents before its own wait
     (kernels._pdl): a trigger 0 anywhere, or BATCHD_EARLY_READS=0, turns the early reads off."""
-    from kernels._backend import early_reads_enabled
+    from batchd.kernels._backend import early_reads_enabled
 
     monkeypatch.delenv("BATCHD_PDL_TRIGGER", raising=False)
     monkeypatch.delenv("BATCHD_EARLY_READS", raising=False)

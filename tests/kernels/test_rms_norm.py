@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.rms_norm import rms_norm, rms_norm_reference
+from batchd.kernels.rms_norm import rms_norm, rms_norm_reference
 from tests.kernels.conftest import DEVICE, needs_triton, rel_err
 
 LOW = torch.bfloat16 if DEVICE == "cuda" else torch.float16  # the interpreter truncates bf16

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.rope_cache import rope_and_store, rope_and_store_reference
+from batchd.kernels.rope_cache import rope_and_store, rope_and_store_reference
 from tests.kernels.conftest import DEVICE, needs_triton, rel_err
 
 CASES = [

@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import small_matmul
-from kernels.small_matmul import small_linear, small_linear_reference
+from batchd.kernels import small_matmul
+from batchd.kernels.small_matmul import small_linear, small_linear_reference
 from tests.kernels.conftest import DEVICE, REL_ERR, needs_triton, rel_err
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
@@ -28,7 +28,7 @@ def make(M, N, K, dtype, bias=False, seed=0):
 
 
 def config(block_n, block_k, splits, swap=True, preload=0, gemv=False):
-    from kernels.small_matmul.triton_kernel import SmallLinearConfig
+    from batchd.kernels.small_matmul.triton_kernel import SmallLinearConfig
 
     return SmallLinearConfig(block_n, block_k, splits, num_warps=4, num_stages=2, swap=swap, preload=preload,
                              gemv=gemv)
@@ -38,7 +38,7 @@ GEMV4 = (4, 32, 1, True, 0, True)      # whole weight rows, 4 per program, on th
 
 
 def run_triton(x, w, b, cfg):
-    from kernels.small_matmul.triton_kernel import small_linear_triton
+    from batchd.kernels.small_matmul.triton_kernel import small_linear_triton
 
     small_matmul.check_linear_inputs(x, w, b)
     return small_linear_triton(x, w, b, config=cfg)
@@ -230,7 +230,7 @@ def fusion_inputs(M, N, K, dtype, gated=False, parts=1, seed=2):
 
 
 def triton_fused(cfg, x, w, b=None, **kw):
-    from kernels.small_matmul.triton_kernel import small_linear_triton
+    from batchd.kernels.small_matmul.triton_kernel import small_linear_triton
 
     return small_linear_triton(x, w, b, config=config(*cfg), **kw)
 
@@ -305,7 +305,7 @@ def test_fused_rows_are_batch_invariant(kind, cfg):
 
 def test_folded_norm_is_rms_norm_then_linear():
     """The fusion's definition against the unfused ops: rms_norm(h) then the projection."""
-    from kernels.rms_norm import rms_norm_reference
+    from batchd.kernels.rms_norm import rms_norm_reference
 
     t = fusion_inputs(4, 24, 40, torch.float32)
     normed = rms_norm_reference(t["h"], t["nw"], 1e-5)[0]
@@ -321,7 +321,7 @@ def test_folded_norm_is_rms_norm_then_linear():
 @needs_triton
 @pytest.mark.triton
 def test_norm_inputs_kernel_matches_reference():
-    from kernels.small_matmul.triton_kernel import norm_inputs_triton
+    from batchd.kernels.small_matmul.triton_kernel import norm_inputs_triton
 
     t = fusion_inputs(3, 8, 72, torch.bfloat16)
     got, want = norm_inputs_triton(t["h"], t["nw"]), small_matmul.norm_inputs(t["h"], t["nw"], backend="reference")
@@ -361,8 +361,8 @@ QKV_ROPE = [  # (block_n, splits, bias, T, gemv): tiles of 8 and 4 rope pairs, o
 def test_qkv_rope_epilogue_equals_projection_then_rope_kernel(block_n, splits, bias, T, gemv, dtype):
     """One launch (projection + rope + cache write) against the two it replaces, bitwise: q and
     both caches, with the input RMSNorm folded in as in a decode step."""
-    from kernels.rope_cache import rope_and_store
-    from kernels.small_matmul.triton_kernel import RopeTarget, rope_fits, small_linear_triton
+    from batchd.kernels.rope_cache import rope_and_store
+    from batchd.kernels.small_matmul.triton_kernel import RopeTarget, rope_fits, small_linear_triton
 
     Hq, Hkv, D, K, S, start = 4, 2, 16, 48, 40, 5
     N = (Hq + 2 * Hkv) * D
@@ -386,7 +386,7 @@ def test_qkv_rope_epilogue_equals_projection_then_rope_kernel(block_n, splits, b
 
 
 def test_rope_fits_needs_whole_pairs_of_one_head_and_no_split():
-    from kernels.small_matmul.triton_kernel import rope_fits
+    from batchd.kernels.small_matmul.triton_kernel import rope_fits
 
     assert rope_fits(config(64, 128, 1), 6144, 4096, 128)
     assert not rope_fits(config(256, 128, 1), 6144, 4096, 128)       # a tile would span two heads
@@ -425,7 +425,7 @@ def test_settled_inputs_read_early_change_no_bits(kind, cfg, monkeypatch):
 @pytest.mark.parametrize("T", [1, 3])
 def test_settled_rope_rows_read_early_change_no_bits(T, monkeypatch):
     """The q/k/v projection's epilogue with its rope rows and positions read before the wait."""
-    from kernels.small_matmul.triton_kernel import RopeTarget, small_linear_triton
+    from batchd.kernels.small_matmul.triton_kernel import RopeTarget, small_linear_triton
 
     Hq, Hkv, D, K, S, start = 4, 2, 16, 48, 40, 5
     N = (Hq + 2 * Hkv) * D
@@ -459,7 +459,7 @@ def test_cuda_settled_reads_change_no_bits_at_qwen_shapes(kind, monkeypatch):
     next (no overlap, so no ordering question): settled reads before the wait give the bits of
     reads after the k loop, on 8 inputs each. (Reading the o projection's residual early moved its
     emitted sums of squares in 16 of 20 inputs: the compiler chose another epilogue layout.)"""
-    from kernels.small_matmul import qkv_rope_and_store
+    from batchd.kernels.small_matmul import qkv_rope_and_store
 
     Hq, Hkv, D, H, I = 12, 2, 128, 1536, 8960
     g = torch.Generator().manual_seed(11)
@@ -495,7 +495,7 @@ def test_cuda_settled_reads_change_no_bits_at_qwen_shapes(kind, monkeypatch):
 def test_gemv_configs_refuse_what_they_cannot_hold():
     """A gemv program keeps whole weight rows in registers and has no k loop: no gate/up pairs, no
     k split, K at most 2048; and it never preloads (its rows are all read before the wait)."""
-    from kernels.small_matmul.triton_kernel import small_linear_triton
+    from batchd.kernels.small_matmul.triton_kernel import small_linear_triton
 
     x = torch.zeros(1, 4096)
     with pytest.raises(ValueError, match="K <= 2048"):
@@ -516,7 +516,7 @@ def compile_decode_kernels_for_hopper() -> dict:
     the CPU interpreter never compiles). Needs TRITON_INTERPRET unset, no GPU. -> {case: resources}"""
     import torch
     from bench import kernel_resources as kr
-    from kernels.small_matmul import triton_kernel as tk
+    from batchd.kernels.small_matmul import triton_kernel as tk
 
     table = lambda n, k, gated=False: tk.choose_config(n, k, torch.bfloat16, torch.device("cuda"), gated=gated)  # noqa: E731
     # qkv's and gate_up's entries stream through kernels.stream_linear (CUDA, stops 25-26); without an sm_90 GPU
@@ -559,7 +559,7 @@ def test_bench_specs_name_the_configs_they_mean():
     """bench/step_sweep.py and bench/ncu_linear.py read configs through bench.common.linear_config:
     positional tile fields, then named SmallLinearConfig fields, or a gemv."""
     from bench.common import linear_config
-    from kernels.small_matmul.triton_kernel import SmallLinearConfig as C
+    from batchd.kernels.small_matmul.triton_kernel import SmallLinearConfig as C
 
     assert linear_config("16,128,1,4") == C(16, 128, 1, num_warps=4, num_stages=4, swap=True)
     assert linear_config("64,128,8,3,2") == C(64, 128, 8, num_warps=4, num_stages=3, swap=True, preload=2)
@@ -635,9 +635,9 @@ def test_step_sweep_skip_drops_the_launch_until_the_next_variant():
     columns a program; l2side installs bench/l2_side_prefetch.py's patches of engine.model; the next
     variant puts them all back."""
     from bench import step_sweep
-    from kernels.decode_attention import triton_kernel as attention_kernel
-    from engine import model as model_module
-    from kernels.small_matmul import triton_kernel
+    from batchd.kernels.decode_attention import triton_kernel as attention_kernel
+    from batchd.engine import model as model_module
+    from batchd.kernels.small_matmul import triton_kernel
 
     tuned = dict(triton_kernel.TUNED)
     block_forward, forward_at = model_module.Block.forward, model_module.Transformer.forward_at
@@ -673,8 +673,8 @@ def test_a_config_trigger_overrides_the_linear_knob_for_that_weight_only(monkeyp
     """SmallLinearConfig.trigger sets one weight's PDL trigger point (kernels._pdl); None keeps the
     "linear" knob's; 0 (launches two deep) only where the next launch reads nothing early that the
     one before writes, which the table's entries promise, not the config."""
-    from kernels.small_matmul.triton_kernel import SmallLinearConfig as C
-    from kernels.small_matmul.triton_kernel import linear_constexprs
+    from batchd.kernels.small_matmul.triton_kernel import SmallLinearConfig as C
+    from batchd.kernels.small_matmul.triton_kernel import linear_constexprs
 
     def trigger(config):
         return linear_constexprs(config, 1536, 1536, torch.bfloat16, bias=False, norm_parts=0, gated=False,
@@ -695,7 +695,7 @@ def test_a_config_trigger_overrides_the_linear_knob_for_that_weight_only(monkeyp
 def test_a_config_reduce_trigger_reaches_the_reduce_launch(monkeypatch):
     """SmallLinearConfig.reduce_trigger sets the k split's reduce's trigger point (0 before its wait:
     kernels._pdl); None keeps the "reduce" knob's. The point moves no value."""
-    from kernels.small_matmul import triton_kernel as tk
+    from batchd.kernels.small_matmul import triton_kernel as tk
 
     real, seen = tk._reduce_splits_kernel, []
 
@@ -720,7 +720,7 @@ def test_a_stream_table_entry_falls_back_to_triton_tiles_where_the_kernel_cannot
     """Qwen2.5-1.5B's gate_up streams through kernels.stream_linear (stop 25), a CUDA kernel for
     sm_90+ in bf16/f16; on another GPU the same weight takes the heuristic's Triton tiles, whole
     (no k split: silu needs the whole sum)."""
-    from kernels.small_matmul import triton_kernel
+    from batchd.kernels.small_matmul import triton_kernel
 
     assert triton_kernel.TUNED[(17920, 1536, 2)].stream
     monkeypatch.setattr(triton_kernel, "multiprocessor_count", lambda device: 108)   # an A100
@@ -736,7 +736,7 @@ def test_an_early_reduce_trigger_is_kept_only_where_a_stream_kernel_can_follow(m
     """Qwen2.5-1.5B's down signals from its reduce before the reduce waits (stop 26), so that the
     stream qkv after it fills its weight ring while down runs; before a Triton qkv that lost, so where
     stream kernels cannot run the reduce takes the "reduce" knob's point again."""
-    from kernels.small_matmul import triton_kernel
+    from batchd.kernels.small_matmul import triton_kernel
 
     assert triton_kernel.TUNED[(1536, 8960, 2)].reduce_trigger == 0
     assert triton_kernel.choose_config(1536, 8960, torch.bfloat16, torch.device("cuda")).reduce_trigger == 0 \
@@ -748,7 +748,7 @@ def test_an_early_reduce_trigger_is_kept_only_where_a_stream_kernel_can_follow(m
 
 @pytest.mark.parametrize("field, value", [("reduce_trigger", 3), ("reduce_trigger", -1), ("trigger", -1)])
 def test_configs_refuse_trigger_points_other_than_0_1_2(field, value):
-    from kernels.small_matmul.triton_kernel import SmallLinearConfig
+    from batchd.kernels.small_matmul.triton_kernel import SmallLinearConfig
 
     with pytest.raises(ValueError, match="trigger point"):
         SmallLinearConfig(16, 128, 1, **{field: value})

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from kernels import BlockKeySummary, decode_attention, sparse_decode_attention, sparse_is_worthwhile
-from kernels.sparse_attention import (
+from batchd.kernels import BlockKeySummary, decode_attention, sparse_decode_attention, sparse_is_worthwhile
+from batchd.kernels.sparse_attention import (
     block_scores_reference,
     keep_all_rows,
     select_blocks,
@@ -17,7 +17,7 @@ from kernels.sparse_attention import (
     sparse_attention,
     sparse_attention_reference,
 )
-from kernels.decode_attention import decode_attention_reference
+from batchd.kernels.decode_attention import decode_attention_reference
 from tests.kernels.conftest import DEVICE, REL_ERR, needs_triton, rel_err
 
 BS = 16          # small blocks keep interpreter runs short; the kernels take any power of two >= 16
@@ -127,7 +127,7 @@ def test_triton_scores_match_reference(B, Hq, Hkv, QR, S_max, lengths, dtype):
     q, k, _ = make(B, Hq, Hkv, QR, 32, S_max, dtype)
     seq_len = torch.tensor(lengths, device=DEVICE)
     summary = full_summary(k, max(lengths))
-    from kernels.sparse_attention.triton_kernel import block_scores_triton
+    from batchd.kernels.sparse_attention.triton_kernel import block_scores_triton
 
     got = block_scores_triton(q, summary.kmin, summary.kmax, seq_len, BS, 2)
     want = block_scores_reference(q, summary.kmin, summary.kmax, seq_len, BS, 2, compute_dtype=torch.float64)
@@ -160,7 +160,7 @@ def test_triton_selection_equals_reference_selection():
     scores[0, 1, 2, :] = float("-inf")
     scores[1, 0, 3, 5:] = float("-inf")                                            # fewer visible than top_k
     seq_len = torch.tensor([2000, 1_000_000])
-    from kernels.sparse_attention.triton_kernel import select_from_scores_triton
+    from batchd.kernels.sparse_attention.triton_kernel import select_from_scores_triton
 
     for top_k in (1, 7, 30, NB):
         got = select_from_scores_triton(scores.to(DEVICE), seq_len.to(DEVICE), top_k, 2000 - 3).cpu()
@@ -209,7 +209,7 @@ def lanes_and_solo_steps(q16, k, v, lengths, summary, top_k, widths):
     stand for (q16[:, :, t] is the query of position lengths - 16 + t); yield (Q, lane, step, solo).
     Outputs in float32, so that any difference in the partial sums shows (a bf16/f16 output's rounding
     would hide most)."""
-    from kernels.sparse_attention.triton_kernel import sparse_attention_triton
+    from batchd.kernels.sparse_attention.triton_kernel import sparse_attention_triton
 
     def run(q, sl):
         chosen = select_blocks(q, summary, sl, top_k=top_k, backend="triton")
@@ -340,7 +340,7 @@ def compile_sparse_kernels_for_hopper():
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from kernels.sparse_attention import triton_kernel as tk
+    from batchd.kernels.sparse_attention import triton_kernel as tk
 
     def compile_for_h200(fn, signature, constants, num_warps):
         signature = {**signature, **{name: "constexpr" for name in constants}}

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.small_matmul import norm_inputs
-from kernels.step_inputs import step_inputs, step_inputs_reference
+from batchd.kernels.small_matmul import norm_inputs
+from batchd.kernels.step_inputs import step_inputs, step_inputs_reference
 from tests.kernels.conftest import DEVICE, needs_triton
 
 

@@ -8,8 +8,8 @@ import ctypes
 import pytest
 import torch
 
-from kernels.small_matmul.reference import rms_scale, small_linear_reference
-from kernels.stream_linear import MAX_SHARED_MEM, _Args, cuda_supported, plan, stream_linear
+from batchd.kernels.small_matmul.reference import rms_scale, small_linear_reference
+from batchd.kernels.stream_linear import MAX_SHARED_MEM, _Args, cuda_supported, plan, stream_linear
 from tests.kernels.conftest import REL_ERR, rel_err
 
 SM90 = torch.cuda.is_available() and cuda_supported(torch.device("cuda"))
@@ -56,7 +56,7 @@ def test_plan_bounds_its_ctas_and_pads_its_shared_memory():
 
 
 def test_config_fields_of_a_stream_launch_need_a_stream_config():
-    from kernels.small_matmul.triton_kernel import SmallLinearConfig
+    from batchd.kernels.small_matmul.triton_kernel import SmallLinearConfig
 
     with pytest.raises(ValueError, match="set stream=True"):
         SmallLinearConfig(16, 128, 1, stream_max_ctas=128)
@@ -192,7 +192,7 @@ def test_kernel_replays_in_a_cuda_graph():
 
 @needs_sm90
 def test_trace_rows_hold_each_ctas_start_wait_and_end():
-    from kernels import _trace
+    from batchd.kernels import _trace
 
     x, w, kwargs = _inputs(1, 300, 1536, "gated", torch.bfloat16)
     with _trace.recording(x.device) as recorder:
@@ -210,8 +210,8 @@ def test_trace_rows_hold_each_ctas_start_wait_and_end():
 
 @needs_sm90
 def test_small_linear_routes_a_stream_config_to_the_kernel():
-    from kernels.small_matmul import small_linear
-    from kernels.small_matmul.triton_kernel import SmallLinearConfig, small_linear_triton
+    from batchd.kernels.small_matmul import small_linear
+    from batchd.kernels.small_matmul.triton_kernel import SmallLinearConfig, small_linear_triton
 
     x, w, kwargs = _inputs(2, 300, 8960, "residual", torch.bfloat16)
     routed = small_linear_triton(x, w, None, config=SmallLinearConfig(16, 128, 1, stream=True), **kwargs)
@@ -225,7 +225,7 @@ def test_small_linear_routes_a_stream_config_to_the_kernel():
 @pytest.mark.parametrize("N,K,fusion", SHAPES)
 def test_a_trigger_at_the_start_changes_no_bit(N, K, fusion):
     """trigger_at_start (a stream config's trigger 0) moves only where the next launch may start."""
-    from kernels.small_matmul.triton_kernel import SmallLinearConfig, small_linear_triton
+    from batchd.kernels.small_matmul.triton_kernel import SmallLinearConfig, small_linear_triton
 
     x, w, kwargs = _inputs(5, N, K, fusion, torch.bfloat16, seed=3)
     early = stream_linear(x, w, trigger_at_start=True, **kwargs)
@@ -251,7 +251,7 @@ def test_fewer_ctas_and_a_padded_request_change_no_bit(N, K, fusion):
 
 
 def test_launch_switches_name_what_they_take(monkeypatch):
-    from kernels.stream_linear import launch_switches
+    from batchd.kernels.stream_linear import launch_switches
 
     monkeypatch.delenv("BATCHD_STREAM_PRODUCER_TRIGGER", raising=False)
     monkeypatch.delenv("BATCHD_STREAM_CARVEOUT", raising=False)
@@ -275,7 +275,7 @@ def test_launch_switches_name_what_they_take(monkeypatch):
 
 def _rope_case(T, heads, kv_heads, D, K, device, seed=0, dtype=torch.bfloat16):
     """(x, weight, kwargs, RopeTarget) for a [1, T] step at positions 40.. of zeroed caches."""
-    from kernels.small_matmul.triton_kernel import RopeTarget
+    from batchd.kernels.small_matmul.triton_kernel import RopeTarget
 
     gen = torch.Generator(device=device).manual_seed(seed)
     rows = (heads + 2 * kv_heads) * D
@@ -302,7 +302,7 @@ def test_rope_plan_takes_whole_chunks_of_one_head():
 
 
 def test_rope_reference_route_is_the_projection_then_rope_cache():
-    from kernels.rope_cache import rope_and_store
+    from batchd.kernels.rope_cache import rope_and_store
 
     x, w, kwargs, rope = _rope_case(3, 4, 2, 16, 64, "cpu")
     q = stream_linear(x, w, **kwargs, rope=rope, backend="reference")
@@ -322,7 +322,7 @@ def test_rope_fused_equals_the_plain_projection_then_rope_cache(settled, T, head
     """Bit for bit: the fused epilogue rounds and rotates as kernels.rope_cache does after this
     kernel's plain projection, so the engine's fused and two-launch routes agree; the tables read
     before the wait (settled) or after it."""
-    from kernels.rope_cache import rope_and_store
+    from batchd.kernels.rope_cache import rope_and_store
 
     x, w, kwargs, rope = _rope_case(T, heads, kv_heads, D, K, "cuda", seed=T)
     q = stream_linear(x, w, **kwargs, rope=rope, ring_bytes=ring_kb << 10, settled=settled)

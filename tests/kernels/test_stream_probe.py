@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.stream_probe import pack_weights, reference, rope
-from engine.fused import rotate
+from batchd.engine.fused import rotate
 
 
 def test_rope_is_the_engines_rotate_half():

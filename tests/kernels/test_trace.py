@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import _trace
+from batchd.kernels import _trace
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -33,8 +33,8 @@ def test_recording_needs_cuda():
 
 @needs_cuda
 def test_traced_kernels_write_ordered_times_and_the_same_bits():
-    from kernels.decode_attention import decode_attention
-    from kernels.small_matmul.triton_kernel import SmallLinearConfig, small_linear_triton
+    from batchd.kernels.decode_attention import decode_attention
+    from batchd.kernels.small_matmul.triton_kernel import SmallLinearConfig, small_linear_triton
 
     g = torch.Generator().manual_seed(0)
     x = torch.randn(3, 256, generator=g).to(torch.bfloat16).cuda()

@@ -8,7 +8,7 @@ import pytest
 
 from batchd.jobs.inputs import InputError, read_inputs
 from batchd.jobs.params import build_request, validate_input, validate_params
-from engine.errors import BadInputError
+from batchd.engine.errors import BadInputError
 
 
 def write(path, data: bytes):

@@ -23,8 +23,8 @@ from batchd.jobs.inputs import JobInput
 from batchd.jobs.manage import cancel, retry
 from batchd.jobs.runner import JobRunner
 from batchd.jobs.submit import submit_jobs
-from engine.errors import DeviceOutOfMemoryError, PromptTooLongError
-from engine.types import GenerationResult, Telemetry
+from batchd.engine.errors import DeviceOutOfMemoryError, PromptTooLongError
+from batchd.engine.types import GenerationResult, Telemetry
 
 
 def submit(settings, n=1, batch="b", params=None):

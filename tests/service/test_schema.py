@@ -11,7 +11,7 @@ from alembic.runtime.migration import MigrationContext
 from batchd.db import migrate
 from batchd.db.models import Base, Result
 from batchd.db.session import db_engine
-from engine.types import GenerationResult, Telemetry
+from batchd.engine.types import GenerationResult, Telemetry
 
 
 def test_migrations_match_models(empty_database_url):

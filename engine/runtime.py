@@ -254,6 +254,10 @@ class Engine:
                                       decode_text=self.codec.decode if self.codec else None, options=options)
         return self._batch
 
+    def release_batch_engine(self) -> None:
+        """Give the batch engine's KV pool back (the next `batch_engine()` builds a new one)."""
+        self._batch = None
+
     def generate_many(self, requests, **kwargs):
         """Run many requests together; yield (index, GenerationResult or EngineError) as each
         finishes (engine.batch.generate_many)."""

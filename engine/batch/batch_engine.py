@@ -18,8 +18,8 @@ from typing import Callable, Optional
 
 import torch
 
+from batchd.engine.batch.graphs import RowRunner
 from batchd.engine.batch.paged_cache import PagedKVCache
-from batchd.engine.batch.rows import RowBatch, forward_rows
 from batchd.engine.batch.scheduler import PromptChunk, Scheduler, StepPlan
 from batchd.engine.batch.sequence import Sequence, SequenceStatus
 from batchd.engine.errors import BadInputError, PromptTooLongError
@@ -36,7 +36,8 @@ MAX_DRAFTS = 16
 class BatchOptions:
     """block_size: positions per KV block; max_step_tokens: prompt and replay tokens per step
     (None: four chunks on CUDA, one on the CPU); max_running: sequences in flight; slab_rows: the
-    fixed row count of every CUDA projection of decode rows; kv_memory_fraction: the share of free
+    fixed row count of every CUDA projection of decode rows (batch_invariant=False: one GEMM of
+    however many rows the step has, which is faster and batch-dependent); kv_memory_fraction: the share of free
     device memory the pool takes; max_blocks: a cap on the pool (the CPU's size: None gives room
     for eight sequences of the whole context); prefix_sharing: share identical prompt chunks."""
 
@@ -48,6 +49,8 @@ class BatchOptions:
     max_blocks: Optional[int] = None
     prefix_sharing: bool = True
     lookup_width: int = 4
+    batch_invariant: bool = True   # False: one GEMM over every decode row (benchmarks measure the difference)
+    cuda_graphs: bool = True
 
 
 class BatchEngine:
@@ -70,6 +73,8 @@ class BatchEngine:
         self.scheduler = Scheduler(self.cache.blocks, chunk=chunk, max_step_tokens=step_tokens,
                                    max_running=options.max_running, prefix_sharing=options.prefix_sharing)
         self.chunk = chunk
+        slab = options.slab_rows if options.batch_invariant else None
+        self.rows = RowRunner(model, self.cache, max_context=max_context, slab_rows=slab, cuda_graphs=options.cuda_graphs)
         self._next_id = 0
         self._proposers: dict[int, PromptLookupProposer] = {}
         self.steps = 0
@@ -159,22 +164,19 @@ class BatchEngine:
         return proposer.propose(seq.tokens(), width).tokens.tolist()
 
     def _run_rows(self, plan: StepPlan, finished: list[Sequence]) -> None:
-        tokens, positions, owners, logit_rows = [], [], [], []
+        tokens, positions, tables = [], [], []
         for seq, start, end in plan.replay:
             for p in range(start, end):
-                tokens.append(seq.token(p)), positions.append(p), owners.append(seq)
-        decode_rows: list[tuple[Sequence, list[int], int]] = []   # (sequence, drafts, first row)
+                tokens.append(seq.token(p)), positions.append(p), tables.append(seq.blocks)
+        decode_rows: list[tuple[Sequence, list[int], int]] = []   # (sequence, drafts, its first row)
         for seq, drafts in plan.decode:
-            first = len(tokens)
+            decode_rows.append((seq, drafts, len(tokens)))
             for i, token in enumerate([seq.generated[-1], *drafts]):
-                tokens.append(token), positions.append(seq.computed + i), owners.append(seq)
-                logit_rows.append(first + i)
-            decode_rows.append((seq, drafts, len(logit_rows) - 1 - len(drafts)))
-        rows = self._row_batch(tokens, positions, owners, logit_rows)
-        logits = forward_rows(self.model, self.cache, rows, slab_rows=self.options.slab_rows)   # [R, V]
+                tokens.append(token), positions.append(seq.computed + i), tables.append(seq.blocks)
+        logits = self.rows.run(tokens, positions, tables)   # [N, V]
         for seq, start, end in plan.replay:
             seq.computed = end
-        greedy_ids = logits.argmax(-1).tolist() if logits.shape[0] else []
+        greedy_ids = logits.argmax(-1).tolist() if decode_rows else []
         batch_size = len(plan.decode)
         for seq, drafts, at in decode_rows:
             seq.batch_sizes.append(batch_size)
@@ -211,20 +213,3 @@ class BatchEngine:
         if reason is not None:
             self.scheduler.finish(seq, reason)
             finished.append(seq)
-
-    def _row_batch(self, tokens, positions, owners, logit_rows) -> RowBatch:
-        block_size = self.cache.block_size
-        width = max(len(seq.blocks) for seq in owners)
-        tables = [seq.blocks + [0] * (width - len(seq.blocks)) for seq in owners]
-        device = self.device
-        write_blocks = [seq.blocks[p // block_size] for seq, p in zip(owners, positions)]
-        return RowBatch(
-            tokens=torch.tensor(tokens, dtype=torch.long, device=device),
-            positions=torch.tensor(positions, dtype=torch.long, device=device),
-            block_tables=torch.tensor(tables, dtype=torch.int32, device=device),
-            seq_lens=torch.tensor([p + 1 for p in positions], dtype=torch.int32, device=device),
-            write_blocks=torch.tensor(write_blocks, dtype=torch.long, device=device),
-            write_offsets=torch.tensor([p % block_size for p in positions], dtype=torch.long, device=device),
-            logit_rows=torch.tensor(logit_rows, dtype=torch.long, device=device),
-            max_seq_len=max(positions) + 1,
-        )

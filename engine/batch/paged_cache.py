@@ -1,6 +1,6 @@
 """The paged KV cache: one pool of fixed-size blocks per layer, shared by every sequence.
 
-    keys[layer], values[layer]: [num_blocks, Hkv, block_size, D]
+    keys[layer], values[layer]: [num_blocks + 1, Hkv, block_size, D]   (the last: `pad_block`)
 
 A sequence owns a block table (engine.batch.sequence): position p lives in block
 table[p // block_size] at row p % block_size. Decode and verify rows read the pool directly
@@ -23,11 +23,13 @@ def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) ->
 
 class PagedKVCache:
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, device, dtype: torch.dtype):
-        shape = (num_blocks, config.num_kv_heads, block_size, config.head_dim)
+        # one block past the pool's own: padding rows of a CUDA-graph step write and read it
+        shape = (num_blocks + 1, config.num_kv_heads, block_size, config.head_dim)
         self.keys = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.num_layers)]
         self.values = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.num_layers)]
         self.blocks = BlockPool(num_blocks, block_size)
         self.block_size = block_size
+        self.pad_block = num_blocks
 
     @classmethod
     def sized(cls, config: ModelConfig, device, dtype: torch.dtype, *, block_size: int,

@@ -32,9 +32,9 @@ class RowBatch:
     """N positions to compute, each of one sequence, on the model's device.
 
     tokens, positions: [N] long; block_tables: [N, max_blocks] int32 (the row's sequence's table,
-    zero-padded); seq_lens: [N] int32 = position + 1 (the keys the row sees, its own included);
-    write_blocks, write_offsets: [N] long, where the row's key and value go; logit_rows: [R] long,
-    the rows whose next-token logits are wanted (replayed rows need none)."""
+    padded with any block); seq_lens: [N] int32 = position + 1 (the keys the row sees, its own
+    included); write_blocks, write_offsets: [N] long, where the row's key and value go;
+    max_seq_len: a bound on seq_lens (it sizes the attention grid, never a row's arithmetic)."""
 
     tokens: torch.Tensor
     positions: torch.Tensor
@@ -42,13 +42,22 @@ class RowBatch:
     seq_lens: torch.Tensor
     write_blocks: torch.Tensor
     write_offsets: torch.Tensor
-    logit_rows: torch.Tensor
     max_seq_len: int
 
+    @classmethod
+    def derive(cls, tokens, positions, block_tables, block_size: int, max_seq_len: int) -> "RowBatch":
+        """The rest from tokens, positions and tables, on the device (inside a CUDA graph too)."""
+        write_blocks = block_tables.gather(1, (positions // block_size)[:, None]).squeeze(1).long()
+        return cls(tokens, positions, block_tables, (positions + 1).to(torch.int32), write_blocks,
+                   positions % block_size, max_seq_len)
 
-def project_invariant(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], slab_rows: int,
+
+def project_invariant(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], slab_rows: Optional[int],
                       layer=None) -> torch.Tensor:
-    """x: [N, K] -> [N, Nout]; row n's bits do not depend on N or on the other rows."""
+    """x: [N, K] -> [N, Nout]; row n's bits do not depend on N or on the other rows (slab_rows
+    None on CUDA: one library GEMM of N rows, whose kernel choice, and so a row's bits, follow N)."""
+    if slab_rows is None and x.device.type == "cuda":
+        return F.linear(x, weight, bias)
     if x.device.type == "cpu":
         parts = [project_rows_cpu(x[i : i + CPU_INVARIANT_ROWS], layer) for i in range(0, x.shape[0], CPU_INVARIANT_ROWS)]
         return torch.cat(parts) if len(parts) > 1 else parts[0]
@@ -87,9 +96,9 @@ def attend_rows(q: torch.Tensor, cache, layer: int, rows: RowBatch, scale: float
 
 
 @torch.inference_mode()
-def forward_rows(model, cache, rows: RowBatch, *, slab_rows: int) -> torch.Tensor:
-    """Write each row's key and value into the pool and return the logits of `rows.logit_rows`
-    ([R, V] float32)."""
+def forward_rows(model, cache, rows: RowBatch, *, slab_rows: Optional[int]) -> torch.Tensor:
+    """Write each row's key and value into the pool and return every row's next-token logits
+    ([N, V] float32)."""
     config = model.config
     Hq, Hkv, D = config.num_heads, config.num_kv_heads, config.head_dim
     hidden = model.embed_tokens(rows.tokens)                                  # [N, H]
@@ -112,6 +121,5 @@ def forward_rows(model, cache, rows: RowBatch, *, slab_rows: int) -> torch.Tenso
         mlp = layer.mlp
         gate, up = project_invariant(x, mlp.gate_up_proj.weight, None, slab_rows, mlp.gate_up_proj).chunk(2, dim=-1)
         hidden = hidden + project_invariant(F.silu(gate) * up, mlp.down_proj.weight, None, slab_rows, mlp.down_proj)
-    last = hidden.index_select(0, rows.logit_rows)
-    normed = norm_rows(last, model.norm.weight, model.norm.eps)
+    normed = norm_rows(hidden, model.norm.weight, model.norm.eps)
     return project_invariant(normed, model.lm_head.weight, None, slab_rows, model.lm_head).float()

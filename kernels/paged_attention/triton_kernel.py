@@ -22,7 +22,8 @@ def _paged_split_kernel(Q, K, V, Tables, Lens, M_out, L_out, Acc_out, scale,
                         stride_qn, stride_qh, stride_kb, stride_kh, stride_ks, stride_tn,
                         stride_mn, stride_mh, stride_an, stride_ah, stride_as,
                         G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BS: tl.constexpr,
-                        SPLIT_BLOCKS: tl.constexpr, UPCAST: tl.constexpr):
+                        SPLIT_BLOCKS: tl.constexpr, UPCAST: tl.constexpr,
+                        PRECISION: tl.constexpr):
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
     piece = tl.program_id(2)
@@ -49,14 +50,14 @@ def _paged_split_kernel(Q, K, V, Tables, Lens, M_out, L_out, Acc_out, scale,
             block = tl.load(Tables + row * stride_tn + b)
             kv = block.to(tl.int64) * stride_kb + kv_head * stride_kh + offs_s[:, None] * stride_ks + offs_d[None, :]
             k = tl.load(K + kv, mask=d_ok[None, :], other=0.0)                 # [BS, DP]
-            s = tl.dot(q, tl.trans(k.to(dot_dtype))) * scale                                  # [GP, BS] float32
+            s = tl.dot(q, tl.trans(k.to(dot_dtype)), input_precision=PRECISION) * scale                                  # [GP, BS] float32
             s = tl.where((b * BS + offs_s)[None, :] < seq_len, s, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, 1))
             alpha = tl.exp(m - m_new)
             p = tl.exp(s - m_new[:, None])
             l = l * alpha + tl.sum(p, 1)
             v = tl.load(V + kv, mask=d_ok[None, :], other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype).to(dot_dtype), v.to(dot_dtype))
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype).to(dot_dtype), v.to(dot_dtype), input_precision=PRECISION)
             m = m_new
         at = row * stride_mn + heads * stride_mh + piece
         tl.store(M_out + at, m, mask=live)
@@ -106,7 +107,7 @@ def paged_decode_attention_triton(q, k_pool, v_pool, block_tables, seq_lens, *, 
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2), block_tables.stride(0),
         m.stride(0), m.stride(1), acc.stride(0), acc.stride(1), acc.stride(2),
         G=G, GP=max(16, triton.next_power_of_2(G)), D=D, DP=triton.next_power_of_2(D), BS=BS, SPLIT_BLOCKS=split_blocks,
-        UPCAST=interpreting(),
+        UPCAST=interpreting(), PRECISION="ieee" if k_pool.dtype == torch.float32 else "tf32",   # float32 caches: no TF32
         num_warps=4, num_stages=2,
     )
     _paged_merge_kernel[(N, Hq)](

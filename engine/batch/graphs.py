@@ -1,0 +1,73 @@
+"""Runs the decode-rows forward: eagerly on the CPU, on CUDA through one captured graph per
+bucket of rows, so a step costs the host two small copies and one replay.
+
+Rows are padded up to the bucket (a multiple of the projection slab: a row's arithmetic is the
+same in any bucket). Padding rows read and write the pool's spare block only. The attention grid
+is sized for the whole context, so one graph serves every length.
+"""
+from __future__ import annotations
+
+import torch
+
+from batchd.engine.batch.paged_cache import PagedKVCache
+from batchd.engine.batch.rows import RowBatch, forward_rows
+
+
+class RowRunner:
+    def __init__(self, model, cache: PagedKVCache, *, max_context: int, slab_rows: int | None, cuda_graphs: bool):
+        self.model, self.cache = model, cache
+        self.max_context, self.slab_rows = max_context, slab_rows
+        self.max_blocks = -(-max_context // cache.block_size)
+        self.cuda_graphs = cuda_graphs and model.device.type == "cuda"
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self._pool = None
+
+    def bucket(self, rows: int) -> int:
+        step = self.slab_rows or 16
+        return -(-rows // step) * step
+
+    @torch.inference_mode()
+    def run(self, tokens: list[int], positions: list[int], tables: list[list[int]]) -> torch.Tensor:
+        """One row per (token, position, its sequence's block table) -> logits [N, V] float32."""
+        n = len(tokens)
+        width = self.max_blocks if self.cuda_graphs else max(map(len, tables))
+        rows = self.bucket(n) if self.cuda_graphs else n
+        host_ids = torch.zeros((2, rows), dtype=torch.long)
+        host_ids[0, :n] = torch.tensor(tokens)
+        host_ids[1, :n] = torch.tensor(positions)
+        host_tables = torch.full((rows, width), self.cache.pad_block, dtype=torch.int32)
+        for i, table in enumerate(tables):
+            host_tables[i, : len(table)] = torch.tensor(table, dtype=torch.int32)
+        if not self.cuda_graphs:
+            device = self.model.device
+            ids, block_tables = host_ids.to(device), host_tables.to(device)
+            batch = RowBatch.derive(ids[0], ids[1], block_tables, self.cache.block_size, max(positions) + 1)
+            return forward_rows(self.model, self.cache, batch, slab_rows=self.slab_rows)
+        graph, static_ids, static_tables, logits = self._graphs.get(rows) or self._capture(rows)
+        static_ids.copy_(host_ids, non_blocking=True)
+        static_tables.copy_(host_tables, non_blocking=True)
+        graph.replay()
+        return logits[:n]
+
+    def _capture(self, rows: int):
+        device = self.model.device
+        static_ids = torch.zeros((2, rows), dtype=torch.long, device=device)        # padding: token 0 at 0
+        static_tables = torch.full((rows, self.max_blocks), self.cache.pad_block, dtype=torch.int32, device=device)
+
+        def run():
+            batch = RowBatch.derive(static_ids[0], static_ids[1], static_tables, self.cache.block_size,
+                                    self.max_context)
+            return forward_rows(self.model, self.cache, batch, slab_rows=self.slab_rows)
+
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):   # compile, autotune and allocate outside the capture
+            for _ in range(2):
+                run()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            logits = run()
+        self._pool = graph.pool()
+        self._graphs[rows] = (graph, static_ids, static_tables, logits)
+        return self._graphs[rows]

@@ -20,9 +20,6 @@ A variant is space-separated settings, "table" for none:
   attn_splits=N                   at most N key splits per decode attention call instead of 132
                                   (kernels.decode_attention.triton_kernel.MAX_SPLITS)
   merge_cols=N                    N output columns a merge program (triton_kernel.MERGE_COLUMNS; 0: all)
-  l2side=COLS,PROGRAMS,STEP_NS     a probe (bench/l2_side_prefetch.py): each layer's gate_up rows'
-                                  first COLS columns asked of the L2 from a second stream during the
-                                  attention half, PROGRAMS programs, one row per thread every STEP_NS
   mlp=I,H,programs,bk,bn,warps,stages[,field:value]   kernels.fused_mlp's config for that MLP shape
                                   (programs 0: one per multiprocessor; it sets BATCHD_FUSED_MLP=1)
   mlp=I,H,stream[,ring_kb][,field:value]  the same on the bulk-copy stream kernel (kernels/fused_mlp/stream_mlp.cu)
@@ -62,7 +59,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench import l2_side_prefetch  # noqa: E402
 from bench.common import copy_bandwidth, linear_config, print_table  # noqa: E402
 from bench.decode import kv_bytes_per_token, time_ours, weight_bytes_per_token  # noqa: E402
 from batchd.engine.presets import preset  # noqa: E402
@@ -91,9 +87,6 @@ class _SkippedLaunch:
 
     def __getitem__(self, grid):
         return lambda *args, **kwargs: None
-
-
-SIDE_PREFETCH: list[l2_side_prefetch.SidePrefetch] = []     # the installed probe, if any
 
 
 def _skip_o(x, weight, bias=None, *, residual=None, emit_norm_weight=None, row_sumsq=None, gated=False, **kwargs):
@@ -135,8 +128,6 @@ def apply_variant(spec: str, tuned: dict) -> None:
     attention_kernel.MERGE_COLUMNS = MERGE_COLUMNS
     triton_kernel._reduce_splits_kernel = REDUCE_KERNEL
     triton_kernel.small_linear_triton = SMALL_LINEAR
-    while SIDE_PREFETCH:
-        SIDE_PREFETCH.pop().uninstall()
     for item in spec.split():
         if item == "table":
             continue
@@ -163,10 +154,6 @@ def apply_variant(spec: str, tuned: dict) -> None:
             continue
         if shape == "merge_cols":
             attention_kernel.MERGE_COLUMNS = int(values)
-            continue
-        if shape == "l2side":
-            SIDE_PREFETCH.append(l2_side_prefetch.parse(values))
-            SIDE_PREFETCH[-1].install()
             continue
         if shape == "skip":
             skip_launch(values)

@@ -572,49 +572,6 @@ def test_bench_specs_name_the_configs_they_mean():
         linear_config("16,128,1,4,no_such_field:1")
 
 
-@needs_triton
-def test_tma_probe_loads_the_same_tiles_both_ways():
-    """bench/tma_probe.py's k loop gives the same result with pointer loads (cp.async) and with a
-    tensor descriptor (TMA on sm_90), and the product of x and W^T; float32 on the CPU (the
-    interpreter multiplies bf16 tiles as integers), bf16 compiled on CUDA."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    from bench.tma_probe import _tile_gemv
-
-    dtype = torch.bfloat16 if torch.device(DEVICE).type == "cuda" else torch.float32
-    x, w, _ = make(1, 64, 512, dtype)
-    outs = []
-    for tma in (False, True):
-        out = torch.empty(1, 64, dtype=torch.float32, device=DEVICE)
-        _tile_gemv[(64 // 16,)](x, w, TensorDescriptor.from_tensor(w, [16, 128]), out, 1, 64, K=512, BLOCK_N=16,
-                                BLOCK_K=128, TMA=tma, STAGES=2, USE_PDL=False)
-        outs.append(out)
-    assert torch.equal(outs[0], outs[1])
-    assert rel_err(outs[0], x.float() @ w.float().T) < REL_ERR[dtype]
-
-
-@needs_triton
-def test_overlap_probe_staged_tiles_change_no_bits():
-    """bench/overlap_probe.py's gate_up: with the flag already at the epoch its spin ends at once;
-    the first PRE weight tiles loaded before the spin give the same sums as none, and the product
-    of x and W^T (float32 on the CPU, bf16 compiled on CUDA)."""
-    from bench.overlap_probe import _staged_linear
-
-    dtype = torch.bfloat16 if torch.device(DEVICE).type == "cuda" else torch.float32
-    x, w, _ = make(1, 256, 512, dtype)
-    flag = torch.full((1,), 3, dtype=torch.int32, device=DEVICE)
-    epoch = torch.full((1,), 3, dtype=torch.int32, device=DEVICE)
-    stuck = torch.zeros(1, dtype=torch.int32, device=DEVICE)
-    outs = []
-    for pre in (0, 4):
-        out = torch.empty(256, dtype=torch.float32, device=DEVICE)
-        _staged_linear[(256 // 128,)](x, w, out, flag, epoch, stuck, 256, K=512, BLOCK_N=128, BLOCK_K=64, PRE=pre,
-                                      STAGES=2)
-        outs.append(out)
-    assert torch.equal(outs[0], outs[1])
-    assert rel_err(outs[0], (x.float() @ w.float().T).squeeze(0)) < REL_ERR[dtype]
-
-
 def test_step_sweep_runs_variants_interleaved_after_a_warmup():
     """bench/step_sweep.py: one untimed run of the first variant (a process's first run reads fast),
     then the list `rounds` times over, interleaved; the medians table groups the timed runs."""
@@ -632,20 +589,14 @@ def test_step_sweep_skip_drops_the_launch_until_the_next_variant():
     """bench/step_sweep.py skip=merge / skip=reduce / skip=o: the attention merge returns its output
     buffer untouched, the split-K reduce launches nothing, an o projection returns its residual;
     attn_splits=N caps the attention's splits at N instead of 132; merge_cols=N sets the merge's
-    columns a program; l2side installs bench/l2_side_prefetch.py's patches of engine.model; the next
-    variant puts them all back."""
+    columns a program; the next variant puts them all back."""
     from bench import step_sweep
     from batchd.kernels.decode_attention import triton_kernel as attention_kernel
-    from batchd.engine import model as model_module
     from batchd.kernels.small_matmul import triton_kernel
 
     tuned = dict(triton_kernel.TUNED)
-    block_forward, forward_at = model_module.Block.forward, model_module.Transformer.forward_at
     try:
-        step_sweep.apply_variant("skip=merge skip=reduce attn_splits=200 merge_cols=64 l2side=256,16,1000", tuned)
-        probe = step_sweep.SIDE_PREFETCH[0]
-        assert (probe.cols, probe.programs, probe.step_ns) == (256, 16, 1000)
-        assert model_module.Block.forward is not block_forward
+        step_sweep.apply_variant("skip=merge skip=reduce attn_splits=200 merge_cols=64", tuned)
         assert attention_kernel.MAX_SPLITS == 200 and attention_kernel.MERGE_COLUMNS == 64
         out = torch.full((2,), 7.0)
         assert attention_kernel.merge_splits(None, None, out, None, block_n=32, splits_from_seq_len=True) is out
@@ -665,8 +616,6 @@ def test_step_sweep_skip_drops_the_launch_until_the_next_variant():
     assert triton_kernel._reduce_splits_kernel is step_sweep.REDUCE_KERNEL
     assert attention_kernel.MAX_SPLITS == step_sweep.MAX_SPLITS == 132
     assert attention_kernel.MERGE_COLUMNS == step_sweep.MERGE_COLUMNS == 32
-    assert model_module.Block.forward is block_forward and not step_sweep.SIDE_PREFETCH
-    assert model_module.Transformer.forward_at is forward_at
 
 
 def test_a_config_trigger_overrides_the_linear_knob_for_that_weight_only(monkeypatch):

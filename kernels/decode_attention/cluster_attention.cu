@@ -120,8 +120,8 @@ __device__ __forceinline__ void push_pair(float* p, uint32_t rank, float x, floa
                ::"r"(cluster_address(p, rank)), "r"(__float_as_uint(x)), "r"(__float_as_uint(y)),
                "r"(cluster_address(bar, rank)) : "memory");
 }
-// PHASE_MARKS (kernels.stream_linear.launch_switches): thread 0's phases after its wait, in the trace's
-// SM slot. BATCHD_STREAM_PHASE_MARKS=1 marks staged, pushed, landed, merged (PHASE); =2 adds
+// PHASE_MARKS (KernelOptions.stream_phase_marks, kernels/options.py): thread 0's phases after its wait,
+// in the trace's SM slot. stream_phase_marks=1 marks staged, pushed, landed, merged (PHASE); =2 adds
 // PHASE_DETAIL and marks the compute instead: cluster joined, first and last key block's softmax,
 // pushed (DETAIL; DETAIL_AFTER reads the timer once `value` is computed). Off, each is an empty
 // statement, so that `if (c) DETAIL_AFTER(...)` never takes the next statement as its body.

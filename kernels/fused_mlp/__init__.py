@@ -17,29 +17,24 @@ batch-invariant, but slower than the chain in whole steps (NOTES, "Stop 25"), so
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
-from batchd.kernels._backend import resolve_backend
+from batchd.kernels._backend import resolve_backend, triton_available
 from batchd.kernels.fused_mlp.reference import fused_mlp_reference
+from batchd.kernels.options import current_options
 from batchd.kernels.small_matmul import check_fusion_inputs, check_linear_inputs
 
 
 def fused_mlp_wanted(hidden: int, intermediate: int, dtype: torch.dtype) -> bool:
     """Whether the engine should run this model's decode and verify MLPs through the kernel (on
-    CUDA). BATCHD_FUSED_MLP=1: wherever it fits; 0: never; unset: on the shapes where it measured
-    faster than the chain (triton_kernel.TUNED: Qwen2.5-0.5B; not 1.5B, 8B or SmolLM2-135M,
-    kernels/small_matmul/NOTES.md "Stop 19")."""
-    switch = os.environ.get("BATCHD_FUSED_MLP", "")
-    if switch not in ("", "0", "1"):
-        raise ValueError(f"BATCHD_FUSED_MLP is 0, 1 or unset, got {switch!r}")
-    if switch == "0" or not mlp_fits(hidden, intermediate, dtype):
+    CUDA). KernelOptions.fused_mlp (the kill switch BATCHD_FUSED_MLP) True: wherever it fits;
+    False: never; None: on the shapes where it measured faster than the chain (triton_kernel.TUNED:
+    Qwen2.5-0.5B; not 1.5B, 8B or SmolLM2-135M, kernels/small_matmul/NOTES.md)."""
+    switch = current_options().fused_mlp
+    if switch is False or not mlp_fits(hidden, intermediate, dtype):
         return False
-    if switch == "1":
+    if switch:
         return True
-    from batchd.kernels._backend import triton_available
-
     if not triton_available():
         return False
     from batchd.kernels.fused_mlp.triton_kernel import measured_faster

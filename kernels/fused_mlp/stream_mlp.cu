@@ -89,7 +89,7 @@ __device__ __forceinline__ void stream_mlp_body(const MlpArgs& a) {
 
   if (warp == CONSUMER_WARPS) {  // the producer: weights only, so no wait on the kernel before
     if (lane) return;
-#ifdef PRODUCER_TRIGGER  // (a probe's switch, launch_switches) the dependents may launch from the start
+#ifdef PRODUCER_TRIGGER  // (what-if: KernelOptions.stream_producer_trigger) the dependents may launch from the start
     if (a.use_pdl) asm volatile("griddepcontrol.launch_dependents;" :::);
 #endif
     const uint64_t policy = evict_first_policy();

@@ -44,6 +44,8 @@ from batchd.kernels._backend import (early_reads_enabled, interpreting, launch_o
 from batchd.kernels._pdl import AFTER_WAIT, pdl_trigger, pdl_wait
 from batchd.kernels._trace import END, START, WAITED, trace_args, trace_mark
 from batchd.kernels.rope_cache.triton_kernel import rope_rows_at, rotate_with
+from batchd.kernels.small_matmul.reference import NormInputs
+from batchd.kernels.stream_linear import cuda_supported, stream_linear
 
 BLOCK_M = 16
 REDUCE_BLOCK = 1024
@@ -198,8 +200,6 @@ def choose_config(N: int, K: int, dtype: torch.dtype, device: torch.device, *, g
 
 def stream_runs(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether a `stream=True` config can run here: kernels.stream_linear on an sm_90+ GPU, bf16/f16."""
-    from batchd.kernels.stream_linear import cuda_supported
-
     return not interpreting() and dtype in (torch.bfloat16, torch.float16) and cuda_supported(device)
 
 
@@ -630,8 +630,6 @@ def norm_row(h, NormW, Weighted, SumSq, row, K, offs, ok):
 
 def norm_inputs_triton(h: torch.Tensor, norm_weight: torch.Tensor):
     """h [M, K] -> NormInputs(norm_weight * h, sums of squares [1, M]), one program per row."""
-    from batchd.kernels.small_matmul.reference import NormInputs
-
     M, K = h.shape
     weighted = torch.empty_like(h)
     sumsq = torch.empty(1, M, dtype=torch.float32, device=h.device)
@@ -706,15 +704,11 @@ def small_linear_triton(
     "Settled inputs").
     -> out [M, N], or (out, NormInputs) with emit_norm_weight, or rotated q [B, Hq, T, D] with rope
     (the caller checks `rope_fits` first)."""
-    from batchd.kernels.small_matmul.reference import NormInputs
-
     M, K = x.shape
     N = weight.shape[0] // 2 if gated else weight.shape[0]
     if config is None:
         config = choose_config(N, K, x.dtype, x.device, gated=gated)
     if config.stream:
-        from batchd.kernels.stream_linear import stream_linear
-
         return stream_linear(x, weight, bias, row_sumsq=row_sumsq, eps=eps, residual=residual, gated=gated,
                              emit_norm_weight=emit_norm_weight, ring_bytes=config.ring_kb * 1024,
                              ctas_per_sm=config.stream_ctas, min_shared_bytes=config.stream_min_kb * 1024,

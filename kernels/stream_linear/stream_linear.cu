@@ -196,7 +196,7 @@ __device__ __forceinline__ void stream_linear_body(const Args& a) {
 
   if (warp == CONSUMER_WARPS) {  // the producer: weights only, so no wait on the kernel before
     if (lane) return;
-#ifdef PRODUCER_TRIGGER  // (a probe's switch, launch_switches) the dependents may launch from the start
+#ifdef PRODUCER_TRIGGER  // (what-if: KernelOptions.stream_producer_trigger) the dependents may launch from the start
     if (a.use_pdl) asm volatile("griddepcontrol.launch_dependents;" :::);
 #endif
     const uint64_t policy = evict_first_policy();
@@ -240,7 +240,7 @@ __device__ __forceinline__ void stream_linear_body(const Args& a) {
   float scale[MB];
   const scalar_t* x = stage_x_and_row_scales<MB>(a.x, x_staged, a.stage_x, M, K, a.row_sumsq, a.P, a.eps, tid, lane,
                                                  scale);
-#ifdef PHASE_MARKS  // (a probe's switch, launch_switches) thread 0's phases after its wait, in ns, in mark[3]
+#ifdef PHASE_MARKS  // (what-if: KernelOptions.stream_phase_marks) thread 0's phases after its wait, in ns, in mark[3]
   long long phase[4] = {0, 0, 0, 0};
   if (mark != nullptr && tid == 0) phase[0] = global_timer_after(scale[0] + to_float(x[0]));
 #endif

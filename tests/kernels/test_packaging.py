@@ -1,6 +1,6 @@
 """The CUDA sources the kernels compile at first use (NVRTC) must ship in the wheel: a kernel whose
 .cu file is not in pyproject's package-data works from a checkout and fails on the first call of
-an installed worker (cluster_attention.cu did, until stop 30)."""
+an installed worker (cluster_attention.cu once did). kernels/ installs as batchd.kernels."""
 from __future__ import annotations
 
 import fnmatch
@@ -16,7 +16,7 @@ def test_every_cuda_source_under_kernels_is_package_data():
     assert sources, "no CUDA sources found under kernels/"
     missing = []
     for source in sources:
-        package = ".".join(source.parent.relative_to(ROOT).parts)
+        package = ".".join(("batchd", *source.parent.relative_to(ROOT).parts))
         if not any(fnmatch.fnmatch(source.name, pattern) for pattern in package_data.get(package, [])):
             missing.append(str(source.relative_to(ROOT)))
     assert not missing, f"add these to [tool.setuptools.package-data] in pyproject.toml: {missing}"

@@ -399,10 +399,10 @@ def test_rope_fits_needs_whole_pairs_of_one_head_and_no_split():
 @needs_triton
 @pytest.mark.triton
 @pytest.mark.parametrize("kind, cfg", [FUSED[0], FUSED[2], FUSED[4], FUSED[5], FUSED[7]])
-def test_settled_inputs_read_early_change_no_bits(kind, cfg, monkeypatch):
+def test_settled_inputs_read_early_change_no_bits(kind, cfg, use_options):
     """settled=True moves the epilogue's reads (bias, residual, next norm weight; the reduce
     kernel's with a k split) before the wait: the same outputs, bit for bit, as reading them after
-    the k loop (BATCHD_EARLY_READS=0) and as settled=False."""
+    the k loop (early_reads="off") and as settled=False."""
     t = fusion_inputs(5, 40, 72, torch.bfloat16, gated=kind == "norm-gated", parts=3)
     x, sumsq = t["weighted"], t["sumsq"]
     if kind == "norm":
@@ -412,9 +412,9 @@ def test_settled_inputs_read_early_change_no_bits(kind, cfg, monkeypatch):
     else:
         args, kw = (t["x"], t["w"], t["b"]), dict(residual=t["res"], emit_norm_weight=t["next_nw"])
     early = flat(triton_fused(cfg, *args, settled=True, **kw))
-    monkeypatch.setenv("BATCHD_EARLY_READS", "0")
+    use_options(early_reads="off")
     late = flat(triton_fused(cfg, *args, settled=True, **kw))
-    monkeypatch.delenv("BATCHD_EARLY_READS")
+    use_options(early_reads="auto")
     unsettled = flat(triton_fused(cfg, *args, **kw))
     for a, b, c in zip(early, late, unsettled):
         assert torch.equal(a, b) and torch.equal(a, c)
@@ -423,7 +423,7 @@ def test_settled_inputs_read_early_change_no_bits(kind, cfg, monkeypatch):
 @needs_triton
 @pytest.mark.triton
 @pytest.mark.parametrize("T", [1, 3])
-def test_settled_rope_rows_read_early_change_no_bits(T, monkeypatch):
+def test_settled_rope_rows_read_early_change_no_bits(T, use_options):
     """The q/k/v projection's epilogue with its rope rows and positions read before the wait."""
     from batchd.kernels.small_matmul.triton_kernel import RopeTarget, small_linear_triton
 
@@ -443,10 +443,10 @@ def test_settled_rope_rows_read_early_change_no_bits(T, monkeypatch):
         return q, k, v
 
     early = run(True)
-    monkeypatch.setenv("BATCHD_EARLY_READS", "0")
+    use_options(early_reads="off")
     for a, b in zip(early, run(True)):
         assert torch.equal(a, b)
-    monkeypatch.delenv("BATCHD_EARLY_READS")
+    use_options(early_reads="auto")
     for a, b in zip(early, run(False)):
         assert torch.equal(a, b)
 
@@ -454,7 +454,7 @@ def test_settled_rope_rows_read_early_change_no_bits(T, monkeypatch):
 @needs_cuda
 @needs_triton
 @pytest.mark.parametrize("kind", ["qkv-rope", "o", "gate_up", "down"])
-def test_cuda_settled_reads_change_no_bits_at_qwen_shapes(kind, monkeypatch):
+def test_cuda_settled_reads_change_no_bits_at_qwen_shapes(kind, use_options):
     """The compiled kernels at Qwen2.5-1.5B's shapes and tuned configs, each call finished before the
     next (no overlap, so no ordering question): settled reads before the wait give the bits of
     reads after the k loop, on 8 inputs each. (Reading the o projection's residual early moved its
@@ -485,9 +485,9 @@ def test_cuda_settled_reads_change_no_bits_at_qwen_shapes(kind, monkeypatch):
 
     for _ in range(8):
         inputs = rnd(1, K), rnd(1, N), (torch.rand(2, 1, generator=g) * 500 + 100).cuda()
-        monkeypatch.delenv("BATCHD_EARLY_READS", raising=False)
+        use_options(early_reads="auto")
         early = call(*inputs)
-        monkeypatch.setenv("BATCHD_EARLY_READS", "0")
+        use_options(early_reads="off")
         for a, b_ in zip(early, call(*inputs)):
             assert torch.equal(a, b_)
 
@@ -618,7 +618,7 @@ def test_step_sweep_skip_drops_the_launch_until_the_next_variant():
     assert attention_kernel.MERGE_COLUMNS == step_sweep.MERGE_COLUMNS == 32
 
 
-def test_a_config_trigger_overrides_the_linear_knob_for_that_weight_only(monkeypatch):
+def test_a_config_trigger_overrides_the_linear_knob_for_that_weight_only(use_options):
     """SmallLinearConfig.trigger sets one weight's PDL trigger point (kernels._pdl); None keeps the
     "linear" knob's; 0 (launches two deep) only where the next launch reads nothing early that the
     one before writes, which the table's entries promise, not the config."""
@@ -629,10 +629,10 @@ def test_a_config_trigger_overrides_the_linear_knob_for_that_weight_only(monkeyp
         return linear_constexprs(config, 1536, 1536, torch.bfloat16, bias=False, norm_parts=0, gated=False,
                                  residual=False, emit=False, pdl=True, early=True, rope_heads=None)["TRIGGER"]
 
-    monkeypatch.delenv("BATCHD_PDL_TRIGGER", raising=False)
+    use_options(pdl_trigger=1)
     assert trigger(C(8, 128, 1, gemv=True)) == 1
     assert trigger(C(8, 128, 1, gemv=True, trigger=2)) == 2
-    monkeypatch.setenv("BATCHD_PDL_TRIGGER", "linear:2")
+    use_options(pdl_trigger={"linear": 2})
     assert trigger(C(8, 128, 1, gemv=True)) == 2
     assert trigger(C(8, 128, 1, gemv=True, trigger=1)) == 1
     assert trigger(C(8, 128, 1, gemv=True, trigger=0)) == 0     # the caller's promise (__post_init__)
@@ -641,7 +641,7 @@ def test_a_config_trigger_overrides_the_linear_knob_for_that_weight_only(monkeyp
 
 
 @needs_triton
-def test_a_config_reduce_trigger_reaches_the_reduce_launch(monkeypatch):
+def test_a_config_reduce_trigger_reaches_the_reduce_launch(monkeypatch, use_options):
     """SmallLinearConfig.reduce_trigger sets the k split's reduce's trigger point (0 before its wait:
     kernels._pdl); None keeps the "reduce" knob's. The point moves no value."""
     from batchd.kernels.small_matmul import triton_kernel as tk
@@ -656,7 +656,7 @@ def test_a_config_reduce_trigger_reaches_the_reduce_launch(monkeypatch):
             return launch
 
     monkeypatch.setattr(tk, "_reduce_splits_kernel", Recorder())
-    monkeypatch.delenv("BATCHD_PDL_TRIGGER", raising=False)
+    use_options(pdl_trigger=1)
     x, w, b = make(3, 48, 256, torch.float32, bias=True, seed=5)
     early = tk.small_linear_triton(x, w, b, config=tk.SmallLinearConfig(16, 32, 2, reduce_trigger=0))
     knob = tk.small_linear_triton(x, w, b, config=tk.SmallLinearConfig(16, 32, 2))

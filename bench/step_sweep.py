@@ -37,7 +37,7 @@ A variant is space-separated settings, "table" for none:
   N,K=...,skip_wait:1             another what-if: that weight's kernel never waits for the kernel
                                   before (SmallLinearConfig.skip_wait; ids garbage). A loose bound on
                                   a finer handoff than griddepcontrol.wait: the kernel then overlaps
-                                  all of the one before, which no real handoff can (NOTES "Stop 30")
+                                  all of the one before, which no real handoff can
 
     python bench/step_sweep.py --shapes qwen2.5-1.5b --variants "table;pdl_trigger=2;2048,1536=16,512,1,4,3"
     python bench/step_sweep.py --shapes qwen2.5-1.5b --variants "table;early_reads=0;table"
@@ -187,7 +187,7 @@ def mlp_config(values: str):
 def run_order(variants: list[str], rounds: int, warmup: int) -> list[tuple[str, bool]]:
     """(variant, timed) in run order: `warmup` untimed runs of the first variant, then the whole
     list `rounds` times over, interleaved (A B C A B C ...). The first run in a process reads about
-    1.5% fast whatever its variant (stop 16: the table's first run 835-842 tok/s, its later runs
+    1.5% fast whatever its variant (the table's first run 835-842 tok/s, its later runs
     820-829 in the same call), so a variant compared with that run looks slower than it is."""
     return [(variants[0], False)] * warmup + [(v, True) for _ in range(rounds) for v in variants]
 

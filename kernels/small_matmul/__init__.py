@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from batchd.kernels._backend import resolve_backend
+from batchd.kernels.rope_cache import check_rope_inputs, rope_and_store
 from batchd.kernels.small_matmul.checks import MAX_ROWS, check_fusion_inputs, check_linear_inputs
 from batchd.kernels.small_matmul.reference import NormInputs, norm_inputs_reference, small_linear_reference
 
@@ -73,8 +74,6 @@ def qkv_rope_and_store(
     launches; the bits are the same either way. settled=True (every decode layer but the first,
     whose tables the launch just before writes) lets the epilogue's table reads run before the
     kernel waits on that launch (kernels._pdl, "Settled inputs")."""
-    from batchd.kernels.rope_cache import check_rope_inputs, rope_and_store
-
     check_linear_inputs(x, weight, bias)
     check_fusion_inputs(x, weight, bias, row_sumsq, None, False, None)
     B, T = k_cache.shape[0], x.shape[0] // k_cache.shape[0]

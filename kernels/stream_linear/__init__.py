@@ -8,13 +8,13 @@ The same operation and fusions as kernels.small_matmul.small_linear (its referen
 small_linear_reference, is this kernel's twin), for the decode step's weight-bound projections:
 one CTA per SM, a producer thread bulk-copying whole weight rows into a ring of shared-memory
 slots from the moment the CTA starts (weights depend on no kernel), eight consumer warps on the
-CUDA cores. Design and measurements: stream_linear.cu and kernels/small_matmul/NOTES.md, "Stop 23".
+CUDA cores. Design and measurements: stream_linear.cu.
 
 Rows are batch-invariant: row m of an M-row call equals the one-row call on x[m] bit for bit, for
 every M up to MAX_ROWS, so a verify step reproduces the decode steps' logits.
 
 The kernel is chosen per weight shape by kernels.small_matmul's table (`SmallLinearConfig(stream=
-True)`: Qwen2.5-1.5B's gate_up since stop 25); small_linear routes there, so callers keep one entry
+True)`: Qwen2.5-1.5B's qkv and gate_up); small_linear routes there, so callers keep one entry
 point, and a stream entry falls back to Triton tiles where this kernel cannot run.
 """
 from __future__ import annotations
@@ -36,7 +36,7 @@ from batchd.kernels.small_matmul.reference import NormInputs, small_linear_refer
 MAX_ROWS = 32
 CONSUMER_WARPS = 8
 THREADS = (CONSUMER_WARPS + 1) * 32
-SLOT_TARGET_BYTES = 24 * 1024      # a bulk copy of 8-32 KB streams at copy speed (NOTES, stop 20)
+SLOT_TARGET_BYTES = 24 * 1024      # a bulk copy of 8-32 KB streams at copy speed
 MAX_SHARED_MEM = 227 * 1024        # sm_90's opt-in limit per block
 SHARED_MEM_PER_SM = 228 * 1024     # of which 1 KB per resident block is the system's
 X_STAGE_BYTES = 64 * 1024          # x up to this size is copied into shared memory once
@@ -68,7 +68,7 @@ def plan(M: int, N: int, K: int, itemsize: int, *, gated: bool, emit: bool, sms:
     shared memory when it takes at most X_STAGE_BYTES. max_ctas caps the grid (0: none);
     min_shared_bytes raises the shared memory asked (never past the limit), which keeps a second CTA
     off an SM once it passes half of one (a CTA that shares an SM shares its issue slots: the dot
-    products of Qwen2.5-1.5B's qkv took 1.6 us for 0.5, kernels/small_matmul/NOTES.md "Stop 27").
+    products of Qwen2.5-1.5B's qkv took 1.6 us for 0.5).
     Raises ValueError where the kernel cannot run the shape."""
     if not 1 <= M <= MAX_ROWS:
         raise ValueError(f"stream_linear takes 1..{MAX_ROWS} rows, got {M}")

@@ -519,7 +519,7 @@ def compile_decode_kernels_for_hopper() -> dict:
     from batchd.kernels.small_matmul import triton_kernel as tk
 
     table = lambda n, k, gated=False: tk.choose_config(n, k, torch.bfloat16, torch.device("cuda"), gated=gated)  # noqa: E731
-    # qkv's and gate_up's entries stream through kernels.stream_linear (CUDA, stops 25-26); without an sm_90 GPU
+    # qkv's and gate_up's entries stream through kernels.stream_linear (CUDA); without an sm_90 GPU
     # choose_config falls back to Triton tiles for the multiprocessors it is told of (the H200's 132)
     tk.multiprocessor_count = lambda device: 132
     qkv = dict(rope=True, norm=True, bias=True)
@@ -666,7 +666,7 @@ def test_a_config_reduce_trigger_reaches_the_reduce_launch(monkeypatch, use_opti
 
 
 def test_a_stream_table_entry_falls_back_to_triton_tiles_where_the_kernel_cannot_run(monkeypatch):
-    """Qwen2.5-1.5B's gate_up streams through kernels.stream_linear (stop 25), a CUDA kernel for
+    """Qwen2.5-1.5B's gate_up streams through kernels.stream_linear, a CUDA kernel for
     sm_90+ in bf16/f16; on another GPU the same weight takes the heuristic's Triton tiles, whole
     (no k split: silu needs the whole sum)."""
     from batchd.kernels.small_matmul import triton_kernel
@@ -676,13 +676,13 @@ def test_a_stream_table_entry_falls_back_to_triton_tiles_where_the_kernel_cannot
     monkeypatch.setattr(triton_kernel, "stream_runs", lambda device, dtype: False)
     config = triton_kernel.choose_config(8960, 1536, torch.bfloat16, torch.device("cuda"), gated=True)
     assert not config.stream and config.splits == 1
-    assert triton_kernel.TUNED[(2048, 1536, 2)].stream                                # qkv (stop 26)
-    assert triton_kernel.TUNED[(2048, 1536, 2)].stream_max_ctas == 128                # (stop 27)
+    assert triton_kernel.TUNED[(2048, 1536, 2)].stream                                # qkv
+    assert triton_kernel.TUNED[(2048, 1536, 2)].stream_max_ctas == 128                # one CTA an SM, 4 SMs left
     assert not triton_kernel.choose_config(2048, 1536, torch.bfloat16, torch.device("cuda")).stream
 
 
 def test_an_early_reduce_trigger_is_kept_only_where_a_stream_kernel_can_follow(monkeypatch):
-    """Qwen2.5-1.5B's down signals from its reduce before the reduce waits (stop 26), so that the
+    """Qwen2.5-1.5B's down signals from its reduce before the reduce waits, so that the
     stream qkv after it fills its weight ring while down runs; before a Triton qkv that lost, so where
     stream kernels cannot run the reduce takes the "reduce" knob's point again."""
     from batchd.kernels.small_matmul import triton_kernel

@@ -332,7 +332,7 @@ def test_rope_verify_rows_equal_decode_steps_bit_for_bit():
 
 
 def test_timeline_unpacks_the_phase_marks_per_stream_launch():
-    """bench/timeline.py's phase_table reads BATCHD_STREAM_PHASE_MARKS' packed slot: 16 bits a phase,
+    """bench/timeline.py's phase_table reads stream_phase_marks' packed slot: 16 bits a phase,
     medians over the middle layers, one kernel's launches at a time, CTAs without marks left out."""
     from types import SimpleNamespace
 

@@ -97,7 +97,8 @@ MLP_DIVISIBLE = set(MLP_POINTERS) | {"H", "I", "stride_xm"}
 
 
 def fused_mlp_rows(intermediate: int = 8960) -> list[dict]:
-    """kernels.fused_mlp's slice kernel at Qwen2.5-1.5B's MLP in the configs its mlp= variants measured (none beat the chain there)."""
+    """kernels.fused_mlp's slice kernel at Qwen2.5-1.5B's MLP in the configs step_sweep's mlp= variants
+    measured (none beat the chain there)."""
     C = mlp_tk.FusedMlpConfig
     rows = []
     for cfg in (C(0, 64, 64, 4, 3, remainder=False), C(0, 64, 64, 4, 5, remainder=False),

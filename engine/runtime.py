@@ -239,7 +239,30 @@ class Engine:
         window = compressor_for(self).scoring_window
         return "exact" if window is None else f"w{window.window}-b{window.block}-s{window.sink}"
 
+    # ---- many jobs per step ---------------------------------------------------------------
+
+    def batch_engine(self, options=None):
+        """The batch engine over this engine's model (built at first use: its KV pool takes
+        `kv_memory_fraction` of the device memory free then)."""
+        if getattr(self, "_batch", None) is None or options is not None:
+            from batchd.engine.batch import BatchEngine, BatchOptions
+
+            if options is None:
+                options = BatchOptions(block_size=64 if self.device.type == "cuda" else 16)
+            self._batch = BatchEngine(self.model, self.cache, max_context=self.max_context,
+                                      prefill_chunk=self.prefill_chunk, eos_ids=self.eos_ids,
+                                      decode_text=self.codec.decode if self.codec else None, options=options)
+        return self._batch
+
+    def generate_many(self, requests, **kwargs):
+        """Run many requests together; yield (index, GenerationResult or EngineError) as each
+        finishes (engine.batch.generate_many)."""
+        from batchd.engine.batch import generate_many
+
+        return generate_many(self, requests, **kwargs)
+
     def close(self) -> None:
+        self._batch = None
         self._drafters.clear()
         del self.runner, self.cache, self.model
         if self.device.type == "cuda":

@@ -124,8 +124,9 @@ def _source_text() -> str:
 
 
 def _kernel(device: torch.device, dtype: torch.dtype, head_dim: int, group: int, p: ClusterPlan):
-    options = (*current_options().stream_defines(), f"-I{_STREAM_HEADERS}", "-std=c++17", f"-DHEAD_DIM={head_dim}", f"-DGROUP={group}",
-               f"-DCLUSTER={p.cluster}", f"-DKEY_BLOCK={p.key_block}", *(("-DSCALAR_F16",) if dtype == torch.float16 else ()))
+    options = (*current_options().stream_defines(), f"-I{_STREAM_HEADERS}", "-std=c++17", f"-DHEAD_DIM={head_dim}",
+               f"-DGROUP={group}", f"-DCLUSTER={p.cluster}", f"-DKEY_BLOCK={p.key_block}",
+               *(("-DSCALAR_F16",) if dtype == torch.float16 else ()))
     return compile_kernels(_source_text(), ("cluster_attention",), device, options,
                            max_shared_mem=MAX_SHARED_MEM)["cluster_attention"]
 

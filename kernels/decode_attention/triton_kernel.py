@@ -295,7 +295,7 @@ class DecodeTile:
 
 
 # By group size G = Hq / Hkv, measured on the H200 (`python bench/attention.py --sweep-layout 12,2`
-# and `14,2`, kernels/decode_attention/NOTES.md): at 32K rows a decode step went from 19.7 to 11.2 us
+# and `14,2`, docs/performance.md): at 32K rows a decode step went from 19.7 to 11.2 us
 # (40% -> 70% of copy) at G = 6 (Qwen2.5-1.5B) and from 18.0 to 11.1 us at G = 7 (Qwen2.5-0.5B, 7B).
 # Other G keep the defaults (tuned at Llama-3-8B's G = 4 by the --sweep at 64K; G <= 4 already fits
 # a 64-row tile).

@@ -10,8 +10,9 @@ weight transposed when it uses this path (engine.model.Transformer.use_fused_mlp
 `down_proj.weight.t()` is a free view. On CUDA: kernels/fused_mlp/triton_kernel.py; elsewhere the
 PyTorch twin (reference.py). The engine uses it on the MLP shapes where it measured faster than the
 chain of small_matmul launches on the H200 (`fused_mlp_wanted`; KernelOptions.fused_mlp, from the
-kill switch BATCHD_FUSED_MLP: 1 forces it, 0 turns it off): Qwen2.5-0.5B, +18%; at Qwen2.5-1.5B, Llama-3-8B and SmolLM2-135M the chain is
-faster. `FusedMlpConfig(stream=True)` runs the slices on a bulk-copy weight ring instead (stream_mlp.cu, stream_kernel.py; sm_90+, bf16/f16): correct and
+kill switch BATCHD_FUSED_MLP: 1 forces it, 0 turns it off): Qwen2.5-0.5B, +18%; at Qwen2.5-1.5B,
+Llama-3-8B and SmolLM2-135M the chain is faster. `FusedMlpConfig(stream=True)` runs the slices on a
+bulk-copy weight ring instead (stream_mlp.cu, stream_kernel.py; sm_90+, bf16/f16): correct and
 batch-invariant, but slower than the chain in whole steps, so in no table entry.
 """
 from __future__ import annotations

@@ -9,7 +9,7 @@ same code). The k splits are cut at multiples of BLOCK_K that depend on (N, K) o
 one split the float32 partials go to a [splits, M, N] buffer and a second kernel sums them in split
 order 0, 1, 2, ... (no atomics), adds the bias and casts. (Summing them in the split kernel, by the
 last program of a tile to arrive on an atomic counter, measured slower: its fence, atomic and
-serial loads cost more than a launch under PDL; NOTES.md.) One config per (N, K, dtype): a table
+serial loads cost more than a launch under PDL; docs/performance.md.) One config per (N, K, dtype): a table
 measured on an H200 (bench/small_matmul.py --tune), a heuristic elsewhere; never autotuned per call.
 
 Under programmatic dependent launch a program requests its first `preload` weight tiles before

@@ -60,7 +60,7 @@ __device__ __forceinline__ long long global_timer() {  // ns, one clock for ever
   asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
   return t;
 }
-// the same once `after` is computed (its operand orders the read after it), for the phase marks (KernelOptions.stream_phase_marks)
+// the same once `after` is computed (its operand orders the read after it), for the phase marks
 __device__ __forceinline__ long long global_timer_after(float after) {
   long long t;
   asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t) : "f"(after) : "memory");

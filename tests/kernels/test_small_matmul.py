@@ -618,6 +618,29 @@ def test_step_sweep_skip_drops_the_launch_until_the_next_variant():
     assert attention_kernel.MERGE_COLUMNS == step_sweep.MERGE_COLUMNS == 32
 
 
+def test_step_sweep_options_hold_for_their_variant_only():
+    """bench/step_sweep.py passes kernel what-ifs through kernels.options (never the environment):
+    OPTION=VALUE (or the old BATCHD_OPTION=VALUE spelling) and mlp= set them for that variant's
+    engine; the next variant starts from the environment's defaults again."""
+    from bench import step_sweep
+    from batchd.kernels.options import KernelOptions, current_options, environment_defaults
+    from batchd.kernels.small_matmul import triton_kernel
+
+    tuned = dict(triton_kernel.TUNED)
+    try:
+        step_sweep.apply_variant("pdl_trigger=linear:2 BATCHD_EARLY_READS=0 attention_cluster=8 "
+                                 "stream_phase_marks=1", tuned)
+        assert current_options() == KernelOptions(pdl_trigger={"linear": 2}, early_reads="off", attention_cluster=8,
+                                                  stream_phase_marks=1)
+        step_sweep.apply_variant("mlp=4864,896,0,64,64,4,5", tuned)
+        assert current_options().fused_mlp is True and current_options().early_reads == "auto"
+        with pytest.raises(SystemExit, match="unknown option"):
+            step_sweep.apply_variant("BATCHD_NO_SUCH=1", tuned)
+    finally:
+        step_sweep.apply_variant("table", tuned)
+    assert current_options() == environment_defaults()
+
+
 def test_a_config_trigger_overrides_the_linear_knob_for_that_weight_only(use_options):
     """SmallLinearConfig.trigger sets one weight's PDL trigger point (kernels._pdl); None keeps the
     "linear" knob's; 0 (launches two deep) only where the next launch reads nothing early that the

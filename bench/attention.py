@@ -330,7 +330,7 @@ def sweep(S: int = 65536, hq: int = HQ, hkv: int = HKV, copy_bw: float | None = 
 
         G = hq // hkv
         invariant = invariant_tile_rows(G)
-        show("G*16", run(64, None, 2, None, block_m=invariant), 64, "auto", 2, None, invariant)   # before stop 11
+        show("G*16", run(64, None, 2, None, block_m=invariant), 64, "auto", 2, None, invariant)   # the tile before the fitted rows
         tile = decode_tile(G)
         show("table", run(None, None, None, None), tile.block_n, tile.num_warps or "auto", tile.num_stages, None,
              "fit" if tile.fit_rows else None)

@@ -10,13 +10,12 @@ greedy new tokens, then the same at 32K context. Prints one table:
 Run on the H200:  python bench/decode.py            (all shapes)
                   python bench/decode.py --shapes smollm2-135m --no-long
                   python bench/decode.py --compare-pdl   (adds tok/s with programmatic dependent
-                                                          launch off, BATCHD_PDL=0, same weights)
+                                                          launch off, KernelOptions(pdl=False), same weights)
 """
 from __future__ import annotations
 
 import argparse
 import gc
-import os
 import sys
 import time
 from pathlib import Path
@@ -30,6 +29,7 @@ from batchd.engine import fused  # noqa: E402
 from batchd.engine.presets import hf_config_dict, preset  # noqa: E402
 from batchd.engine.runtime import Engine, build_model  # noqa: E402
 from batchd.engine.types import GenerationRequest, SamplingParams  # noqa: E402
+from batchd.kernels.options import kernel_options  # noqa: E402
 
 
 def reference_model(config):
@@ -91,10 +91,9 @@ def bench_shape(name: str, args, bandwidth: float) -> list[dict]:
         out, tok_s = time_ours(engine, prompt, args.new_tokens)
         if args.compare_pdl:
             del engine
-            os.environ["BATCHD_PDL"] = "0"  # read at each launch: a fresh engine captures graphs without it
-            engine = Engine(model, None, max_context=prompt_len + args.new_tokens + 16, eos_ids=set())
-            off, off_tok_s = time_ours(engine, prompt, args.new_tokens)
-            os.environ.pop("BATCHD_PDL")
+            with kernel_options(pdl=False):   # read at each launch: a fresh engine captures graphs without it
+                engine = Engine(model, None, max_context=prompt_len + args.new_tokens + 16, eos_ids=set())
+                off, off_tok_s = time_ours(engine, prompt, args.new_tokens)
             same = off.token_ids == out.token_ids
         avg_context = prompt_len + args.new_tokens / 2
         bytes_per_token = weight_bytes_per_token(model) + kv_bytes_per_token(config, avg_context)
@@ -129,7 +128,7 @@ def main() -> None:
     parser.add_argument("--hf-new-tokens", type=int, default=64)
     parser.add_argument("--no-hf", dest="hf", action="store_false")
     parser.add_argument("--no-fusion", dest="fusion", action="store_false")
-    parser.add_argument("--compare-pdl", action="store_true", help="also time with BATCHD_PDL=0")
+    parser.add_argument("--compare-pdl", action="store_true", help="also time with kernel_options(pdl=False)")
     args = parser.parse_args()
     torch.manual_seed(0)
     if args.fusion:

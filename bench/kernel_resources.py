@@ -4,20 +4,20 @@
     python bench/kernel_resources.py [--sass DIR] [--fused-mlp]
 
 --fused-mlp lists kernels.fused_mlp's kernel instead, in the configs step_sweep's mlp= variants
-tried (stop 19): its shared memory is the gate/up loop's stages (the down loop reuses them), which
+tried: its shared memory is the gate/up loop's stages (the down loop reuses them), which
 decides whether 140 slices fit two to a multiprocessor or run a second wave.
 
 --sass DIR also writes each kernel's SASS (addresses and encodings stripped) to DIR/<kernel>.sass:
 run it at two commits and `diff -r` the folders to see whether a change moved any instruction of
-the kernels it should not have touched (stop 15: removing k_chains left every table kernel the same).
+the kernels it should not have touched (removing k_chains, for one, left every table kernel the same).
 
 Each row compiles `_small_linear_kernel` as a Qwen2.5-1.5B decode layer launches it (the fusions on,
 pointer and stride arguments 16-divisible as the JIT specializes them) and reads the cubin's
 resource usage with Triton's bundled cuobjdump. "ctas/SM" is what registers and shared memory
 allow at most (65536 registers, 228 KB per multiprocessor): what decides whether a kernel's
-programs fit in one wave and whether the next kernel's early programs fit beside them (stop 13:
-the o projection as a gemv, 242 registers, leaves no room for gate/up's programs where two o
-programs share a multiprocessor; q/k/v as a gemv spills; docs/performance.md).
+programs fit in one wave and whether the next kernel's early programs fit beside them (the o
+projection as a gemv, 242 registers, leaves no room for gate/up's programs where two o programs
+share a multiprocessor; q/k/v as a gemv spills).
 """
 from __future__ import annotations
 
@@ -97,7 +97,8 @@ MLP_DIVISIBLE = set(MLP_POINTERS) | {"H", "I", "stride_xm"}
 
 
 def fused_mlp_rows(intermediate: int = 8960) -> list[dict]:
-    """kernels.fused_mlp's slice kernel at Qwen2.5-1.5B's MLP in configs measured in stop 19."""
+    """kernels.fused_mlp's slice kernel at Qwen2.5-1.5B's MLP in the configs step_sweep's mlp= variants
+    measured (none beat the chain there)."""
     C = mlp_tk.FusedMlpConfig
     rows = []
     for cfg in (C(0, 64, 64, 4, 3, remainder=False), C(0, 64, 64, 4, 5, remainder=False),
@@ -133,10 +134,10 @@ def main() -> None:
         ("qkv (table)", table(QKV, H), H, dict(rope=True, norm=True, bias=True)),
         ("qkv as gemv, 8 rows", C(8, 128, 1, gemv=True), H, dict(rope=True, norm=True, bias=True)),
         ("o (table)", table(H, H), H, dict(residual=True)),
-        ("o as tiles 16x128 (before stop 13)", C(16, 128, 1, num_stages=4), H, dict(residual=True)),
+        ("o as tiles 16x128 (before the gemv)", C(16, 128, 1, num_stages=4), H, dict(residual=True)),
         ("o as gemv, 4 rows", C(4, 128, 1, gemv=True), H, dict(residual=True)),
-        # the table runs gate_up on kernels.stream_linear (CUDA) since stop 25: its Triton tiles before
-        ("gate_up (Triton, table before stop 25)", C(128, 128, 1, num_stages=3), H,
+        # the table runs gate_up on kernels.stream_linear (CUDA): its Triton tiles for comparison
+        ("gate_up (Triton tiles)", C(128, 128, 1, num_stages=3), H,
          dict(gated=True, norm=True, parts_in=H // 8)),
         ("down (table)", table(H, I), I, dict()),
     ]

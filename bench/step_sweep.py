@@ -1,11 +1,14 @@
 """Try decode-step variants on whole steps: each variant gets a fresh engine (its graphs captured
 under it), and its decode tok/s and greedy ids are compared with the first variant's. Trigger points,
-preloads and early reads (BATCHD_EARLY_READS) change no value, so their ids must be equal; another tile, block or split changes the
-order of a sum and may move the ids of random weights (a "False" there is not a bug).
+preloads and early reads (early_reads) change no value, so their ids must be equal; another tile, block or split changes
+the order of a sum and may move the ids of random weights (a "False" there is not a bug).
 
 A variant is space-separated settings, "table" for none:
-  BATCHD_NAME=VALUE               an environment switch read at capture (BATCHD_PDL_TRIGGER:
-                                  where the decode kernels signal their dependents, kernels._pdl)
+  OPTION=VALUE                    a kernels.options.KernelOptions field for this variant's engine
+                                  (pdl_trigger=2 or linear:2,split:0: where the decode kernels signal
+                                  their dependents, kernels._pdl; early_reads=0|force; pdl=0;
+                                  fused_mlp=0|1; stream_carveout=PERCENT; stream_producer_trigger=1;
+                                  stream_phase_marks=1|2; the old BATCHD_PDL_TRIGGER=... spelling works)
   N,K=bn,bk,splits,stages[,preload][,field:value...]   replaces small_linear's table entry for that
                                   weight shape (field: any SmallLinearConfig field, num_warps:8)
   N,K=gemv,rows[,warps]           the same with a gemv config (rows weight rows per program)
@@ -20,15 +23,12 @@ A variant is space-separated settings, "table" for none:
   attn_splits=N                   at most N key splits per decode attention call instead of 132
                                   (kernels.decode_attention.triton_kernel.MAX_SPLITS)
   merge_cols=N                    N output columns a merge program (triton_kernel.MERGE_COLUMNS; 0: all)
-  l2side=COLS,PROGRAMS,STEP_NS     a probe (bench/l2_side_prefetch.py): each layer's gate_up rows'
-                                  first COLS columns asked of the L2 from a second stream during the
-                                  attention half, PROGRAMS programs, one row per thread every STEP_NS
   mlp=I,H,programs,bk,bn,warps,stages[,field:value]   kernels.fused_mlp's config for that MLP shape
-                                  (programs 0: one per multiprocessor; it sets BATCHD_FUSED_MLP=1)
+                                  (programs 0: one per multiprocessor; it sets fused_mlp=1)
   mlp=I,H,stream[,ring_kb][,field:value]  the same on the bulk-copy stream kernel (kernels/fused_mlp/stream_mlp.cu)
-  BATCHD_ATTENTION_CLUSTER=0|8|16 decode attention on the cluster kernel with 8 or 16 CTAs a KV head
+  attention_cluster=0|8|16        decode attention on the cluster kernel with 8 or 16 CTAs a KV head
                                   (kernels/decode_attention/cluster_kernel.py), or 0: Triton's split and merge
-  BATCHD_ATTENTION_KEY_BLOCK=32|64 that kernel's keys a step of its online softmax
+  attention_key_block=32|64       that kernel's keys a step of its online softmax
   skip=merge|reduce|o             a what-if, not a config: the step runs without that launch (the
                                   attention merge; small_linear's split-K reduce; the o projection,
                                   its output the residual unchanged), its consumer reading
@@ -37,11 +37,11 @@ A variant is space-separated settings, "table" for none:
   N,K=...,skip_wait:1             another what-if: that weight's kernel never waits for the kernel
                                   before (SmallLinearConfig.skip_wait; ids garbage). A loose bound on
                                   a finer handoff than griddepcontrol.wait: the kernel then overlaps
-                                  all of the one before, which no real handoff can (NOTES "Stop 30")
+                                  all of the one before, which no real handoff can
 
-    python bench/step_sweep.py --shapes qwen2.5-1.5b --variants "table;BATCHD_PDL_TRIGGER=2;2048,1536=16,512,1,4,3"
-    python bench/step_sweep.py --shapes qwen2.5-1.5b --variants "table;BATCHD_EARLY_READS=0;table"
-    python bench/step_sweep.py --shapes qwen2.5-1.5b --prompt 32768 --variants "table;BATCHD_PDL_TRIGGER=linear:2"
+    python bench/step_sweep.py --shapes qwen2.5-1.5b --variants "table;pdl_trigger=2;2048,1536=16,512,1,4,3"
+    python bench/step_sweep.py --shapes qwen2.5-1.5b --variants "table;early_reads=0;table"
+    python bench/step_sweep.py --shapes qwen2.5-1.5b --prompt 32768 --variants "table;pdl_trigger=linear:2"
     python bench/step_sweep.py --shapes qwen2.5-1.5b,llama-3-8b --variants "table;preload=0;preload=4@100"
     python bench/step_sweep.py --shapes qwen2.5-1.5b --variants "table;1536,8960=64,128,10,3,2" --rounds 3
     python bench/step_sweep.py --shapes qwen2.5-1.5b --variants "table;skip=merge;skip=reduce;skip=merge skip=reduce" --rounds 3
@@ -54,7 +54,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
-import os
 import sys
 from pathlib import Path
 
@@ -62,22 +61,20 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench import l2_side_prefetch  # noqa: E402
 from bench.common import copy_bandwidth, linear_config, print_table  # noqa: E402
 from bench.decode import kv_bytes_per_token, time_ours, weight_bytes_per_token  # noqa: E402
 from batchd.engine.presets import preset  # noqa: E402
 from batchd.engine.runtime import Engine, build_model  # noqa: E402
 from batchd.kernels.decode_attention import triton_kernel as attention_kernel  # noqa: E402
 from batchd.kernels.fused_mlp import triton_kernel as mlp_kernel  # noqa: E402
+from batchd.kernels.options import KernelOptions, environment_defaults, parse_option, set_kernel_options  # noqa: E402
 from batchd.kernels.small_matmul import NormInputs, triton_kernel  # noqa: E402
 
 TILES = dict(attention_kernel.TUNED_TILES)
 REDUCE_BLOCK = triton_kernel.REDUCE_BLOCK
 
 
-SWITCHES = ("BATCHD_PDL_TRIGGER", "BATCHD_EARLY_READS", "BATCHD_PDL", "BATCHD_FUSED_MLP", "BATCHD_STREAM_CARVEOUT",
-            "BATCHD_STREAM_PRODUCER_TRIGGER", "BATCHD_STREAM_PHASE_MARKS", "BATCHD_ATTENTION_CLUSTER",
-            "BATCHD_ATTENTION_KEY_BLOCK")
+OPTIONS = tuple(field.name for field in dataclasses.fields(KernelOptions))
 MLP_TUNED = dict(mlp_kernel.TUNED)
 MERGE_SPLITS = attention_kernel.merge_splits
 MAX_SPLITS = attention_kernel.MAX_SPLITS
@@ -91,9 +88,6 @@ class _SkippedLaunch:
 
     def __getitem__(self, grid):
         return lambda *args, **kwargs: None
-
-
-SIDE_PREFETCH: list[l2_side_prefetch.SidePrefetch] = []     # the installed probe, if any
 
 
 def _skip_o(x, weight, bias=None, *, residual=None, emit_norm_weight=None, row_sumsq=None, gated=False, **kwargs):
@@ -120,9 +114,9 @@ def skip_launch(name: str) -> None:
 
 
 def apply_variant(spec: str, tuned: dict) -> None:
-    """Set the switches and table entries of `spec`, everything else back to its default."""
-    for name in SWITCHES:
-        os.environ.pop(name, None)
+    """Set the kernel options and table entries of `spec`, everything else back to its default."""
+    options = {}
+    set_kernel_options(None)
     triton_kernel.TUNED.clear()
     triton_kernel.TUNED.update(tuned)
     mlp_kernel.TUNED.clear()
@@ -135,18 +129,15 @@ def apply_variant(spec: str, tuned: dict) -> None:
     attention_kernel.MERGE_COLUMNS = MERGE_COLUMNS
     triton_kernel._reduce_splits_kernel = REDUCE_KERNEL
     triton_kernel.small_linear_triton = SMALL_LINEAR
-    while SIDE_PREFETCH:
-        SIDE_PREFETCH.pop().uninstall()
     for item in spec.split():
         if item == "table":
             continue
-        if item.startswith("BATCHD_"):
-            name, _, value = item.partition("=")
-            if name not in SWITCHES:
-                raise SystemExit(f"unknown switch {name}: one of {SWITCHES}")
-            os.environ[name] = value
-            continue
         shape, _, values = item.partition("=")
+        if shape.removeprefix("BATCHD_").lower() in OPTIONS:
+            options.update([parse_option(shape, values)])
+            continue
+        if shape.startswith("BATCHD_"):
+            raise SystemExit(f"unknown option {shape}: one of {OPTIONS}")
         if shape == "preload":
             depth, _, min_mb = values.partition("@")
             triton_kernel.TUNED.update({
@@ -156,17 +147,13 @@ def apply_variant(spec: str, tuned: dict) -> None:
         if shape == "mlp":
             intermediate, hidden, config = mlp_config(values)
             mlp_kernel.TUNED[(intermediate, hidden, 2)] = config
-            os.environ["BATCHD_FUSED_MLP"] = "1"
+            options["fused_mlp"] = True
             continue
         if shape == "attn_splits":
             attention_kernel.MAX_SPLITS = int(values)
             continue
         if shape == "merge_cols":
             attention_kernel.MERGE_COLUMNS = int(values)
-            continue
-        if shape == "l2side":
-            SIDE_PREFETCH.append(l2_side_prefetch.parse(values))
-            SIDE_PREFETCH[-1].install()
             continue
         if shape == "skip":
             skip_launch(values)
@@ -180,6 +167,7 @@ def apply_variant(spec: str, tuned: dict) -> None:
             continue
         n, k = (int(v) for v in shape.split(","))
         triton_kernel.TUNED[(n, k, 2)] = linear_config(values)
+    set_kernel_options(dataclasses.replace(environment_defaults(), **options) if options else None)
 
 
 def mlp_config(values: str):
@@ -199,7 +187,7 @@ def mlp_config(values: str):
 def run_order(variants: list[str], rounds: int, warmup: int) -> list[tuple[str, bool]]:
     """(variant, timed) in run order: `warmup` untimed runs of the first variant, then the whole
     list `rounds` times over, interleaved (A B C A B C ...). The first run in a process reads about
-    1.5% fast whatever its variant (stop 16: the table's first run 835-842 tok/s, its later runs
+    1.5% fast whatever its variant (the table's first run 835-842 tok/s, its later runs
     820-829 in the same call), so a variant compared with that run looks slower than it is."""
     return [(variants[0], False)] * warmup + [(v, True) for _ in range(rounds) for v in variants]
 

@@ -17,7 +17,7 @@ program of the launch before it, i.e. from when that launch was done):
   SMs                       how many multiprocessors its programs ran on
 
 --variants takes bench/step_sweep.py's variants (table entries, switches), one table each.
-With the variant switch BATCHD_STREAM_PHASE_MARKS=1, a table of the stream kernels' phases after
+With the variant option stream_phase_marks=1, a table of the stream kernels' phases after
 their wait follows (phase_table).
 --csv writes every program of the step (launch index, label, layer, program, sm, start, waited,
 end in ns from the step's first start) for a closer look without device time.
@@ -25,7 +25,6 @@ end in ns from the step's first start) for a closer look without device time.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 from pathlib import Path
@@ -38,6 +37,7 @@ from batchd.engine.presets import preset  # noqa: E402
 from batchd.engine.runtime import Engine, build_model  # noqa: E402
 from batchd.engine.types import GenerationRequest, SamplingParams  # noqa: E402
 from batchd.kernels import _trace  # noqa: E402
+from batchd.kernels.options import current_options  # noqa: E402
 
 START, WAITED, END, SM = (int(column.value) for column in (_trace.START, _trace.WAITED, _trace.END, _trace.SM))
 
@@ -102,7 +102,7 @@ def layer_table(step, num_layers: int) -> list[dict]:
     return table
 
 
-# the phases a kernel marks with BATCHD_STREAM_PHASE_MARKS=1, by its launches' label prefix
+# the phases a kernel marks with stream_phase_marks=1 (kernels.options), by its launches' label prefix
 PHASES = {
     "stream": ("x_staged", "weights_there", "dot_done", "epilogue_issued"),             # kernels.stream_linear
     "attention cluster": ("kv_staged", "partials_pushed", "partials_landed", "merged"),  # kernels/decode_attention
@@ -111,8 +111,8 @@ DETAIL_PHASES = {"attention cluster": ("cluster_joined", "block0_softmax", "last
 
 
 def phase_table(step, num_layers: int, kernel: str, names: tuple[str, ...] | None = None) -> list[dict]:
-    """With BATCHD_STREAM_PHASE_MARKS=1 the SM slot of a CTA of `kernel` (a PHASES key) holds
-    thread 0's phases after its wait (kernels.stream_linear.launch_switches: 16 bits of ns each,
+    """With stream_phase_marks=1 the SM slot of a CTA of `kernel` (a PHASES key) holds thread 0's
+    phases after its wait (KernelOptions.stream_phase_marks: 16 bits of ns each,
     65535 for none): per launch of a layer, the median over the middle layers' CTAs, in us after
     the wait, with the run after it."""
     labels = [launch.label for launch, _ in step]
@@ -188,11 +188,11 @@ def trace_step(model, config, context: int, csv_path: str | None) -> None:
     table = layer_table(step, config.num_layers)
     print_table(table)
     print(f"layer: {sum(r['last_end'] for r in table):.1f} us (sum of the last ends)")
-    marks = os.environ.get("BATCHD_STREAM_PHASE_MARKS")
-    if marks in ("1", "2"):
+    marks = current_options().stream_phase_marks
+    if marks in (1, 2):
         print("thread 0 of each CTA, us after its wait (the sms column above counts packed phases, not SMs):")
         for kernel, names in PHASES.items():
-            print_table(phase_table(step, config.num_layers, kernel, DETAIL_PHASES.get(kernel, names) if marks == "2" else names))
+            print_table(phase_table(step, config.num_layers, kernel, DETAIL_PHASES.get(kernel, names) if marks == 2 else names))
 
 
 if __name__ == "__main__":

@@ -12,6 +12,8 @@ import os
 
 import torch
 
+from batchd.kernels.options import current_options
+
 BACKENDS = ("auto", "triton", "reference")
 
 
@@ -124,50 +126,22 @@ def pdl_enabled(device: torch.device) -> bool:
     while the one before it finishes, waiting (griddepcontrol.wait) only before it reads that
     kernel's results, so one kernel's launch and ramp-up hide behind the last one's tail. Measured on
     the H200 (bench/decode.py --compare-pdl): +4% decode at the Qwen2.5-1.5B shape, within noise at
-    Llama-3-8B. Set BATCHD_PDL=0 to turn it off."""
-    if device.type != "cuda" or interpreting() or os.environ.get("BATCHD_PDL", "1") == "0":
+    Llama-3-8B. Off with KernelOptions.pdl (BATCHD_PDL=0)."""
+    if device.type != "cuda" or interpreting() or not current_options().pdl:
         return False
     return _cuda_capability(device.index if device.index is not None else torch.cuda.current_device())[0] >= 9
 
 
-PDL_TRIGGER_DEFAULT = 1
-
-
 def pdl_trigger_point(kernel: str) -> int:
     """Where decode kernel `kernel` (linear, reduce, split, merge) signals its dependents
-    (kernels._pdl: 0 before its wait, 1 after it, 2 before its epilogue). BATCHD_PDL_TRIGGER
-    overrides it: "2" for every kernel, or "linear:2,split:0" for some."""
-    point = PDL_TRIGGER_DEFAULT
-    for item in os.environ.get("BATCHD_PDL_TRIGGER", "").split(","):
-        name, sep, value = item.partition(":")
-        if not sep and name.strip().isdigit():
-            point = int(name)
-        elif name == kernel:
-            point = int(value)
-    if point not in (0, 1, 2):
-        raise ValueError(f"BATCHD_PDL_TRIGGER: trigger points are 0, 1 or 2, got {point}")
-    return point
-
-
-TRIGGER_KNOBS = ("linear", "reduce", "split", "merge")
+    (kernels._pdl: 0 before its wait, 1 after it, 2 before its epilogue): KernelOptions.pdl_trigger."""
+    return current_options().trigger_point(kernel)
 
 
 def early_reads_enabled() -> bool:
     """Whether a decode kernel whose caller passed `settled=True` reads those inputs before its
-    griddepcontrol.wait (kernels._pdl, "Settled inputs"). That is safe only while every kernel
-    triggers its dependents at or after its own wait: with a trigger before the wait (0), launches
-    run two deep and "two launches back" is no longer finished. BATCHD_EARLY_READS=0 turns it off
-    (to measure it, or to rule it out when a result looks racy); BATCHD_EARLY_READS=force keeps it on
-    whatever the triggers (for measurements: safe only where the kernel after an early trigger reads
-    nothing early from the kernel before that trigger)."""
-    mode = os.environ.get("BATCHD_EARLY_READS", "1")
-    if mode == "0":
-        return False
-    if mode == "force":
-        return True
-    if os.environ.get("BATCHD_STREAM_PRODUCER_TRIGGER", "0") == "1":   # kernels.stream_linear's trigger before its wait
-        return False
-    return all(pdl_trigger_point(kernel) >= 1 for kernel in TRIGGER_KNOBS)
+    griddepcontrol.wait (kernels._pdl, "Settled inputs"): KernelOptions.early_reads_enabled."""
+    return current_options().early_reads_enabled()
 
 
 def launch_options(pdl: bool) -> dict:

@@ -25,7 +25,7 @@ before it has passed its wait, so the kernel two launches back has finished and 
 the kernels before it wrote is in memory. A kernel may therefore read, before its own wait, inputs
 its caller knows were written two or more launches back (`settled=True` at the call: the residual
 stream and the step's rope rows and lengths in a decode layer, the cache rows of earlier steps);
-`kernels._backend.early_reads_enabled` turns that off whenever a knob sets a trigger 0. Those reads
+`KernelOptions.early_reads_enabled` turns that off whenever a knob sets a trigger 0. Those reads
 use the ".cg" cache modifier (L2, never a stale L1 line). A trigger 0 set in a table entry keeps them on:
 the entry's promise that the launch after it reads early nothing the launch before it writes. A k
 split's reduce always keeps it (SmallLinearConfig.reduce_trigger): the launch after the reduce may
@@ -39,7 +39,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-AFTER_WAIT = tl.constexpr(1)   # TRIGGER 1: the point kernels without a BATCHD_PDL_TRIGGER knob use
+AFTER_WAIT = tl.constexpr(1)   # TRIGGER 1: the point kernels without a KernelOptions.pdl_trigger knob use
 
 
 @triton.jit

@@ -1,8 +1,11 @@
 """Fixtures shared by every test folder: the real SmolLM2 checkpoint and real documents."""
 from __future__ import annotations
 
+import importlib
 import importlib.metadata
+import importlib.util
 import os
+import sys
 from pathlib import Path
 
 # Under pytest-xdist (`make test` runs one worker per core) every worker gets an equal share of the
@@ -23,6 +26,26 @@ if not torch.cuda.is_available():
 import pytest
 
 from batchd.samples import Paper, aclsum_papers
+
+
+def _import_installed(name: str) -> None:
+    """Import the installed package `name` now, with the repository root off sys.path. pytest puts
+    the root first on the path (tests/ is a package; the tests import `bench` and `tests` from
+    there), where the kernels/ folder would shadow Hugging Face's `kernels`, which transformers
+    imports when it is installed (batchd's own kernels come from its install, as batchd.kernels)."""
+    root = str(Path(__file__).resolve().parents[1])
+    saved = sys.path[:]
+    sys.path[:] = [p for p in sys.path if p not in ("", ".") and os.path.abspath(p) != root]
+    try:
+        if importlib.util.find_spec(name) is not None:
+            importlib.import_module(name)
+    except ImportError:
+        pass
+    finally:
+        sys.path[:] = saved
+
+
+_import_installed("kernels")
 
 
 def smollm2_gguf_path() -> Path:

@@ -13,13 +13,14 @@ import math
 import torch
 
 from batchd.kernels._backend import resolve_backend, seq_len_tensor
+from batchd.kernels.decode_attention import cluster_kernel
 from batchd.kernels.decode_attention.reference import (
+    MAX_Q_ROWS,
     causal_visibility,
     decode_attention_reference,
     masked_attention_reference,
 )
 
-MAX_Q_ROWS = 16
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -88,8 +89,6 @@ def decode_attention(
     lengths = seq_len_tensor(seq_len, B, S_max, q.device)
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     if backend in ("auto", "cluster"):
-        from batchd.kernels.decode_attention import cluster_kernel
-
         plan = cluster_kernel.supported(q, k_cache, v_cache)
         if plan is not None:
             return cluster_kernel.decode_attention_cluster(q, k_cache, v_cache, lengths, scale, plan, settled=settled)
@@ -97,7 +96,7 @@ def decode_attention(
             raise ValueError(
                 f"the cluster attention kernel cannot run q {list(q.shape)} {q.dtype} on {q.device} over a cache of "
                 f"{S_max} rows (it needs an sm_90+ GPU, bf16/f16, D a multiple of 32 up to 128, a short cache, "
-                "BATCHD_ATTENTION_CLUSTER not 0): use backend='auto' or 'triton'")
+                "KernelOptions.attention_cluster not 0): use backend='auto' or 'triton'")
         backend = "auto"
     if resolve_backend(backend, q.device) == "reference":
         return decode_attention_reference(q, k_cache, v_cache, lengths, scale)

@@ -14,7 +14,7 @@
 //      of 16; a warp's task is one m-tile and one D_SLICE of output columns, and computes that
 //      tile's scores over all the CTA's keys itself (the column slices repeat the score products:
 //      warps splitting the keys instead, with their partials merged in shared memory, measured the
-//      same, NOTES "Stop 29"). A decode step's m-tile has G <= 8 real rows: rows g + 8 skip the
+//      same). A decode step's m-tile has G <= 8 real rows: rows g + 8 skip the
 //      softmax (a warp-uniform branch; their q rows are zero, so their probabilities pack as zeros).
 //   3. CTA `rank` owns the merge of columns [rank * D / CLUSTER, ...) of every row. Each CTA
 //      stores its partial (running max m, sum l, unnormalised output acc) per row straight into
@@ -22,7 +22,7 @@
 //      the owner's mbarrier; an owner waits until all CLUSTER slots have landed, merges its
 //      columns over them in rank order and writes the output. No cluster-wide barrier after the
 //      work: a CTA waits only for the data it merges (a barrier.cluster there took 1.1 us against
-//      0.26 for the mbarrier, NOTES "Stop 29"), and leaves when done, since nobody touches its
+//      0.26 for the mbarrier), and leaves when done, since nobody touches its
 //      memory after that. (A barrier arrive at the start, waited on before the first remote store,
 //      makes sure every CTA of the cluster runs, with its mbarrier set up, before it is written to.)
 // Bits: every row's arithmetic is the same whatever Q, seq_len or the row's place in its m-tile
@@ -120,8 +120,8 @@ __device__ __forceinline__ void push_pair(float* p, uint32_t rank, float x, floa
                ::"r"(cluster_address(p, rank)), "r"(__float_as_uint(x)), "r"(__float_as_uint(y)),
                "r"(cluster_address(bar, rank)) : "memory");
 }
-// PHASE_MARKS (kernels.stream_linear.launch_switches): thread 0's phases after its wait, in the trace's
-// SM slot. BATCHD_STREAM_PHASE_MARKS=1 marks staged, pushed, landed, merged (PHASE); =2 adds
+// PHASE_MARKS (KernelOptions.stream_phase_marks, kernels/options.py): thread 0's phases after its wait,
+// in the trace's SM slot. stream_phase_marks=1 marks staged, pushed, landed, merged (PHASE); =2 adds
 // PHASE_DETAIL and marks the compute instead: cluster joined, first and last key block's softmax,
 // pushed (DETAIL; DETAIL_AFTER reads the timer once `value` is computed). Off, each is an empty
 // statement, so that `if (c) DETAIL_AFTER(...)` never takes the next statement as its body.
@@ -165,7 +165,7 @@ __device__ __forceinline__ void zero_rows(scalar_t* tile, int first, int last, i
 // Code size: the kernel runs once a layer on each of its SMs, between other kernels, so its
 // instructions come in cold every time. The compiler unrolled the staging loops (most run zero or one
 // round) four times, with remainders: 2072 SASS instructions, 1416 with them rolled, and whole steps
-// ran 1.5% faster (NOTES "Stop 31"). Keep loops that run once rolled; unroll only the compute.
+// ran 1.5% faster. Keep loops that run once rolled; unroll only the compute.
 extern "C" __global__ void __launch_bounds__(ATT_THREADS) cluster_attention(const Args a) {
   extern __shared__ __align__(128) uint8_t smem[];
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;

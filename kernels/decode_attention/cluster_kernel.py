@@ -3,7 +3,7 @@ cluster and merge through distributed shared memory (cluster_attention.cu has th
 
 The Triton path (triton_kernel.py) runs a split kernel and a merge kernel; at batch 1 and short
 caches the merge launch costs more than its work (at Qwen2.5-1.5B, 512 tokens, skipping it made
-decode steps 4.8% faster: docs/performance.md, "Stop 28"). Here each CTA of a cluster
+decode steps 4.8% faster). Here each CTA of a cluster
 holds its whole share of the cache in shared memory, so the kernel runs only where that share is
 small: CLUSTER * MAX_KEYS_PER_CTA cache rows (2048 with 16 CTAs), bf16/f16, D a multiple of 32 up
 to 128. `plan` says whether a call fits; decode_attention routes there on its own.
@@ -17,24 +17,25 @@ from __future__ import annotations
 import ctypes
 import functools
 import math
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from batchd.kernels.decode_attention import MAX_Q_ROWS   # the plan must fit the widest verify
+from batchd.kernels._backend import early_reads_enabled, multiprocessor_count, pdl_enabled, pdl_trigger_point
+from batchd.kernels._cuda_launch import compile_kernels
+from batchd.kernels.decode_attention.reference import MAX_Q_ROWS   # the plan must fit the widest verify
+from batchd.kernels.options import CLUSTER_SIZES, DEFAULT_KEY_BLOCK, KEY_BLOCKS, current_options
+from batchd.kernels.stream_linear import cuda_supported, trace_rows
 
 _SOURCE = Path(__file__).with_name("cluster_attention.cu")
 _STREAM_HEADERS = Path(__file__).parents[1] / "stream_linear"   # stream_common.cuh
 THREADS = 128
-KEY_BLOCKS = (32, 64)       # keys a step of the kernel's online softmax; keys_per_cta is a multiple of it
-DEFAULT_KEY_BLOCK = 32
+# KEY_BLOCKS: keys a step of the kernel's online softmax (keys_per_cta is a multiple of it; kernels.options)
 D_SLICE = 32
 MAX_KEYS_PER_CTA = 128     # an untimed cap (16 CTAs: 2048 rows; 8: 1024): past it each CTA's serial share
                            # grows, where the split and merge kernels spread a long cache over more programs
 MAX_SHARED_MEM = 227 * 1024
-CLUSTER_SIZES = (8, 16)     # 8 is the portable maximum; 16 needs the non-portable opt-in (sm_90 has it)
 
 
 @dataclass(frozen=True)
@@ -46,27 +47,22 @@ class ClusterPlan:
 
 
 def key_block() -> int:
-    """cluster_attention.cu's KEY_BLOCK from BATCHD_ATTENTION_KEY_BLOCK (32 or 64), a tuning switch
-    read at each call. It moves a lane's bits (another block edge), but the same way for a decode
-    step and its verify lane."""
-    value = os.environ.get("BATCHD_ATTENTION_KEY_BLOCK", str(DEFAULT_KEY_BLOCK))
-    if value not in map(str, KEY_BLOCKS):
-        raise ValueError(f"BATCHD_ATTENTION_KEY_BLOCK is one of {KEY_BLOCKS}, got {value!r}")
-    return int(value)
+    """cluster_attention.cu's KEY_BLOCK: KernelOptions.attention_key_block (32 or 64), a tuning
+    what-if. It moves a lane's bits (another block edge), but the same way for a decode step and its
+    verify lane."""
+    return current_options().attention_key_block
 
 
 def cluster_size(heads: int, sms: int) -> int:
-    """CTAs a cluster from BATCHD_ATTENTION_CLUSTER (8 or 16; 0 turns the kernel off), read at
-    each call (bench/step_sweep.py sets it per variant). Unset: 16 where the clusters of all
-    `heads` (batch * KV heads) take at most half of the GPU's `sms`, else 8. A cluster of 16 must fit
-    in one GPC. At 2 KV heads (Qwen2.5-1.5B) 16 was faster, 960 against 935 tok/s; at 8 (Llama-3-8B,
-    128 CTAs) 8 was, 247 against 239 (docs/performance.md, "Stop 29" and "Stop 32")."""
-    value = os.environ.get("BATCHD_ATTENTION_CLUSTER", "")
-    if value == "":
+    """CTAs a cluster: KernelOptions.attention_cluster (8 or 16; 0 turns the kernel off; the kill
+    switch BATCHD_ATTENTION_CLUSTER). None: 16 where the clusters of all `heads` (batch * KV heads)
+    take at most half of the GPU's `sms`, else 8. A cluster of 16 must fit in one GPC. At 2 KV heads
+    (Qwen2.5-1.5B) 16 was faster, 960 against 935 tok/s; at 8 (Llama-3-8B, 128 CTAs) 8 was, 247
+    against 239."""
+    value = current_options().attention_cluster
+    if value is None:
         return 16 if heads * 16 <= sms // 2 else 8
-    if value not in ("0", *map(str, CLUSTER_SIZES)):
-        raise ValueError(f"BATCHD_ATTENTION_CLUSTER is 0 (off) or one of {CLUSTER_SIZES}, got {value!r}")
-    return int(value)
+    return value
 
 
 def plan(s_max: int, head_dim: int, group: int, q_rows: int, itemsize: int, cluster: int,
@@ -98,9 +94,6 @@ def supported(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> 
     """The plan for this call if the cluster kernel can run it (an sm_90+ GPU, 16-bit caches, rows
     of 16-byte-aligned pieces, a cache short enough), else None. Depends on shapes, dtypes and
     layouts only."""
-    from batchd.kernels._backend import multiprocessor_count
-    from batchd.kernels.stream_linear import cuda_supported
-
     if not cuda_supported(q.device) or q.dtype not in (torch.bfloat16, torch.float16):
         return None
     B, Hq, QR, D = q.shape
@@ -131,11 +124,9 @@ def _source_text() -> str:
 
 
 def _kernel(device: torch.device, dtype: torch.dtype, head_dim: int, group: int, p: ClusterPlan):
-    from batchd.kernels._cuda_launch import compile_kernels
-    from batchd.kernels.stream_linear import launch_switches
-
-    options = (*launch_switches()[0], f"-I{_STREAM_HEADERS}", "-std=c++17", f"-DHEAD_DIM={head_dim}", f"-DGROUP={group}",
-               f"-DCLUSTER={p.cluster}", f"-DKEY_BLOCK={p.key_block}", *(("-DSCALAR_F16",) if dtype == torch.float16 else ()))
+    options = (*current_options().stream_defines(), f"-I{_STREAM_HEADERS}", "-std=c++17", f"-DHEAD_DIM={head_dim}",
+               f"-DGROUP={group}", f"-DCLUSTER={p.cluster}", f"-DKEY_BLOCK={p.key_block}",
+               *(("-DSCALAR_F16",) if dtype == torch.float16 else ()))
     return compile_kernels(_source_text(), ("cluster_attention",), device, options,
                            max_shared_mem=MAX_SHARED_MEM)["cluster_attention"]
 
@@ -152,9 +143,6 @@ def decode_attention_cluster(
 ) -> torch.Tensor:
     """-> [B, Hq, Q, D] (memory [B, Q, Hq, D], as the o projection reads it). Shapes are checked
     by decode_attention; settled as there."""
-    from batchd.kernels._backend import early_reads_enabled, pdl_enabled, pdl_trigger_point
-    from batchd.kernels.stream_linear import trace_rows
-
     B, Hq, QR, D = q.shape
     Hkv = k_cache.shape[1]
     out = torch.empty(B, QR, Hq, D, dtype=q.dtype, device=q.device).transpose(1, 2)

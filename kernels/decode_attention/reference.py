@@ -9,6 +9,8 @@ import math
 
 import torch
 
+MAX_Q_ROWS = 16    # query rows a sequence per call: a decode step (1) up to a verify of 15 drafts and the bonus row
+
 
 def causal_visibility(seq_len: torch.Tensor, q_rows: int, max_len: int) -> torch.Tensor:
     """visible[b, i, n] = (n <= seq_len[b] - Q + i).  -> [B, Q, S] bool"""

@@ -205,7 +205,7 @@ def _merge_splits_kernel(
     d_ok = offs_d < HEAD_DIM
 
     # o's loads are issued before lse's max: the max crosses warps (a barrier), and loads issued
-    # after it would start a second L2 round trip after the wait (919 against 916 tok/s, NOTES stop 28)
+    # after it would start a second L2 round trip after the wait (919 against 916 tok/s)
     o = tl.load(O_part + (pid * NUM_SPLITS + offs_s[:, None]) * HEAD_DIM + offs_d[None, :],
                 mask=s_ok[:, None] & d_ok[None, :], other=0.0)         # [SPLITS_P2, BLOCK_D]
     lse = tl.load(L_part + pid * NUM_SPLITS + offs_s, mask=s_ok, other=float("-inf"))
@@ -240,8 +240,7 @@ def dot_flags(dtype: torch.dtype) -> tuple[bool, str]:
 # At most this many key splits a call. At 32K rows of Qwen2.5-1.5B (2 KV heads) 132 splits put two
 # programs on each of the H200's 132 SMs: 746 tok/s in whole decode steps against 734 with 128 (with
 # 32-column merge programs; 714 with whole-head ones, whose tile of partials, its split axis padded
-# to 256, no longer fits in registers). 64, 96, 192, 256 and 264 were all slower (docs/performance.md "Stop 17",
-# "Stop 32").
+# to 256, no longer fits in registers). 64, 96, 192, 256 and 264 were all slower.
 MAX_SPLITS = 132
 
 
@@ -254,7 +253,7 @@ def default_num_splits(batch_heads: int, max_len: int, block_n: int, device: tor
 
 # Output columns a merge program takes (0: the whole head). 32: four programs a head at D = 128, each
 # with a quarter of the partials to load; at 32K rows of Qwen2.5-1.5B whole steps ran 740 against
-# 734 tok/s (64 columns: 740), and the split axis may pad to 256 without spilling (docs/performance.md "Stop 32").
+# 734 tok/s (64 columns: 740), and the split axis may pad to 256 without spilling.
 MERGE_COLUMNS = 32
 
 

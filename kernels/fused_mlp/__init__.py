@@ -9,37 +9,32 @@ down_t is the down projection's weight transposed, [I, H] and contiguous: the en
 weight transposed when it uses this path (engine.model.Transformer.use_fused_mlp), so
 `down_proj.weight.t()` is a free view. On CUDA: kernels/fused_mlp/triton_kernel.py; elsewhere the
 PyTorch twin (reference.py). The engine uses it on the MLP shapes where it measured faster than the
-chain of small_matmul launches on the H200 (`fused_mlp_wanted`; BATCHD_FUSED_MLP=1 forces it, 0
-turns it off): Qwen2.5-0.5B, +18%; at Qwen2.5-1.5B, Llama-3-8B and SmolLM2-135M the chain is
-faster (docs/performance.md, "Stop 19"). `FusedMlpConfig(stream=True)` runs the slices on
-a bulk-copy weight ring instead (stream_mlp.cu, stream_kernel.py; sm_90+, bf16/f16): correct and
-batch-invariant, but slower than the chain in whole steps (NOTES, "Stop 25"), so in no table entry.
+chain of small_matmul launches on the H200 (`fused_mlp_wanted`; KernelOptions.fused_mlp, from the
+kill switch BATCHD_FUSED_MLP: 1 forces it, 0 turns it off): Qwen2.5-0.5B, +18%; at Qwen2.5-1.5B,
+Llama-3-8B and SmolLM2-135M the chain is faster. `FusedMlpConfig(stream=True)` runs the slices on a
+bulk-copy weight ring instead (stream_mlp.cu, stream_kernel.py; sm_90+, bf16/f16): correct and
+batch-invariant, but slower than the chain in whole steps, so in no table entry.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
-from batchd.kernels._backend import resolve_backend
+from batchd.kernels._backend import resolve_backend, triton_available
 from batchd.kernels.fused_mlp.reference import fused_mlp_reference
+from batchd.kernels.options import current_options
 from batchd.kernels.small_matmul import check_fusion_inputs, check_linear_inputs
 
 
 def fused_mlp_wanted(hidden: int, intermediate: int, dtype: torch.dtype) -> bool:
     """Whether the engine should run this model's decode and verify MLPs through the kernel (on
-    CUDA). BATCHD_FUSED_MLP=1: wherever it fits; 0: never; unset: on the shapes where it measured
-    faster than the chain (triton_kernel.TUNED: Qwen2.5-0.5B; not 1.5B, 8B or SmolLM2-135M,
-    docs/performance.md "Stop 19")."""
-    switch = os.environ.get("BATCHD_FUSED_MLP", "")
-    if switch not in ("", "0", "1"):
-        raise ValueError(f"BATCHD_FUSED_MLP is 0, 1 or unset, got {switch!r}")
-    if switch == "0" or not mlp_fits(hidden, intermediate, dtype):
+    CUDA). KernelOptions.fused_mlp (the kill switch BATCHD_FUSED_MLP) True: wherever it fits;
+    False: never; None: on the shapes where it measured faster than the chain (triton_kernel.TUNED:
+    Qwen2.5-0.5B; not 1.5B, 8B or SmolLM2-135M)."""
+    switch = current_options().fused_mlp
+    if switch is False or not mlp_fits(hidden, intermediate, dtype):
         return False
-    if switch == "1":
+    if switch:
         return True
-    from batchd.kernels._backend import triton_available
-
     if not triton_available():
         return False
     from batchd.kernels.fused_mlp.triton_kernel import measured_faster

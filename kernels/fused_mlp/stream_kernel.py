@@ -5,7 +5,7 @@
 It computes what triton_kernel._fused_mlp_kernel computes (act for a slice of the intermediate
 axis, times the slice's down rows), into the same float32 partials, so triton_kernel's ordered
 reduce finishes both. A FusedMlpConfig with stream=True routes fused_mlp here. Design:
-stream_mlp.cu; measurements: docs/performance.md, "Stop 25".
+stream_mlp.cu (slower than the chain in whole steps, so in no table entry).
 """
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from batchd.kernels._backend import multiprocessor_count, pdl_enabled
 from batchd.kernels.stream_linear import (CONSUMER_WARPS, MAX_ROWS, MAX_SHARED_MEM, THREADS, X_STAGE_BYTES, M_BUCKETS,
                                    StreamPlan, check_cuda_operands, chunk_units_for, compile_stream_kernels,
                                    ring_slots, trace_rows)
@@ -77,8 +78,6 @@ def stream_mlp_partials(
 ) -> torch.Tensor:
     """-> part [G, M, H] f32, G = min(ctas or multiprocessors, I): slice b's sum of act down_t.
     Shapes are validated by kernels.fused_mlp.fused_mlp; this checks what only the CUDA kernel needs."""
-    from batchd.kernels._backend import multiprocessor_count, pdl_enabled
-
     check_cuda_operands(x, "the stream MLP")
     x = x.contiguous()      # read at a row pitch of H
     M, H = x.shape

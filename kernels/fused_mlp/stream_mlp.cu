@@ -2,11 +2,11 @@
 // ring of shared-memory slots by bulk copies (TMA), one CTA per SM.
 //
 // Why: the Triton slice kernel (triton_kernel.py) streams gate/up, then down, each through
-// cp.async tiles of one program, and lost to the chain at Qwen2.5-1.5B (816 against 837 tok/s,
-// docs/performance.md "Stop 19"): its down rows only start after the gate/up loop, and
+// cp.async tiles of one program, and lost to the chain at Qwen2.5-1.5B (816 against 837 tok/s):
+// its down rows only start after the gate/up loop, and
 // one program streams 16-26 GB/s. Here a producer thread streams the CTA's gate/up rows and then
-// its down rows without a pause (weights depend on no kernel), at the copy bandwidth (NOTES, stops
-// 20 and 23), while the consumers compute. The gate_up -> down boundary, down's k split and its
+// its down rows without a pause (weights depend on no kernel), at the copy bandwidth, while the
+// consumers compute. The gate_up -> down boundary, down's k split and its
 // wave tail are gone: a CTA's down rows need only the act values it computed itself.
 //
 // Layout (grid = G CTAs, 9 warps each; CTA b owns intermediate rows [b I / G, (b + 1) I / G)):
@@ -89,7 +89,7 @@ __device__ __forceinline__ void stream_mlp_body(const MlpArgs& a) {
 
   if (warp == CONSUMER_WARPS) {  // the producer: weights only, so no wait on the kernel before
     if (lane) return;
-#ifdef PRODUCER_TRIGGER  // (a probe's switch, launch_switches) the dependents may launch from the start
+#ifdef PRODUCER_TRIGGER  // (what-if: KernelOptions.stream_producer_trigger) the dependents may launch from the start
     if (a.use_pdl) asm volatile("griddepcontrol.launch_dependents;" :::);
 #endif
     const uint64_t policy = evict_first_policy();

@@ -19,7 +19,7 @@ Batch invariance: the slices depend on (I, P) only, BLOCK_M is 16 whatever M is,
 a mask; a row goes through the same instructions alone or among 17 (tests check it bit for bit).
 Settled inputs (EARLY, the residual) follow kernels._pdl, as in kernels.small_matmul. Weights
 requested before the wait, an L2 prefetch of down's slice and act^T as the MMA's A operand were
-measured slower and dropped (commit 410a005 has them; docs/performance.md "Stop 19").
+measured slower and dropped (commit 410a005 has them).
 """
 from __future__ import annotations
 
@@ -34,6 +34,8 @@ from batchd.kernels._backend import (early_reads_enabled, interpreting, launch_o
                               patch_interpreter_index, pdl_enabled, pdl_trigger_point)
 from batchd.kernels._pdl import pdl_trigger, pdl_wait
 from batchd.kernels._trace import END, START, WAITED, trace_args, trace_mark
+from batchd.kernels.fused_mlp.stream_kernel import stream_mlp_partials
+from batchd.kernels.small_matmul.reference import NormInputs
 from batchd.kernels.small_matmul.triton_kernel import (BLOCK_M, dot_flags, reduce_epilogue_inputs, silu_mul_rounded,
                                                store_reduced_row)
 
@@ -70,8 +72,8 @@ class FusedMlpConfig:
 
 
 # The MLP shapes where this kernel beat the chain of small_matmul launches in whole decode steps on
-# the H200 (`bench/step_sweep.py` mlp= variants against BATCHD_FUSED_MLP=0, kernels/small_matmul/
-# docs/performance.md "Stop 19"); with BATCHD_FUSED_MLP unset the engine takes the kernel for these only.
+# the H200 (`bench/step_sweep.py` mlp= variants against fused_mlp=0); with KernelOptions.fused_mlp
+# None (BATCHD_FUSED_MLP unset) the engine takes the kernel for these only.
 # Qwen2.5-1.5B (best 816 against 837 tok/s), Llama-3-8B (236 against 246) and SmolLM2-135M (1626
 # against 1755) keep the chain. Key: (I, H, element size).
 TUNED: dict[tuple[int, int, int], FusedMlpConfig] = {
@@ -281,16 +283,12 @@ def fused_mlp_triton(
     config: FusedMlpConfig | None = None,
 ):
     """Shapes are validated by the public wrapper. -> out [M, H], or (out, NormInputs)."""
-    from batchd.kernels.small_matmul.reference import NormInputs
-
     M, H = x.shape
     I = down_t.shape[0]
     if config is None:
         config = choose_mlp_config(I, H, x.dtype, x.device)
     pdl = pdl_enabled(x.device)
     if config.stream:
-        from batchd.kernels.fused_mlp.stream_kernel import stream_mlp_partials
-
         part = stream_mlp_partials(x, row_sumsq, gate_up, down_t, eps=eps, ring_bytes=config.ring_kb << 10,
                                    ctas=config.programs)
     else:

@@ -9,8 +9,10 @@ import triton
 import triton.language as tl
 
 from batchd.kernels._backend import launch_options, pdl_enabled
-from batchd.kernels.small_matmul.triton_kernel import norm_row, norm_row_launch
 from batchd.kernels._pdl import AFTER_WAIT, pdl_wait
+from batchd.kernels.small_matmul.reference import NormInputs
+from batchd.kernels.small_matmul.triton_kernel import norm_row, norm_row_launch
+from batchd.kernels.step_inputs.reference import StepInputs
 
 
 @triton.jit
@@ -51,9 +53,6 @@ def _step_inputs_kernel(
 
 def step_inputs_triton(tokens, start, embed_weight, rope_cos, rope_sin, norm_weight):
     """Shapes are validated by the public wrapper (kernels.step_inputs.step_inputs)."""
-    from batchd.kernels.small_matmul.reference import NormInputs
-    from batchd.kernels.step_inputs.reference import StepInputs
-
     B, T = tokens.shape
     H, D = embed_weight.shape[1], rope_cos.shape[1]
     device = tokens.device

@@ -8,13 +8,13 @@ The same operation and fusions as kernels.small_matmul.small_linear (its referen
 small_linear_reference, is this kernel's twin), for the decode step's weight-bound projections:
 one CTA per SM, a producer thread bulk-copying whole weight rows into a ring of shared-memory
 slots from the moment the CTA starts (weights depend on no kernel), eight consumer warps on the
-CUDA cores. Design and measurements: stream_linear.cu and docs/performance.md, "Stop 23".
+CUDA cores. Design and measurements: stream_linear.cu.
 
 Rows are batch-invariant: row m of an M-row call equals the one-row call on x[m] bit for bit, for
 every M up to MAX_ROWS, so a verify step reproduces the decode steps' logits.
 
 The kernel is chosen per weight shape by kernels.small_matmul's table (`SmallLinearConfig(stream=
-True)`: Qwen2.5-1.5B's gate_up since stop 25); small_linear routes there, so callers keep one entry
+True)`: Qwen2.5-1.5B's qkv and gate_up); small_linear routes there, so callers keep one entry
 point, and a stream entry falls back to Triton tiles where this kernel cannot run.
 """
 from __future__ import annotations
@@ -26,12 +26,17 @@ from pathlib import Path
 
 import torch
 
+from batchd.kernels._backend import early_reads_enabled, multiprocessor_count, pdl_enabled, triton_available
+from batchd.kernels._cuda_launch import compile_kernels
+from batchd.kernels.options import current_options
+from batchd.kernels.rope_cache import rope_and_store
+from batchd.kernels.small_matmul.checks import check_fusion_inputs, check_linear_inputs
 from batchd.kernels.small_matmul.reference import NormInputs, small_linear_reference
 
 MAX_ROWS = 32
 CONSUMER_WARPS = 8
 THREADS = (CONSUMER_WARPS + 1) * 32
-SLOT_TARGET_BYTES = 24 * 1024      # a bulk copy of 8-32 KB streams at copy speed (NOTES, stop 20)
+SLOT_TARGET_BYTES = 24 * 1024      # a bulk copy of 8-32 KB streams at copy speed
 MAX_SHARED_MEM = 227 * 1024        # sm_90's opt-in limit per block
 SHARED_MEM_PER_SM = 228 * 1024     # of which 1 KB per resident block is the system's
 X_STAGE_BYTES = 64 * 1024          # x up to this size is copied into shared memory once
@@ -63,7 +68,7 @@ def plan(M: int, N: int, K: int, itemsize: int, *, gated: bool, emit: bool, sms:
     shared memory when it takes at most X_STAGE_BYTES. max_ctas caps the grid (0: none);
     min_shared_bytes raises the shared memory asked (never past the limit), which keeps a second CTA
     off an SM once it passes half of one (a CTA that shares an SM shares its issue slots: the dot
-    products of Qwen2.5-1.5B's qkv took 1.6 us for 0.5, docs/performance.md "Stop 27").
+    products of Qwen2.5-1.5B's qkv took 1.6 us for 0.5).
     Raises ValueError where the kernel cannot run the shape."""
     if not 1 <= M <= MAX_ROWS:
         raise ValueError(f"stream_linear takes 1..{MAX_ROWS} rows, got {M}")
@@ -165,8 +170,6 @@ def stream_linear(
     launch start (and its producer fill its ring) while this one still waits: the caller's promise
     that the next launch reads early nothing the launch before this one writes. "auto" runs the CUDA
     kernel on an sm_90+ GPU and the references elsewhere."""
-    from batchd.kernels.small_matmul import check_fusion_inputs, check_linear_inputs
-
     check_linear_inputs(x, weight[: weight.shape[0] // 2] if gated else weight, bias)
     check_fusion_inputs(x, weight, bias, row_sumsq, residual, gated, emit_norm_weight)
     if backend not in ("auto", "cuda", "reference"):
@@ -178,8 +181,6 @@ def stream_linear(
                                      emit_norm_weight=emit_norm_weight)
         if rope is None:
             return out
-        from batchd.kernels.rope_cache import rope_and_store
-
         return rope_and_store(out.view(rope.k_cache.shape[0], -1, out.shape[-1]), rope.cos, rope.sin, rope.positions,
                               rope.k_cache, rope.v_cache, rope.num_heads, rope.num_kv_heads, backend="reference")
     check_cuda_operands(x, "stream_linear")
@@ -205,42 +206,18 @@ def check_cuda_operands(x: torch.Tensor, kernel: str) -> None:
         raise ValueError(f"{kernel}'s CUDA kernel takes bf16 or f16, got {x.dtype}")
 
 
-def launch_switches() -> tuple[tuple[str, ...], int | None]:
-    """(-D options, shared-memory carveout) of the stream kernels from two probes' switches, read
-    when a kernel is first compiled for them (bench/step_sweep.py sets them per variant):
-    BATCHD_STREAM_PRODUCER_TRIGGER=1: the producer thread also signals the dependent launch at its
-    start, not only the consumers after their wait; BATCHD_STREAM_CARVEOUT=PERCENT: the kernels'
-    preferred shared share of the L1/shared split (unset: the driver's choice);
-    BATCHD_STREAM_PHASE_MARKS=1: traced CTAs put thread 0's phases after its wait in the trace's SM
-    slot (ns; x staged, first chunk's weights landed, its dot products, its epilogue: 16 bits each),
-    which bench/timeline.py prints (phase_table); =2: the same, but the cluster attention kernel marks
-    its compute instead (cluster joined, first and last key block's softmax, partials pushed)."""
-    import os
-
-    trigger = os.environ.get("BATCHD_STREAM_PRODUCER_TRIGGER", "0")
-    carveout = os.environ.get("BATCHD_STREAM_CARVEOUT", "")
-    if trigger not in ("0", "1") or not (carveout == "" or carveout.isdigit() and int(carveout) <= 100):
-        raise ValueError("BATCHD_STREAM_PRODUCER_TRIGGER is 0 or 1 and BATCHD_STREAM_CARVEOUT a percent (0-100), "
-                         f"got {trigger!r} and {carveout!r}")
-    marks = os.environ.get("BATCHD_STREAM_PHASE_MARKS", "0")
-    if marks not in ("0", "1", "2"):
-        raise ValueError(f"BATCHD_STREAM_PHASE_MARKS is 0, 1 or 2 (the cluster attention kernel's compute), got {marks!r}")
-    phases = {"1": ("-DPHASE_MARKS",), "2": ("-DPHASE_MARKS", "-DPHASE_DETAIL")}.get(marks, ())
-    return (("-DPRODUCER_TRIGGER",) if trigger == "1" else ()) + phases, (int(carveout) if carveout else None)
-
-
 def compile_stream_kernels(source: Path, prefix: str, device: torch.device, dtype: torch.dtype,
                            options: tuple[str, ...] = ()) -> dict:
     """The stream kernels of `source` (`{prefix}_m{bucket}` for every M bucket) for `device` and
-    dtype, with the probes' launch switches, compiled at first use (kernels._cuda_launch caches per
-    options). Both stream sources include this folder's stream_common.cuh and bulk_ring.cuh."""
-    from batchd.kernels._cuda_launch import compile_kernels
-
+    dtype, with the current KernelOptions' stream what-ifs (producer trigger, phase marks, carveout),
+    compiled at first use (kernels._cuda_launch caches per options). Both stream sources include this
+    folder's stream_common.cuh and bulk_ring.cuh."""
     names = tuple(f"{prefix}_m{b}" for b in M_BUCKETS)
-    defines, carveout = launch_switches()
-    all_options = (f"-I{_SOURCE.parent}", *options, *(("-DSCALAR_F16",) if dtype == torch.float16 else ()), *defines)
+    what_ifs = current_options()
+    all_options = (f"-I{_SOURCE.parent}", *options, *(("-DSCALAR_F16",) if dtype == torch.float16 else ()),
+                   *what_ifs.stream_defines())
     return compile_kernels(_source_text(source), names, device, all_options, max_shared_mem=MAX_SHARED_MEM,
-                           shared_carveout=carveout)
+                           shared_carveout=what_ifs.stream_carveout)
 
 
 @functools.cache
@@ -252,8 +229,6 @@ def trace_rows(label: str, grid: int, any_tensor: torch.Tensor) -> tuple[int | N
     """(rows pointer, first row) in kernels._trace's open recorder, one row per CTA of a stream
     kernel, for bench/timeline.py; (None, 0) when none is open (or without triton, which _trace
     imports)."""
-    from batchd.kernels._backend import triton_available
-
     if not triton_available():
         return None, 0
     from batchd.kernels import _trace
@@ -280,8 +255,6 @@ def _rope_args(rope, M: int, dtype: torch.dtype, early: bool) -> tuple[torch.Ten
 
 def _launch(x, weight, bias, row_sumsq, eps, residual, gated, emit_norm_weight, ring_bytes, ctas_per_sm, rope=None,
             settled=False, trigger_at_start=False, min_shared_bytes=0, max_ctas=0):
-    from batchd.kernels._backend import early_reads_enabled, multiprocessor_count, pdl_enabled
-
     M, K = x.shape
     N = weight.shape[0] // 2 if gated or rope is not None else weight.shape[0]
     emit = emit_norm_weight is not None
@@ -309,4 +282,4 @@ def _launch(x, weight, bias, row_sumsq, eps, residual, gated, emit_norm_weight, 
 
 
 __all__ = ["stream_linear", "plan", "chunk_units_for", "ring_slots", "StreamPlan", "cuda_supported",
-           "check_cuda_operands", "compile_stream_kernels", "trace_rows", "launch_switches", "MAX_ROWS"]
+           "check_cuda_operands", "compile_stream_kernels", "trace_rows", "MAX_ROWS"]

@@ -1,7 +1,7 @@
 // Shared-memory ring primitives for sm_90 (mbarrier phases and transaction counts, bulk copies),
-// shared by kernels/stream_linear/stream_linear.cu, kernels/fused_mlp/stream_mlp.cu,
-// kernels/decode_attention/cluster_attention.cu and bench/stream_probe.cu. The includer defines
-// uint32_t and uint64_t (NVRTC has no <stdint.h>).
+// shared by kernels/stream_linear/stream_linear.cu, kernels/fused_mlp/stream_mlp.cu and
+// kernels/decode_attention/cluster_attention.cu. The includer defines uint32_t and uint64_t
+// (NVRTC has no <stdint.h>).
 #pragma once
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {

@@ -60,13 +60,13 @@ __device__ __forceinline__ long long global_timer() {  // ns, one clock for ever
   asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
   return t;
 }
-// the same once `after` is computed (its operand orders the read after it), for probes' phase marks
+// the same once `after` is computed (its operand orders the read after it), for the phase marks
 __device__ __forceinline__ long long global_timer_after(float after) {
   long long t;
   asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t) : "f"(after) : "memory");
   return t;
 }
-// PHASE_MARKS (kernels.stream_linear.launch_switches): four phase times as 16 bits of ns each after
+// PHASE_MARKS (KernelOptions.stream_phase_marks): four phase times as 16 bits of ns each after
 // `waited` (65535: not reached), packed for the trace's SM slot, as bench/timeline.py's phase_table reads it
 __device__ __forceinline__ long long pack_phases(const long long (&phase)[4], long long waited) {
   long long packed = 0;
@@ -86,7 +86,7 @@ __device__ __forceinline__ void consumers_sync() {  // the 256 consumer threads 
 // sum; lane 0's order is the defined one). rows: R rows of K values in shared memory; x: [M, K] in
 // global or shared memory. With R = 2 (gate and up, or a rope pair) each x piece is read once for
 // both rows and the two chains of fused multiply-adds interleave, so a warp waits on half the
-// latency (a pair took 1.6 us of a decode qkv's 3.9 one after the other, NOTES stop 26). Every sum
+// latency (a pair took 1.6 us of a decode qkv's 3.9 one after the other). Every sum
 // takes the same operations in the same order whatever R is: the same bits.
 template <int MB, int R>
 __device__ __forceinline__ void dot_rows(const scalar_t* const (&rows)[R], const scalar_t* x, int M, int K, int lane,
@@ -150,7 +150,7 @@ __device__ __forceinline__ void dot_row_pair(const scalar_t* row1, const scalar_
 // summed across the lanes, each lane's in order, then lane 0's butterfly; every lane gets the same
 // value. A lane's first 16 / MB parts of a row are loaded before any is added: a loop of dependent
 // adds issued one L2 round trip per part (6 for the 192 parts of o's gemv, about 3 us under a full
-// memory system; NOTES, stop 25). The order of the adds is the same either way.
+// memory system). The order of the adds is the same either way.
 template <int MB>
 __device__ __forceinline__ void row_scales(const float* row_sumsq, int P, int M, int K, float eps, int lane,
                                            float* scale) {
@@ -195,7 +195,7 @@ __device__ __forceinline__ float silu_mul_rounded(float gate, float up) {
 // so the two cost one L2 round trip, not two. Returns the x to read (staged or global).
 // Code size: this runs once a launch, cold (a decode qkv's CTA runs its whole body once or twice a
 // layer). Its loops that run no round at decode stay rolled: the code from the wait to x staged went
-// from 628 SASS instructions to 359, and whole steps from 966 to 969 tok/s (NOTES "Stop 31").
+// from 628 SASS instructions to 359, and whole steps from 966 to 969 tok/s.
 template <int MB>
 __device__ __forceinline__ const scalar_t* stage_x_and_row_scales(const scalar_t* x, scalar_t* x_staged, bool stage,
                                                                   int M, int K, const float* row_sumsq, int P,

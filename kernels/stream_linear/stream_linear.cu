@@ -2,13 +2,13 @@
 // memory slots filled by bulk copies (TMA), one CTA per SM.
 //
 // Why: at batch 1 a projection is a weight stream. The Triton tiles (kernels/small_matmul) stream
-// 16-26 GB/s per program through cp.async (docs/performance.md, stop 15). One producer
+// 16-26 GB/s per program through cp.async. One producer
 // thread per SM issuing bulk copies of contiguous 8-32 KB chunks pulls the copy bandwidth or more
-// (NOTES, stop 20). Weight rows are contiguous in nn.Linear's layout, so a chunk of whole rows is
-// one copy, no repacking. Measured (NOTES, stop 23): alone, Qwen2.5-1.5B's gate_up 16.2 us against
+// on the H200. Weight rows are contiguous in nn.Linear's layout, so a chunk of whole rows is
+// one copy, no repacking. Measured alone: Qwen2.5-1.5B's gate_up 16.2 us against
 // the Triton tiles' 19.8 and its lm_head 112 against 122. In whole decode steps, once the folded
 // norm's parts loaded in flight together (stream_common.cuh, row_scales), Qwen2.5-1.5B's gate_up
-// gained: 860 against 834 tok/s (NOTES, stop 25), so kernels/small_matmul's table routes that
+// gained: 860 against 834 tok/s, so kernels/small_matmul's table routes that
 // weight here; the others stay on the Triton tiles.
 //
 // Layout (grid = G CTAs, 9 warps each):
@@ -69,7 +69,7 @@ struct Args {
 // before when those inputs are settled), so that their round trips overlap the weight copies
 // instead of following the dot products. Kept as loaded: a conversion here (the tables' rounding
 // to the model dtype, the bias's widening) would make the warp wait for the loads before its
-// griddepcontrol.wait (NOTES stop 27); rope_epilogue converts them.
+// griddepcontrol.wait; rope_epilogue converts them.
 struct RopeInputs {
   scalar_t bias1, bias2;
   float cos1, cos2, sin1, sin2;
@@ -196,7 +196,7 @@ __device__ __forceinline__ void stream_linear_body(const Args& a) {
 
   if (warp == CONSUMER_WARPS) {  // the producer: weights only, so no wait on the kernel before
     if (lane) return;
-#ifdef PRODUCER_TRIGGER  // (a probe's switch, launch_switches) the dependents may launch from the start
+#ifdef PRODUCER_TRIGGER  // (what-if: KernelOptions.stream_producer_trigger) the dependents may launch from the start
     if (a.use_pdl) asm volatile("griddepcontrol.launch_dependents;" :::);
 #endif
     const uint64_t policy = evict_first_policy();
@@ -240,7 +240,7 @@ __device__ __forceinline__ void stream_linear_body(const Args& a) {
   float scale[MB];
   const scalar_t* x = stage_x_and_row_scales<MB>(a.x, x_staged, a.stage_x, M, K, a.row_sumsq, a.P, a.eps, tid, lane,
                                                  scale);
-#ifdef PHASE_MARKS  // (a probe's switch, launch_switches) thread 0's phases after its wait, in ns, in mark[3]
+#ifdef PHASE_MARKS  // (what-if: KernelOptions.stream_phase_marks) thread 0's phases after its wait, in ns, in mark[3]
   long long phase[4] = {0, 0, 0, 0};
   if (mark != nullptr && tid == 0) phase[0] = global_timer_after(scale[0] + to_float(x[0]));
 #endif

@@ -77,10 +77,14 @@ def test_verify_rows_equal_decode_steps_bitwise(shape, width, mlp, monkeypatch):
     """Greedy output may not change with speculation: row i of a q-token verify step must be the
     very logits that one-token decode produces at that position (batch-invariant projections,
     fixed attention splits), with the MLP as the chain of small_matmul launches (the default), as
-    kernels.fused_mlp (BATCHD_FUSED_MLP=1), or as its bulk-copy stream kernel (a stream config)."""
+    kernels.fused_mlp (KernelOptions.fused_mlp, BATCHD_FUSED_MLP=1), or as its bulk-copy stream kernel
+    (a stream config)."""
+    import dataclasses
+
+    from batchd.kernels import options
     from batchd.kernels.fused_mlp import triton_kernel as mlp_kernel
 
-    monkeypatch.setenv("BATCHD_FUSED_MLP", "0" if mlp == "chain" else "1")
+    monkeypatch.setattr(options, "_current", dataclasses.replace(options.current_options(), fused_mlp=mlp != "chain"))
     config = preset(shape)
     if mlp == "stream":
         monkeypatch.setitem(mlp_kernel.TUNED, (config.intermediate_size, config.hidden_size, 2),

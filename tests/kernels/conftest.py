@@ -32,3 +32,20 @@ def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
 
 # bounds on the relative error against a float64 reference computed from the same low-precision inputs
 REL_ERR = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.5e-2}
+
+
+@pytest.fixture
+def use_options():
+    """use_options(**changes): the current kernels.options.KernelOptions with `changes` for the rest
+    of the test (the options before it come back after)."""
+    import dataclasses
+
+    from batchd.kernels import options
+
+    previous = options._current
+
+    def use(**changes) -> None:
+        options.set_kernel_options(dataclasses.replace(options.current_options(), **changes))
+
+    yield use
+    options.set_kernel_options(previous)

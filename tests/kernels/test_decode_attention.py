@@ -138,10 +138,10 @@ def test_verify_lane_equals_decode_step_bitwise(dtype, QR, Hq):
 @needs_triton
 @pytest.mark.triton
 @pytest.mark.parametrize("QR, lengths", [(1, [70, 33]), (5, [70, 33]), (3, [64, 9])])
-def test_settled_rows_read_early_change_no_bits(QR, lengths, monkeypatch):
+def test_settled_rows_read_early_change_no_bits(QR, lengths, use_options):
     """settled=True reads seq_len and each split's first block of older rows before the wait and
     only the QR new rows after it (new rows inside and across a block edge, splits of one and of
-    several blocks): the same bits as settled=False and as BATCHD_EARLY_READS=0."""
+    several blocks): the same bits as settled=False and as early_reads="off"."""
     from batchd.kernels.decode_attention.triton_kernel import decode_attention_triton
 
     q, k, v = make(2, 4, 2, QR, 32, 96, torch.bfloat16, seed=4)
@@ -149,27 +149,27 @@ def test_settled_rows_read_early_change_no_bits(QR, lengths, monkeypatch):
     for splits in (3, 12):   # 32 rows per split (two 16-row blocks) and 8 (one 16-row block, some empty)
         early = decode_attention_triton(q, k, v, seq_len, 0.2, num_splits=splits, block_n=16, settled=True)
         assert torch.equal(early, decode_attention_triton(q, k, v, seq_len, 0.2, num_splits=splits, block_n=16))
-        monkeypatch.setenv("BATCHD_EARLY_READS", "0")
+        use_options(early_reads="off")
         assert torch.equal(early, decode_attention_triton(q, k, v, seq_len, 0.2, num_splits=splits, block_n=16,
                                                           settled=True))
-        monkeypatch.delenv("BATCHD_EARLY_READS")
+        use_options(early_reads="auto")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @needs_triton
 @pytest.mark.parametrize("QR", [1, 8])
-def test_cuda_settled_rows_change_no_bits_at_qwen_shape(QR, monkeypatch):
+def test_cuda_settled_rows_change_no_bits_at_qwen_shape(QR, use_options):
     """Qwen2.5-1.5B's layout (12 query heads on 2 KV heads, D = 128) and its tuned tile, a cache of
     784 rows (25 splits of one block), calls finished one by one: the same bits with the settled
-    rows read before the wait as after it. (bench/step_sweep.py "table;BATCHD_EARLY_READS=0" checks
+    rows read before the wait as after it. (bench/step_sweep.py "table;early_reads="off"" checks
     the same on whole graph-replayed decode runs, where the kernels do overlap.)"""
     q, k, v = make(1, 12, 2, QR, 128, 784, torch.bfloat16, seed=5)
     for length in (512, 544, 545, 600, 783):         # new rows at, after and inside split edges
         seq_len = torch.tensor([length], device=DEVICE)
-        monkeypatch.delenv("BATCHD_EARLY_READS", raising=False)
+        use_options(early_reads="auto")
         early = decode_attention(q, k, v, seq_len, settled=True)
         torch.cuda.synchronize()
-        monkeypatch.setenv("BATCHD_EARLY_READS", "0")
+        use_options(early_reads="off")
         assert torch.equal(early, decode_attention(q, k, v, seq_len, settled=True)), f"seq_len {length}"
 
 

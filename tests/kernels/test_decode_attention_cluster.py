@@ -59,21 +59,20 @@ def test_whether_the_kernel_runs_never_depends_on_the_steps_width(D, G):
             assert len(verdicts) == 1, f"S_max {s_max}, {cluster} CTAs"
 
 
-def test_cluster_switch_is_validated(monkeypatch):
-    monkeypatch.setenv("BATCHD_ATTENTION_CLUSTER", "12")
+def test_cluster_switch_is_validated(use_options):
     with pytest.raises(ValueError, match="0 \\(off\\) or one of"):
-        cluster_kernel.cluster_size(2, 132)
-    monkeypatch.setenv("BATCHD_ATTENTION_CLUSTER", "0")
+        use_options(attention_cluster=12)
+    use_options(attention_cluster=0)
     assert cluster_kernel.cluster_size(2, 132) == 0
-    monkeypatch.setenv("BATCHD_ATTENTION_CLUSTER", "16")
+    use_options(attention_cluster=16)
     assert cluster_kernel.cluster_size(8, 132) == 16
 
 
 @pytest.mark.parametrize("heads, cluster", [(2, 16), (3, 16), (4, 16), (5, 8), (8, 8), (16, 8)])
-def test_default_cluster_size_follows_the_heads(heads, cluster, monkeypatch):
+def test_default_cluster_size_follows_the_heads(heads, cluster, use_options):
     """Unset, clusters of 16 while all the heads' clusters take at most half of the 132 SMs, else 8
     (Qwen2.5-1.5B's 2 KV heads: 16; Llama-3-8B's 8: 8)."""
-    monkeypatch.delenv("BATCHD_ATTENTION_CLUSTER", raising=False)
+    use_options(attention_cluster=None)
     assert cluster_kernel.cluster_size(heads, 132) == cluster
 
 
@@ -111,9 +110,8 @@ LAYOUTS = [("8", "32"), ("16", "32"), ("16", "64")]   # (CTAs a KV head, keys a 
 @pytest.mark.parametrize("cluster, key_block", LAYOUTS, ids=["c8", "c16", "c16-kb64"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
 @pytest.mark.parametrize("B, Hq, Hkv, QR, D, S_max, lengths", CASES)
-def test_cluster_kernel_matches_reference(B, Hq, Hkv, QR, D, S_max, lengths, dtype, cluster, key_block, monkeypatch):
-    monkeypatch.setenv("BATCHD_ATTENTION_CLUSTER", cluster)
-    monkeypatch.setenv("BATCHD_ATTENTION_KEY_BLOCK", key_block)
+def test_cluster_kernel_matches_reference(B, Hq, Hkv, QR, D, S_max, lengths, dtype, cluster, key_block, use_options):
+    use_options(attention_cluster=int(cluster), attention_key_block=int(key_block))
     q, k, v = make(B, Hq, Hkv, QR, D, S_max, dtype)
     seq_len = torch.tensor(lengths, device="cuda")
     out = decode_attention(q, k, v, seq_len, backend="cluster")
@@ -126,12 +124,11 @@ def test_cluster_kernel_matches_reference(B, Hq, Hkv, QR, D, S_max, lengths, dty
 @pytest.mark.parametrize("cluster, key_block", LAYOUTS, ids=["c8", "c16", "c16-kb64"])
 @pytest.mark.parametrize("QR, Hq, D", [(5, 6, 64), (5, 12, 128), (16, 12, 128), (11, 14, 64)],
                          ids=["G3-Q5", "G6-Q5", "G6-Q16", "G7-Q11"])
-def test_verify_lane_equals_decode_step_bitwise(QR, Hq, D, cluster, key_block, monkeypatch):
+def test_verify_lane_equals_decode_step_bitwise(QR, Hq, D, cluster, key_block, use_options):
     """Lane i of a Q-row verify step equals the one-row decode step at its position, bit for bit
     (greedy output may not change with speculation): lengths around the edges of the CTAs' key
     ranges and of their 32-key blocks."""
-    monkeypatch.setenv("BATCHD_ATTENTION_CLUSTER", cluster)
-    monkeypatch.setenv("BATCHD_ATTENTION_KEY_BLOCK", key_block)
+    use_options(attention_cluster=int(cluster), attention_key_block=int(key_block))
     q, k, v = make(1, Hq, 2, QR, D, 784, torch.bfloat16, seed=3)
     for seq_len in (QR, 64 + QR - 1, 514, 784):
         verify = decode_attention(q, k, v, torch.tensor([seq_len], device="cuda"), backend="cluster")
@@ -143,18 +140,18 @@ def test_verify_lane_equals_decode_step_bitwise(QR, Hq, D, cluster, key_block, m
 
 @needs_sm90
 @pytest.mark.parametrize("QR", [1, 8])
-def test_settled_rows_read_early_change_no_bits(QR, monkeypatch):
+def test_settled_rows_read_early_change_no_bits(QR, use_options):
     """settled=True stages the rows before the step's new ones before griddepcontrol.wait: the same
-    bits as settled=False and as BATCHD_EARLY_READS=0, with new rows inside and across the CTAs'
+    bits as settled=False and as early_reads="off", with new rows inside and across the CTAs'
     key ranges."""
     q, k, v = make(1, 12, 2, QR, 128, 784, torch.bfloat16, seed=5)
     for length in (QR, 64, 65, 70, 600, 783):
         seq_len = torch.tensor([length], device="cuda")
         early = decode_attention(q, k, v, seq_len, settled=True, backend="cluster")
         assert torch.equal(early, decode_attention(q, k, v, seq_len, backend="cluster")), f"seq_len {length}"
-        monkeypatch.setenv("BATCHD_EARLY_READS", "0")
+        use_options(early_reads="off")
         assert torch.equal(early, decode_attention(q, k, v, seq_len, settled=True, backend="cluster"))
-        monkeypatch.delenv("BATCHD_EARLY_READS")
+        use_options(early_reads="auto")
 
 
 @needs_sm90
@@ -168,14 +165,14 @@ def test_rows_past_seq_len_are_never_read():
 
 
 @needs_sm90
-def test_auto_takes_the_cluster_kernel_where_it_fits(monkeypatch):
+def test_auto_takes_the_cluster_kernel_where_it_fits(use_options):
     """backend "auto" gives the cluster kernel's bits on a short cache, and with the switch at 0 the
     Triton kernels' (equal within rounding, not bit for bit)."""
     q, k, v = make(1, 12, 2, 1, 128, 784, torch.bfloat16, seed=7)
     seq_len = torch.tensor([500], device="cuda")
     auto = decode_attention(q, k, v, seq_len)
     assert torch.equal(auto, decode_attention(q, k, v, seq_len, backend="cluster"))
-    monkeypatch.setenv("BATCHD_ATTENTION_CLUSTER", "0")
+    use_options(attention_cluster=0)
     triton = decode_attention(q, k, v, seq_len)
     assert torch.equal(triton, decode_attention(q, k, v, seq_len, backend="triton"))
     assert rel_err(auto, triton) < REL_ERR[torch.bfloat16]

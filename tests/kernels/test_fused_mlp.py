@@ -119,18 +119,15 @@ def test_act_rows_match_the_gated_projection():
 
 
 @needs_triton
-def test_the_engine_takes_the_kernel_where_it_measured_faster(monkeypatch):
+def test_the_engine_takes_the_kernel_where_it_measured_faster(use_options):
     bf16 = torch.bfloat16
-    monkeypatch.delenv("BATCHD_FUSED_MLP", raising=False)
+    use_options(fused_mlp=None)
     assert fused_mlp_wanted(896, 4864, bf16)              # Qwen2.5-0.5B: in the table
     assert not fused_mlp_wanted(1536, 8960, bf16)         # Qwen2.5-1.5B: the chain measured faster
-    monkeypatch.setenv("BATCHD_FUSED_MLP", "1")
+    use_options(fused_mlp=True)                           # BATCHD_FUSED_MLP=1
     assert fused_mlp_wanted(1536, 8960, bf16) and not fused_mlp_wanted(1000, 8960, bf16)   # H % 16
-    monkeypatch.setenv("BATCHD_FUSED_MLP", "0")
+    use_options(fused_mlp=False)                          # BATCHD_FUSED_MLP=0
     assert not fused_mlp_wanted(896, 4864, bf16)
-    monkeypatch.setenv("BATCHD_FUSED_MLP", "yes")
-    with pytest.raises(ValueError, match="BATCHD_FUSED_MLP is 0, 1 or unset"):
-        fused_mlp_wanted(896, 4864, bf16)
 
 
 def test_bad_operands_name_the_numbers():

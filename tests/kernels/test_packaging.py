@@ -1,6 +1,6 @@
 """The CUDA sources the kernels compile at first use (NVRTC) must ship in the wheel: a kernel whose
 .cu file is not in pyproject's package-data works from a checkout and fails on the first call of
-an installed worker (cluster_attention.cu did, until stop 30)."""
+an installed worker (cluster_attention.cu once did). kernels/ installs as batchd.kernels."""
 from __future__ import annotations
 
 import fnmatch

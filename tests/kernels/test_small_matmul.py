@@ -399,10 +399,10 @@ def test_rope_fits_needs_whole_pairs_of_one_head_and_no_split():
 @needs_triton
 @pytest.mark.triton
 @pytest.mark.parametrize("kind, cfg", [FUSED[0], FUSED[2], FUSED[4], FUSED[5], FUSED[7]])
-def test_settled_inputs_read_early_change_no_bits(kind, cfg, monkeypatch):
+def test_settled_inputs_read_early_change_no_bits(kind, cfg, use_options):
     """settled=True moves the epilogue's reads (bias, residual, next norm weight; the reduce
     kernel's with a k split) before the wait: the same outputs, bit for bit, as reading them after
-    the k loop (BATCHD_EARLY_READS=0) and as settled=False."""
+    the k loop (early_reads="off") and as settled=False."""
     t = fusion_inputs(5, 40, 72, torch.bfloat16, gated=kind == "norm-gated", parts=3)
     x, sumsq = t["weighted"], t["sumsq"]
     if kind == "norm":
@@ -412,9 +412,9 @@ def test_settled_inputs_read_early_change_no_bits(kind, cfg, monkeypatch):
     else:
         args, kw = (t["x"], t["w"], t["b"]), dict(residual=t["res"], emit_norm_weight=t["next_nw"])
     early = flat(triton_fused(cfg, *args, settled=True, **kw))
-    monkeypatch.setenv("BATCHD_EARLY_READS", "0")
+    use_options(early_reads="off")
     late = flat(triton_fused(cfg, *args, settled=True, **kw))
-    monkeypatch.delenv("BATCHD_EARLY_READS")
+    use_options(early_reads="auto")
     unsettled = flat(triton_fused(cfg, *args, **kw))
     for a, b, c in zip(early, late, unsettled):
         assert torch.equal(a, b) and torch.equal(a, c)
@@ -423,7 +423,7 @@ def test_settled_inputs_read_early_change_no_bits(kind, cfg, monkeypatch):
 @needs_triton
 @pytest.mark.triton
 @pytest.mark.parametrize("T", [1, 3])
-def test_settled_rope_rows_read_early_change_no_bits(T, monkeypatch):
+def test_settled_rope_rows_read_early_change_no_bits(T, use_options):
     """The q/k/v projection's epilogue with its rope rows and positions read before the wait."""
     from batchd.kernels.small_matmul.triton_kernel import RopeTarget, small_linear_triton
 
@@ -443,10 +443,10 @@ def test_settled_rope_rows_read_early_change_no_bits(T, monkeypatch):
         return q, k, v
 
     early = run(True)
-    monkeypatch.setenv("BATCHD_EARLY_READS", "0")
+    use_options(early_reads="off")
     for a, b in zip(early, run(True)):
         assert torch.equal(a, b)
-    monkeypatch.delenv("BATCHD_EARLY_READS")
+    use_options(early_reads="auto")
     for a, b in zip(early, run(False)):
         assert torch.equal(a, b)
 
@@ -454,7 +454,7 @@ def test_settled_rope_rows_read_early_change_no_bits(T, monkeypatch):
 @needs_cuda
 @needs_triton
 @pytest.mark.parametrize("kind", ["qkv-rope", "o", "gate_up", "down"])
-def test_cuda_settled_reads_change_no_bits_at_qwen_shapes(kind, monkeypatch):
+def test_cuda_settled_reads_change_no_bits_at_qwen_shapes(kind, use_options):
     """The compiled kernels at Qwen2.5-1.5B's shapes and tuned configs, each call finished before the
     next (no overlap, so no ordering question): settled reads before the wait give the bits of
     reads after the k loop, on 8 inputs each. (Reading the o projection's residual early moved its
@@ -485,9 +485,9 @@ def test_cuda_settled_reads_change_no_bits_at_qwen_shapes(kind, monkeypatch):
 
     for _ in range(8):
         inputs = rnd(1, K), rnd(1, N), (torch.rand(2, 1, generator=g) * 500 + 100).cuda()
-        monkeypatch.delenv("BATCHD_EARLY_READS", raising=False)
+        use_options(early_reads="auto")
         early = call(*inputs)
-        monkeypatch.setenv("BATCHD_EARLY_READS", "0")
+        use_options(early_reads="off")
         for a, b_ in zip(early, call(*inputs)):
             assert torch.equal(a, b_)
 
@@ -519,7 +519,7 @@ def compile_decode_kernels_for_hopper() -> dict:
     from batchd.kernels.small_matmul import triton_kernel as tk
 
     table = lambda n, k, gated=False: tk.choose_config(n, k, torch.bfloat16, torch.device("cuda"), gated=gated)  # noqa: E731
-    # qkv's and gate_up's entries stream through kernels.stream_linear (CUDA, stops 25-26); without an sm_90 GPU
+    # qkv's and gate_up's entries stream through kernels.stream_linear (CUDA); without an sm_90 GPU
     # choose_config falls back to Triton tiles for the multiprocessors it is told of (the H200's 132)
     tk.multiprocessor_count = lambda device: 132
     qkv = dict(rope=True, norm=True, bias=True)
@@ -572,49 +572,6 @@ def test_bench_specs_name_the_configs_they_mean():
         linear_config("16,128,1,4,no_such_field:1")
 
 
-@needs_triton
-def test_tma_probe_loads_the_same_tiles_both_ways():
-    """bench/tma_probe.py's k loop gives the same result with pointer loads (cp.async) and with a
-    tensor descriptor (TMA on sm_90), and the product of x and W^T; float32 on the CPU (the
-    interpreter multiplies bf16 tiles as integers), bf16 compiled on CUDA."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    from bench.tma_probe import _tile_gemv
-
-    dtype = torch.bfloat16 if torch.device(DEVICE).type == "cuda" else torch.float32
-    x, w, _ = make(1, 64, 512, dtype)
-    outs = []
-    for tma in (False, True):
-        out = torch.empty(1, 64, dtype=torch.float32, device=DEVICE)
-        _tile_gemv[(64 // 16,)](x, w, TensorDescriptor.from_tensor(w, [16, 128]), out, 1, 64, K=512, BLOCK_N=16,
-                                BLOCK_K=128, TMA=tma, STAGES=2, USE_PDL=False)
-        outs.append(out)
-    assert torch.equal(outs[0], outs[1])
-    assert rel_err(outs[0], x.float() @ w.float().T) < REL_ERR[dtype]
-
-
-@needs_triton
-def test_overlap_probe_staged_tiles_change_no_bits():
-    """bench/overlap_probe.py's gate_up: with the flag already at the epoch its spin ends at once;
-    the first PRE weight tiles loaded before the spin give the same sums as none, and the product
-    of x and W^T (float32 on the CPU, bf16 compiled on CUDA)."""
-    from bench.overlap_probe import _staged_linear
-
-    dtype = torch.bfloat16 if torch.device(DEVICE).type == "cuda" else torch.float32
-    x, w, _ = make(1, 256, 512, dtype)
-    flag = torch.full((1,), 3, dtype=torch.int32, device=DEVICE)
-    epoch = torch.full((1,), 3, dtype=torch.int32, device=DEVICE)
-    stuck = torch.zeros(1, dtype=torch.int32, device=DEVICE)
-    outs = []
-    for pre in (0, 4):
-        out = torch.empty(256, dtype=torch.float32, device=DEVICE)
-        _staged_linear[(256 // 128,)](x, w, out, flag, epoch, stuck, 256, K=512, BLOCK_N=128, BLOCK_K=64, PRE=pre,
-                                      STAGES=2)
-        outs.append(out)
-    assert torch.equal(outs[0], outs[1])
-    assert rel_err(outs[0], (x.float() @ w.float().T).squeeze(0)) < REL_ERR[dtype]
-
-
 def test_step_sweep_runs_variants_interleaved_after_a_warmup():
     """bench/step_sweep.py: one untimed run of the first variant (a process's first run reads fast),
     then the list `rounds` times over, interleaved; the medians table groups the timed runs."""
@@ -632,20 +589,14 @@ def test_step_sweep_skip_drops_the_launch_until_the_next_variant():
     """bench/step_sweep.py skip=merge / skip=reduce / skip=o: the attention merge returns its output
     buffer untouched, the split-K reduce launches nothing, an o projection returns its residual;
     attn_splits=N caps the attention's splits at N instead of 132; merge_cols=N sets the merge's
-    columns a program; l2side installs bench/l2_side_prefetch.py's patches of engine.model; the next
-    variant puts them all back."""
+    columns a program; the next variant puts them all back."""
     from bench import step_sweep
     from batchd.kernels.decode_attention import triton_kernel as attention_kernel
-    from batchd.engine import model as model_module
     from batchd.kernels.small_matmul import triton_kernel
 
     tuned = dict(triton_kernel.TUNED)
-    block_forward, forward_at = model_module.Block.forward, model_module.Transformer.forward_at
     try:
-        step_sweep.apply_variant("skip=merge skip=reduce attn_splits=200 merge_cols=64 l2side=256,16,1000", tuned)
-        probe = step_sweep.SIDE_PREFETCH[0]
-        assert (probe.cols, probe.programs, probe.step_ns) == (256, 16, 1000)
-        assert model_module.Block.forward is not block_forward
+        step_sweep.apply_variant("skip=merge skip=reduce attn_splits=200 merge_cols=64", tuned)
         assert attention_kernel.MAX_SPLITS == 200 and attention_kernel.MERGE_COLUMNS == 64
         out = torch.full((2,), 7.0)
         assert attention_kernel.merge_splits(None, None, out, None, block_n=32, splits_from_seq_len=True) is out
@@ -665,11 +616,32 @@ def test_step_sweep_skip_drops_the_launch_until_the_next_variant():
     assert triton_kernel._reduce_splits_kernel is step_sweep.REDUCE_KERNEL
     assert attention_kernel.MAX_SPLITS == step_sweep.MAX_SPLITS == 132
     assert attention_kernel.MERGE_COLUMNS == step_sweep.MERGE_COLUMNS == 32
-    assert model_module.Block.forward is block_forward and not step_sweep.SIDE_PREFETCH
-    assert model_module.Transformer.forward_at is forward_at
 
 
-def test_a_config_trigger_overrides_the_linear_knob_for_that_weight_only(monkeypatch):
+def test_step_sweep_options_hold_for_their_variant_only():
+    """bench/step_sweep.py passes kernel what-ifs through kernels.options (never the environment):
+    OPTION=VALUE (or the old BATCHD_OPTION=VALUE spelling) and mlp= set them for that variant's
+    engine; the next variant starts from the environment's defaults again."""
+    from bench import step_sweep
+    from batchd.kernels.options import KernelOptions, current_options, environment_defaults
+    from batchd.kernels.small_matmul import triton_kernel
+
+    tuned = dict(triton_kernel.TUNED)
+    try:
+        step_sweep.apply_variant("pdl_trigger=linear:2 BATCHD_EARLY_READS=0 attention_cluster=8 "
+                                 "stream_phase_marks=1", tuned)
+        assert current_options() == KernelOptions(pdl_trigger={"linear": 2}, early_reads="off", attention_cluster=8,
+                                                  stream_phase_marks=1)
+        step_sweep.apply_variant("mlp=4864,896,0,64,64,4,5", tuned)
+        assert current_options().fused_mlp is True and current_options().early_reads == "auto"
+        with pytest.raises(SystemExit, match="unknown option"):
+            step_sweep.apply_variant("BATCHD_NO_SUCH=1", tuned)
+    finally:
+        step_sweep.apply_variant("table", tuned)
+    assert current_options() == environment_defaults()
+
+
+def test_a_config_trigger_overrides_the_linear_knob_for_that_weight_only(use_options):
     """SmallLinearConfig.trigger sets one weight's PDL trigger point (kernels._pdl); None keeps the
     "linear" knob's; 0 (launches two deep) only where the next launch reads nothing early that the
     one before writes, which the table's entries promise, not the config."""
@@ -680,10 +652,10 @@ def test_a_config_trigger_overrides_the_linear_knob_for_that_weight_only(monkeyp
         return linear_constexprs(config, 1536, 1536, torch.bfloat16, bias=False, norm_parts=0, gated=False,
                                  residual=False, emit=False, pdl=True, early=True, rope_heads=None)["TRIGGER"]
 
-    monkeypatch.delenv("BATCHD_PDL_TRIGGER", raising=False)
+    use_options(pdl_trigger=1)
     assert trigger(C(8, 128, 1, gemv=True)) == 1
     assert trigger(C(8, 128, 1, gemv=True, trigger=2)) == 2
-    monkeypatch.setenv("BATCHD_PDL_TRIGGER", "linear:2")
+    use_options(pdl_trigger={"linear": 2})
     assert trigger(C(8, 128, 1, gemv=True)) == 2
     assert trigger(C(8, 128, 1, gemv=True, trigger=1)) == 1
     assert trigger(C(8, 128, 1, gemv=True, trigger=0)) == 0     # the caller's promise (__post_init__)
@@ -692,7 +664,7 @@ def test_a_config_trigger_overrides_the_linear_knob_for_that_weight_only(monkeyp
 
 
 @needs_triton
-def test_a_config_reduce_trigger_reaches_the_reduce_launch(monkeypatch):
+def test_a_config_reduce_trigger_reaches_the_reduce_launch(monkeypatch, use_options):
     """SmallLinearConfig.reduce_trigger sets the k split's reduce's trigger point (0 before its wait:
     kernels._pdl); None keeps the "reduce" knob's. The point moves no value."""
     from batchd.kernels.small_matmul import triton_kernel as tk
@@ -707,7 +679,7 @@ def test_a_config_reduce_trigger_reaches_the_reduce_launch(monkeypatch):
             return launch
 
     monkeypatch.setattr(tk, "_reduce_splits_kernel", Recorder())
-    monkeypatch.delenv("BATCHD_PDL_TRIGGER", raising=False)
+    use_options(pdl_trigger=1)
     x, w, b = make(3, 48, 256, torch.float32, bias=True, seed=5)
     early = tk.small_linear_triton(x, w, b, config=tk.SmallLinearConfig(16, 32, 2, reduce_trigger=0))
     knob = tk.small_linear_triton(x, w, b, config=tk.SmallLinearConfig(16, 32, 2))
@@ -717,7 +689,7 @@ def test_a_config_reduce_trigger_reaches_the_reduce_launch(monkeypatch):
 
 
 def test_a_stream_table_entry_falls_back_to_triton_tiles_where_the_kernel_cannot_run(monkeypatch):
-    """Qwen2.5-1.5B's gate_up streams through kernels.stream_linear (stop 25), a CUDA kernel for
+    """Qwen2.5-1.5B's gate_up streams through kernels.stream_linear, a CUDA kernel for
     sm_90+ in bf16/f16; on another GPU the same weight takes the heuristic's Triton tiles, whole
     (no k split: silu needs the whole sum)."""
     from batchd.kernels.small_matmul import triton_kernel
@@ -727,13 +699,13 @@ def test_a_stream_table_entry_falls_back_to_triton_tiles_where_the_kernel_cannot
     monkeypatch.setattr(triton_kernel, "stream_runs", lambda device, dtype: False)
     config = triton_kernel.choose_config(8960, 1536, torch.bfloat16, torch.device("cuda"), gated=True)
     assert not config.stream and config.splits == 1
-    assert triton_kernel.TUNED[(2048, 1536, 2)].stream                                # qkv (stop 26)
-    assert triton_kernel.TUNED[(2048, 1536, 2)].stream_max_ctas == 128                # (stop 27)
+    assert triton_kernel.TUNED[(2048, 1536, 2)].stream                                # qkv
+    assert triton_kernel.TUNED[(2048, 1536, 2)].stream_max_ctas == 128                # one CTA an SM, 4 SMs left
     assert not triton_kernel.choose_config(2048, 1536, torch.bfloat16, torch.device("cuda")).stream
 
 
 def test_an_early_reduce_trigger_is_kept_only_where_a_stream_kernel_can_follow(monkeypatch):
-    """Qwen2.5-1.5B's down signals from its reduce before the reduce waits (stop 26), so that the
+    """Qwen2.5-1.5B's down signals from its reduce before the reduce waits, so that the
     stream qkv after it fills its weight ring while down runs; before a Triton qkv that lost, so where
     stream kernels cannot run the reduce takes the "reduce" knob's point again."""
     from batchd.kernels.small_matmul import triton_kernel

@@ -250,27 +250,6 @@ def test_fewer_ctas_and_a_padded_request_change_no_bit(N, K, fusion):
         torch.testing.assert_close(got[1].sumsq.sum(0), want[1].sumsq.sum(0), rtol=1e-5, atol=0)
 
 
-def test_launch_switches_name_what_they_take(monkeypatch):
-    from batchd.kernels.stream_linear import launch_switches
-
-    monkeypatch.delenv("BATCHD_STREAM_PRODUCER_TRIGGER", raising=False)
-    monkeypatch.delenv("BATCHD_STREAM_CARVEOUT", raising=False)
-    monkeypatch.delenv("BATCHD_STREAM_PHASE_MARKS", raising=False)
-    assert launch_switches() == ((), None)                 # off: the driver's carveout, consumers trigger
-    monkeypatch.setenv("BATCHD_STREAM_PRODUCER_TRIGGER", "1")
-    monkeypatch.setenv("BATCHD_STREAM_CARVEOUT", "100")
-    assert launch_switches() == (("-DPRODUCER_TRIGGER",), 100)
-    monkeypatch.setenv("BATCHD_STREAM_CARVEOUT", "120")
-    with pytest.raises(ValueError, match="a percent"):
-        launch_switches()
-    monkeypatch.delenv("BATCHD_STREAM_CARVEOUT")
-    monkeypatch.setenv("BATCHD_STREAM_PHASE_MARKS", "2")    # the probes' marks; 2: the attention kernel's compute
-    assert launch_switches() == (("-DPRODUCER_TRIGGER", "-DPHASE_MARKS", "-DPHASE_DETAIL"), None)
-    monkeypatch.setenv("BATCHD_STREAM_PHASE_MARKS", "3")
-    with pytest.raises(ValueError, match="0, 1 or 2"):
-        launch_switches()
-
-
 # ---- rope: the q/k/v projection of a decode or verify step (Qwen2.5-1.5B's heads, and a small layout) ----
 
 def _rope_case(T, heads, kv_heads, D, K, device, seed=0, dtype=torch.bfloat16):
@@ -353,7 +332,7 @@ def test_rope_verify_rows_equal_decode_steps_bit_for_bit():
 
 
 def test_timeline_unpacks_the_phase_marks_per_stream_launch():
-    """bench/timeline.py's phase_table reads BATCHD_STREAM_PHASE_MARKS' packed slot: 16 bits a phase,
+    """bench/timeline.py's phase_table reads stream_phase_marks' packed slot: 16 bits a phase,
     medians over the middle layers, one kernel's launches at a time, CTAs without marks left out."""
     from types import SimpleNamespace
 

@@ -79,3 +79,12 @@ def test_the_image_copies_what_the_build_reads():
         if line.startswith("COPY "):
             copied.update(line.split()[1:-1])
     assert set(SOURCES) <= copied, sorted(set(SOURCES) - copied)
+
+
+def test_the_wheel_installs_only_under_batchd(wheel):
+    """engine/ and kernels/ ship as batchd.engine and batchd.kernels: nothing of ours named `engine`
+    or `kernels` lands at the top of site-packages, where Hugging Face's `kernels` lives."""
+    tops = {name.split("/")[0] for name in zipfile.ZipFile(wheel).namelist()}
+    assert tops == {"batchd", f"{wheel.name.split('-')[0]}-{wheel.name.split('-')[1]}.dist-info"}, tops
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "batchd/engine/runtime.py" in names and "batchd/kernels/paged_attention/triton_kernel.py" in names

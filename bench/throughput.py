@@ -65,14 +65,23 @@ def floor_seconds(model, config, prompts: list[int], outputs: list[int], flops: 
     return prefill / flops + decode_bytes / bandwidth
 
 
-def run_batched(engine: Engine, prompts: list[list[int]], outputs: list[int], options: BatchOptions):
+def run_batched(engine: Engine, prompts: list[list[int]], outputs: list[int], options: BatchOptions,
+                phases: dict | None = None):
+    """-> (seconds, generated ids per document, steps). With `phases`: each step is synchronised and
+    its seconds added to phases["prefill"] (steps with prompt chunks) or phases["decode"]."""
     batch = engine.batch_engine(options)
     seqs = [batch.submit(p, GenerationRequest(sampling=SamplingParams(max_new_tokens=o, ignore_eos=True)))
             for p, o in zip(prompts, outputs)]
     torch.cuda.synchronize()
     start = time.perf_counter()
     while batch.has_work:
+        began = time.perf_counter()
         batch.step()
+        if phases is not None:
+            torch.cuda.synchronize()
+            kind = "prefill" if batch.last_plan.chunks else "decode"
+            phases[kind] = phases.get(kind, 0.0) + time.perf_counter() - began
+            phases[kind + " steps"] = phases.get(kind + " steps", 0) + 1
     torch.cuda.synchronize()
     return time.perf_counter() - start, [s.generated for s in seqs], batch.steps
 
@@ -117,6 +126,8 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, default=2048, help="prefill chunk (tokens)")
     parser.add_argument("--step-tokens", type=int, default=8192, help="prompt tokens a step")
     parser.add_argument("--slab", type=int, default=64, help="rows of every decode projection")
+    parser.add_argument("--phases", action="store_true", help="also time prefill and decode steps apart (synchronised)")
+    parser.add_argument("--only-batched", action="store_true", help="the batched rows only (tuning runs)")
     args = parser.parse_args()
     torch.manual_seed(0)
     fused.enable_fusion()
@@ -139,6 +150,13 @@ def main() -> None:
     seconds, ids, steps = run_batched(engine, prompts, outputs, options)
     rows.append(row("batchd batched (invariant)", args.docs, seconds, sum(map(len, ids)), floor, steps=steps))
     print(rows[-1], flush=True)
+    if args.phases:
+        phases: dict = {}
+        run_batched(engine, prompts, outputs, options, phases)
+        print("phases (synchronised steps):", {k: round(v, 3) for k, v in phases.items()}, flush=True)
+    if args.only_batched:
+        print_table(rows)
+        return
     _, alone, _ = run_batched(engine, prompts[:1], outputs[:1], options)
     _, last_alone, _ = run_batched(engine, prompts[-1:], outputs[-1:], options)
     same = alone[0] == ids[0] and last_alone[0] == ids[-1]

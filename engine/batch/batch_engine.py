@@ -78,6 +78,7 @@ class BatchEngine:
         self._next_id = 0
         self._proposers: dict[int, PromptLookupProposer] = {}
         self.steps = 0
+        self.last_plan: Optional[StepPlan] = None
 
     @property
     def has_work(self) -> bool:
@@ -122,7 +123,7 @@ class BatchEngine:
     @torch.inference_mode()
     def step(self) -> list[Sequence]:
         """Run one step; return the sequences that finished in it (cancelled ones included)."""
-        plan = self.scheduler.plan(self._drafts_for)
+        plan = self.last_plan = self.scheduler.plan(self._drafts_for)
         finished = list(plan.finished)
         now = time.perf_counter()
         for seq in [c.seq for c in plan.chunks] + [s for s, *_ in plan.replay] + [s for s, _ in plan.decode]:

@@ -52,6 +52,7 @@ class Scheduler:
         self.prefix_sharing = prefix_sharing
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.preemptions = 0
 
     @property
     def has_work(self) -> bool:
@@ -153,6 +154,7 @@ class Scheduler:
         seq.blocks, seq.computed = [], 0
         seq.status = SequenceStatus.WAITING
         seq.preemptions += 1
+        self.preemptions += 1
         self.waiting.appendleft(seq)
 
     def chunk_done(self, seq: Sequence, end: int) -> None:

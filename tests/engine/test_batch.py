@@ -1,0 +1,116 @@
+"""The batch engine on SmolLM2's real weights (CPU): a job's tokens do not depend on what runs
+beside it, in what order it arrived, on speculation, on preemption, or on a cancelled neighbour."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from batchd.engine.batch import BatchOptions
+from batchd.engine.errors import PromptTooLongError
+from batchd.engine.runtime import Engine
+from batchd.engine.types import GenerationRequest, SamplingParams, SpeculationOptions
+
+pytestmark = pytest.mark.slow
+
+TOPICS = ["the moon", "tea", "rivers", "prime numbers", "owls", "glass", "winter", "maps"]
+
+
+@pytest.fixture(scope="module")
+def engine(smollm2_gguf) -> Engine:
+    engine = Engine.load(str(smollm2_gguf), device="cpu", max_context=1024, prefill_chunk=64)
+    engine.batch_engine(BatchOptions(block_size=16, max_step_tokens=128))
+    return engine
+
+
+def requests(spec: str = "none") -> list[GenerationRequest]:
+    """8 jobs of different lengths and parameters; job 5 samples with a seed, job 6 has a stop string."""
+    rng = random.Random(0)
+    out = []
+    for i, topic in enumerate(TOPICS):
+        prompt = f"Write about {topic}. " + " ".join(f"Fact {k}: {topic} matter." for k in range(rng.randrange(1, 30)))
+        sampling = SamplingParams(max_new_tokens=6 + 2 * i, temperature=0.8 if i == 5 else 0.0, seed=7 if i == 5 else None,
+                                  stop=("\n",) if i == 6 else (), ignore_eos=i == 3)
+        out.append(GenerationRequest(prompt=prompt, chat=i % 2 == 0, sampling=sampling,
+                                     speculation=SpeculationOptions(method=spec)))
+    return out
+
+
+def run(engine: Engine, reqs, order=None, **kwargs) -> dict[int, list[int]]:
+    order = order or list(range(len(reqs)))
+    got = {order[i]: r.token_ids for i, r in engine.generate_many([reqs[j] for j in order], **kwargs)}
+    assert len(got) == len(order)
+    return got
+
+
+@pytest.fixture(scope="module")
+def alone(engine) -> dict[int, list[int]]:
+    reqs = requests()
+    return {i: run(engine, [reqs[i]])[0] for i in range(len(reqs))}
+
+
+@pytest.mark.parametrize("order", [list(range(8)), list(range(7, -1, -1)), [3, 6, 0, 5, 2, 7, 1, 4]],
+                         ids=["in-order", "reversed", "shuffled"])
+def test_ids_alone_equal_ids_in_a_batch_in_any_order(engine, alone, order):
+    assert run(engine, requests(), order) == alone
+
+
+def test_prompt_lookup_verified_in_the_batch_changes_no_greedy_id(engine, alone):
+    """Job 5 samples: rejection sampling keeps its distribution, not its draws."""
+    got = run(engine, requests("lookup"))
+    assert {i: ids for i, ids in got.items() if i != 5} == {i: ids for i, ids in alone.items() if i != 5}
+
+
+def test_a_pool_too_small_for_all_preempts_and_changes_no_id(smollm2_gguf, alone):
+    small = Engine.load(str(smollm2_gguf), device="cpu", max_context=1024, prefill_chunk=64)
+    batch = small.batch_engine(BatchOptions(block_size=16, max_step_tokens=128, max_blocks=40))
+    assert run(small, requests()) == alone
+    assert batch.scheduler.preemptions > 0
+    assert batch.cache.blocks.num_free == 40
+
+
+def test_a_cancelled_job_frees_its_blocks_and_the_others_do_not_change(engine, alone):
+    batch = engine.batch_engine()
+    steps = {"n": 0}
+
+    def cancel_job_two(index: int) -> bool:
+        steps["n"] += index == 0
+        return index == 2 and steps["n"] >= 3
+
+    got = run_partial(engine, requests(), cancel_job_two)
+    assert 2 not in got
+    assert {i: ids for i, ids in alone.items() if i != 2} == got
+    assert batch.cache.blocks.num_free == batch.cache.blocks.num_blocks
+
+
+def run_partial(engine, reqs, cancelled):
+    return {i: r.token_ids for i, r in engine.generate_many(reqs, cancelled=cancelled)}
+
+
+def test_a_shared_prompt_head_is_computed_once(engine):
+    head = "You summarise documents. " * 12   # a batch-wide instruction, several chunks long
+    reqs = [GenerationRequest(prompt=head + f"Document {i}: {TOPICS[i]} are interesting.",
+                              sampling=SamplingParams(max_new_tokens=6)) for i in range(3)]
+    alone_ids = [run(engine, [r])[0] for r in reqs]
+    batch = engine.batch_engine()
+    seqs = []
+    original = batch.submit
+
+    def submit(prompt_ids, request):
+        seqs.append(original(prompt_ids, request))
+        return seqs[-1]
+
+    batch.submit = submit
+    try:
+        assert list(run(engine, reqs).values()) == alone_ids
+    finally:
+        del batch.submit
+    assert any(s.shared_chunks > 0 for s in seqs)
+
+
+def test_a_request_that_cannot_run_fails_alone(engine, alone):
+    reqs = requests()
+    too_long = GenerationRequest(prompt="word " * 2000, sampling=SamplingParams(max_new_tokens=8))
+    outcomes = dict(engine.generate_many([reqs[0], too_long, reqs[1]]))
+    assert isinstance(outcomes[1], PromptTooLongError)
+    assert outcomes[0].token_ids == alone[0] and outcomes[2].token_ids == alone[1]

@@ -49,6 +49,7 @@ class BatchOptions:
     max_blocks: Optional[int] = None
     prefix_sharing: bool = True
     lookup_width: int = 4
+    prefill_chunk: Optional[int] = None   # prompt tokens a chunk (a multiple of block_size); None: the engine's
     batch_invariant: bool = True   # False: one GEMM over every decode row (benchmarks measure the difference)
     cuda_graphs: bool = True
 
@@ -59,7 +60,8 @@ class BatchEngine:
         self.model, self.scratch, self.options = model, scratch, options
         self.device = model.device
         self.max_context, self.eos_ids, self.decode_text = max_context, eos_ids, decode_text
-        chunk = max(options.block_size, prefill_chunk // options.block_size * options.block_size)
+        chunk = options.prefill_chunk or prefill_chunk
+        chunk = max(options.block_size, chunk // options.block_size * options.block_size)
         max_blocks = options.max_blocks
         if max_blocks is None and self.device.type != "cuda":
             max_blocks = 8 * -(-max_context // options.block_size)

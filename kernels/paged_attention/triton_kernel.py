@@ -88,7 +88,7 @@ def _paged_merge_kernel(Lens, M_in, L_in, Acc_in, Out, stride_mn, stride_mh, str
 
 
 def paged_decode_attention_triton(q, k_pool, v_pool, block_tables, seq_lens, *, scale: float, max_seq_len: int,
-                                  split_blocks: int) -> torch.Tensor:
+                                  split_blocks: int, num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
     N, Hq, D = q.shape
     _, Hkv, BS, _ = k_pool.shape
     G = Hq // Hkv
@@ -108,7 +108,7 @@ def paged_decode_attention_triton(q, k_pool, v_pool, block_tables, seq_lens, *, 
         m.stride(0), m.stride(1), acc.stride(0), acc.stride(1), acc.stride(2),
         G=G, GP=max(16, triton.next_power_of_2(G)), D=D, DP=triton.next_power_of_2(D), BS=BS, SPLIT_BLOCKS=split_blocks,
         UPCAST=interpreting(), PRECISION="ieee" if k_pool.dtype == torch.float32 else "tf32",   # float32 caches: no TF32
-        num_warps=4, num_stages=2,
+        num_warps=num_warps, num_stages=num_stages,
     )
     _paged_merge_kernel[(N, Hq)](
         seq_lens, m, l, acc, out, m.stride(0), m.stride(1), acc.stride(0), acc.stride(1), acc.stride(2),

@@ -19,7 +19,7 @@ from batchd.kernels._backend import resolve_backend
 from batchd.kernels.paged_attention.reference import paged_decode_attention_reference
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-SPLIT_BLOCKS = 8  # blocks per split: 512 keys at 64-row blocks; a 4K-token row takes 8 splits
+SPLIT_BLOCKS = 4  # blocks per split: 256 keys at 64-row blocks (bench/paged_attention.py: 0.785 of copy bandwidth against 0.718 at 8)
 
 
 def check_paged_inputs(q, k_pool, v_pool, block_tables, seq_lens) -> None:

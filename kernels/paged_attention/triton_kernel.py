@@ -88,7 +88,7 @@ def _paged_merge_kernel(Lens, M_in, L_in, Acc_in, Out, stride_mn, stride_mh, str
 
 
 def paged_decode_attention_triton(q, k_pool, v_pool, block_tables, seq_lens, *, scale: float, max_seq_len: int,
-                                  split_blocks: int, num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
+                                  split_blocks: int, num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
     N, Hq, D = q.shape
     _, Hkv, BS, _ = k_pool.shape
     G = Hq // Hkv

@@ -90,7 +90,8 @@ class Engine:
                  eos_ids: frozenset[int] | set[int] = frozenset(), checkpoint_sha256: str = "",
                  checkpoint_path: str = ""):
         """An engine around a built model (`load` and `from_config` build one). `config.device`
-        and `config.dtype` are the model's own; a missing `max_context` becomes 8192."""
+        and `config.dtype` are the model's own; a missing `max_context` becomes 8192. The codec
+        and the checkpoint's path and hash are fixed here: the drafters see them as given."""
         self.model = model
         self.config: ModelConfig = model.config
         self.device = model.device

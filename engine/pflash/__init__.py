@@ -27,7 +27,7 @@ import torch
 
 from batchd.engine.capabilities import check_compression
 from batchd.engine.checkpoint.gguf_file import read_gguf
-from batchd.engine.config import HF_ARCHITECTURE_NAMES
+from batchd.engine.architectures import GGUF_ARCHITECTURES, HF_ARCHITECTURE_NAMES
 from batchd.engine.errors import CheckpointError, UnsupportedFeatureError
 from batchd.engine.pflash.bridge import INSTRUCTION_TOKENS, MIN_INSTRUCTION_KEPT, DrafterView, drafter_view, target_ids_after
 from batchd.engine.pflash.scoring import TAIL_ROWS, score_prompt
@@ -39,9 +39,6 @@ from batchd.engine.types import CompressionOptions, GenerationRequest, Telemetry
 __all__ = ["PromptCompressor", "CompressionReport", "ScoringWindow", "DEFAULT_SCORING_WINDOW", "compress_for_request",
            "check_compression_options", "drafter_architecture",
            "ensure_target_resident", "default_scoring_chunk"]
-
-# gguf general.architecture -> ours
-GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 
 
 @dataclass

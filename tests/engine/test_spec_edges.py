@@ -27,9 +27,11 @@ DRAFTERS = {"self": lambda e: self_drafter(e.drafters.target),
             "first-layer": lambda e: truncated_drafter(e.drafters.target, 1)}
 
 
-def tiny_engine(arch: str = "llama", max_context: int = 256, vocab_size: int = 512, codec=None) -> Engine:
+def tiny_engine(arch: str = "llama", max_context: int = 256, vocab_size: int = 512, codec=None,
+                checkpoint_sha256: str = "") -> Engine:
     hf = hf_model(arch) if vocab_size == TINY["vocab_size"] else _hf_with_vocab(arch, vocab_size)
-    engine = Engine(ours_from_hf(hf), codec, EngineConfig(max_context=max_context), eos_ids=set())
+    engine = Engine(ours_from_hf(hf), codec, EngineConfig(max_context=max_context), eos_ids=set(),
+                    checkpoint_sha256=checkpoint_sha256)
     for name, build in DRAFTERS.items():
         engine.drafters.register(name, build(engine))
     return engine
@@ -214,8 +216,7 @@ def test_speculation_switches_itself_off_exactly_when_it_does_not_pay(drafter, d
 
 
 def test_fingerprint_names_the_drafter_checkpoint_only_when_a_drafter_drafts():
-    engine = tiny_engine()
-    engine.checkpoint_sha256 = "a" * 64
+    engine = tiny_engine(checkpoint_sha256="a" * 64)
     engine.drafters.register("first-layer-of-a", truncated_drafter(engine.drafters.target, 1))
     other = Engine(ours_from_hf(hf_model("llama", seed=1)), None, EngineConfig(max_context=256), eos_ids=set(),
                    checkpoint_sha256="b" * 64, checkpoint_path="other.gguf")

@@ -85,8 +85,9 @@ def cuda_kernels() -> KernelChoice:
     compiled = {name: torch.compile(fn, dynamic=True, fullgraph=True)
                 for name, fn in (("rms_norm", rms_norm), ("add_rms_norm", add_rms_norm), ("rotate", rotate),
                                  ("silu_mul", silu_mul))}
-    # batchd.kernels needs Triton; imported here, not at the top, because the CPU path must not
-    # require it (an ImportError leaves the compiled functions and the library's GEMMs)
+    # imported where the CUDA choice is built, as enable_fusion() and enable_invariant_kernel() did:
+    # an ImportError (a kernel package that cannot load) leaves the compiled functions and the
+    # library's GEMMs
     try:
         from batchd.kernels.rms_norm import rms_norm as norm_kernel
         from batchd.kernels.rope_cache import rope_and_store

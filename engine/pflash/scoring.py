@@ -51,7 +51,7 @@ def score_tail_queries_torch(q_tail: torch.Tensor, k: torch.Tensor, *, scale: Op
 
 
 def default_tail_scorer() -> TailScorer:
-    try:
+    try:  # kept from when the kernels were a package of their own that could be missing
         from batchd.kernels.chunk_scoring import score_tail_queries
     except ImportError:
         return score_tail_queries_torch

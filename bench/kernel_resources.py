@@ -17,7 +17,7 @@ resource usage with Triton's bundled cuobjdump. "ctas/SM" is what registers and 
 allow at most (65536 registers, 228 KB per multiprocessor): what decides whether a kernel's
 programs fit in one wave and whether the next kernel's early programs fit beside them (stop 13:
 the o projection as a gemv, 242 registers, leaves no room for gate/up's programs where two o
-programs share a multiprocessor; q/k/v as a gemv spills; kernels/small_matmul/NOTES.md).
+programs share a multiprocessor; q/k/v as a gemv spills; docs/performance.md).
 """
 from __future__ import annotations
 

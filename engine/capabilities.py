@@ -3,7 +3,7 @@
 The gate runs when a worker starts (for its defaults) and when a job is submitted (for the
 job's own options). An unsupported combination raises `UnsupportedFeatureError` naming it; an
 accepted option that does nothing here comes back as a note, which reaches the job's telemetry.
-Nothing is dropped silently (DESIGN.md section 5, the seeds' HTTP 500 and silent-flag bugs).
+Nothing is dropped silently (docs/design.md section 5, the seeds' HTTP 500 and silent-flag bugs).
 """
 from __future__ import annotations
 

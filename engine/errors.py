@@ -1,6 +1,6 @@
 """Errors the engine raises for a job's input or for its checkpoints.
 
-Every error carries a `kind` (the column `error_kind` of a failed job, DESIGN.md section 1) and
+Every error carries a `kind` (the column `error_kind` of a failed job, docs/design.md section 1) and
 whether retrying can help. The message is written for a person: it says what to do.
 Bugs are not EngineErrors; they propagate as ordinary exceptions with a traceback.
 """

@@ -3,7 +3,7 @@
     residency = Residency()
     result = residency.with_drafter(engine, drafter_path, work, telemetry, prompt_tokens=n)
 
-Phases (DESIGN.md section 3, Residency), each timed into the job's telemetry:
+Phases (docs/design.md section 3, Residency), each timed into the job's telemetry:
   1. read the drafter checkpoint into host memory (it decides what must make room),
   2. park the target if the drafter does not fit beside it: synchronise EVERY stream of the
      device first (queued kernels must not touch freed memory, the seed's park() bug), then free

@@ -13,21 +13,21 @@ plainly or speculatively, (4) detokenise, cut stop strings, hash, collect teleme
 """
 from __future__ import annotations
 
-import hashlib
 import socket
-import struct
 import time
 from dataclasses import dataclass, replace
 from typing import Literal, Optional
 
 import torch
 
+from batchd.engine.batch import BatchEngine, BatchOptions, generate_many
 from batchd.engine.capabilities import check_features
 from batchd.engine.checkpoint import load_checkpoint
 from batchd.engine.config import ModelConfig
 from batchd.engine.errors import BadInputError, DeviceOutOfMemoryError, PromptTooLongError
 from batchd.engine.fused import kernels_for
 from batchd.engine.generate import TokenOutput, generate_plain, synchronize
+from batchd.engine.hashes import sha256_hex, token_ids_sha256  # noqa: F401 (re-exported)
 from batchd.engine.kv_cache import ContiguousKVCache, KVCache
 from batchd.engine.model import Transformer, build_model, choose_fused_mlp, init_random  # noqa: F401 (re-exported)
 from batchd.engine.pflash import PromptCompressor, compress_for_request, ensure_target_resident
@@ -51,14 +51,6 @@ def parse_dtype(name: Optional[str], device: str) -> torch.dtype:
         return DTYPES[name]
     except KeyError:
         raise BadInputError(f"unknown dtype {name!r}; use one of {', '.join(sorted(DTYPES))}") from None
-
-
-def sha256_hex(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
-def token_ids_sha256(ids: list[int]) -> str:
-    return sha256_hex(struct.pack(f"<{len(ids)}i", *ids))
 
 
 @dataclass(frozen=True)
@@ -122,6 +114,7 @@ class Engine:
                                              config.prefill_chunk, self.runner.cuda_graphs))
         # PFlash: replace `compressor` to configure it (park strategy, constants, test hooks)
         self.compressor = PromptCompressor(Residency())
+        self._batch: Optional[BatchEngine] = None  # many jobs per step: `batch_engine`, built at first use
 
     @property
     def residency(self) -> Residency:
@@ -266,7 +259,26 @@ class Engine:
         window = self.compressor.scoring_window
         return "exact" if window is None else f"w{window.window}-b{window.block}-s{window.sink}"
 
+    # ---- many jobs per step ---------------------------------------------------------------
+
+    def batch_engine(self, options=None):
+        """The batch engine over this engine's model (built at first use: its KV pool takes
+        `kv_memory_fraction` of the device memory free then)."""
+        if self._batch is None or options is not None:
+            if options is None:
+                options = BatchOptions(block_size=64 if self.device.type == "cuda" else 16)
+            self._batch = BatchEngine(self.model, self.cache, max_context=self.max_context,
+                                      prefill_chunk=self.prefill_chunk, eos_ids=self.eos_ids,
+                                      decode_text=self.codec.decode if self.codec else None, options=options)
+        return self._batch
+
+    def generate_many(self, requests, **kwargs):
+        """Run many requests together; yield (index, GenerationResult or EngineError) as each
+        finishes (engine.batch.generate_many)."""
+        return generate_many(self, requests, **kwargs)
+
     def close(self) -> None:
+        self._batch = None
         self.drafters.clear()
         del self.runner, self.cache, self.model, self.drafters  # the drafters' target holds the model
         if self.device.type == "cuda":

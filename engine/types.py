@@ -2,7 +2,7 @@
 
 These are the contract between the engine and the service: the worker builds a
 `GenerationRequest` from a job row and stores every field of `GenerationResult` and
-`Telemetry` in SQL (DESIGN.md section 2). Field names here are the column names there.
+`Telemetry` in SQL (docs/design.md section 2). Field names here are the column names there.
 """
 from __future__ import annotations
 

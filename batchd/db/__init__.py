@@ -1,1 +1,1 @@
-"""The database is the record (DESIGN.md section 1): batches, jobs, results, job events."""
+"""The database is the record (docs/design.md section 1): batches, jobs, results, job events."""

@@ -1,4 +1,4 @@
-"""SQLAlchemy models: batches, jobs, results, job_events (DESIGN.md sections 1 and 2).
+"""SQLAlchemy models: batches, jobs, results, job_events (docs/design.md sections 1 and 2).
 
 A job moves pending -> queued -> running -> succeeded | failed | cancelled | expired, and each
 state has its own timestamp column. Column names in `results` are the field names of

@@ -1,4 +1,4 @@
-"""The Celery app, configured for hour-long GPU jobs (DESIGN.md section 1).
+"""The Celery app, configured for hour-long GPU jobs (docs/design.md section 1).
 
 - acks late and reject on worker lost: a job's message is acknowledged when the job is over,
   so a worker that dies mid-job leaves the message to be delivered again;

@@ -57,7 +57,7 @@ class CompressionReport:
 
 
 class PromptCompressor:
-    """The PFlash pipeline for one engine: every DESIGN.md constant is a parameter here or in
+    """The PFlash pipeline for one engine: every docs/design.md constant is a parameter here or in
     `selection` (SelectionParams; its keep_ratio is replaced by each job's own). Drafter prompts
     longer than `scoring_window.exact_tokens` are scored with a windowed prefill
     (engine.pflash.window); `scoring_window=None` scores every length exactly."""

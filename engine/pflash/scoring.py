@@ -5,7 +5,7 @@
 The drafter prefills the prompt in chunks (never a full S x S attention); during the last
 forward, over the final `tail_rows` (8) tokens, an attention observer takes each layer's query
 rows against all S cached keys. A key's score in one layer is the max over heads of the tail
-rows' mean softmax probability; its final score is the max over layers (DESIGN.md section 3).
+rows' mean softmax probability; its final score is the max over layers (docs/design.md section 3).
 
 Prompts longer than `window.exact_tokens` (12,288 by default) are prefilled with sliding-window
 + sink attention (engine.pflash.window: linear in S instead of quadratic; the approximation is

@@ -3,7 +3,7 @@
     kept = select_chunks(ids, token_scores, SelectionParams(keep_ratio=0.1))
     kept.spans  # [(start, end), ...] token ranges, in prompt order
 
-The rule (DESIGN.md section 3, PFlash): smooth the per-token scores with an average pool
+The rule (docs/design.md section 3, PFlash): smooth the per-token scores with an average pool
 (kernel 13), average them per 32-token chunk, and keep `max(1, chunks x keep_ratio)` chunks:
   1. the first 8 and the last 24 chunks; when they would take more than `max_edge_share` (half)
      of the budget, both shrink by the same factor ("scaled down to fit": at 8K tokens and keep

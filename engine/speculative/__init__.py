@@ -1,4 +1,4 @@
-"""Speculative decoding with fused verification (DESIGN.md section 3, third bullet).
+"""Speculative decoding with fused verification (docs/design.md section 3, third bullet).
 
 A proposer drafts up to q tokens (prompt lookup, or a draft model with the target's vocabulary);
 the target checks all of them in ONE forward; greedy keeps the longest prefix that matches its own

@@ -3,7 +3,7 @@ cluster and merge through distributed shared memory (cluster_attention.cu has th
 
 The Triton path (triton_kernel.py) runs a split kernel and a merge kernel; at batch 1 and short
 caches the merge launch costs more than its work (at Qwen2.5-1.5B, 512 tokens, skipping it made
-decode steps 4.8% faster: kernels/small_matmul/NOTES.md, "Stop 28"). Here each CTA of a cluster
+decode steps 4.8% faster: docs/performance.md, "Stop 28"). Here each CTA of a cluster
 holds its whole share of the cache in shared memory, so the kernel runs only where that share is
 small: CLUSTER * MAX_KEYS_PER_CTA cache rows (2048 with 16 CTAs), bf16/f16, D a multiple of 32 up
 to 128. `plan` says whether a call fits; decode_attention routes there on its own.
@@ -60,7 +60,7 @@ def cluster_size(heads: int, sms: int) -> int:
     each call (bench/step_sweep.py sets it per variant). Unset: 16 where the clusters of all
     `heads` (batch * KV heads) take at most half of the GPU's `sms`, else 8. A cluster of 16 must fit
     in one GPC. At 2 KV heads (Qwen2.5-1.5B) 16 was faster, 960 against 935 tok/s; at 8 (Llama-3-8B,
-    128 CTAs) 8 was, 247 against 239 (kernels/small_matmul/NOTES.md, "Stop 29" and "Stop 32")."""
+    128 CTAs) 8 was, 247 against 239 (docs/performance.md, "Stop 29" and "Stop 32")."""
     value = os.environ.get("BATCHD_ATTENTION_CLUSTER", "")
     if value == "":
         return 16 if heads * 16 <= sms // 2 else 8

@@ -240,7 +240,7 @@ def dot_flags(dtype: torch.dtype) -> tuple[bool, str]:
 # At most this many key splits a call. At 32K rows of Qwen2.5-1.5B (2 KV heads) 132 splits put two
 # programs on each of the H200's 132 SMs: 746 tok/s in whole decode steps against 734 with 128 (with
 # 32-column merge programs; 714 with whole-head ones, whose tile of partials, its split axis padded
-# to 256, no longer fits in registers). 64, 96, 192, 256 and 264 were all slower (NOTES.md "Stop 17",
+# to 256, no longer fits in registers). 64, 96, 192, 256 and 264 were all slower (docs/performance.md "Stop 17",
 # "Stop 32").
 MAX_SPLITS = 132
 
@@ -254,7 +254,7 @@ def default_num_splits(batch_heads: int, max_len: int, block_n: int, device: tor
 
 # Output columns a merge program takes (0: the whole head). 32: four programs a head at D = 128, each
 # with a quarter of the partials to load; at 32K rows of Qwen2.5-1.5B whole steps ran 740 against
-# 734 tok/s (64 columns: 740), and the split axis may pad to 256 without spilling (NOTES.md "Stop 32").
+# 734 tok/s (64 columns: 740), and the split axis may pad to 256 without spilling (docs/performance.md "Stop 32").
 MERGE_COLUMNS = 32
 
 
@@ -296,7 +296,7 @@ class DecodeTile:
 
 
 # By group size G = Hq / Hkv, measured on the H200 (`python bench/attention.py --sweep-layout 12,2`
-# and `14,2`, kernels/decode_attention/NOTES.md): at 32K rows a decode step went from 19.7 to 11.2 us
+# and `14,2`, docs/performance.md): at 32K rows a decode step went from 19.7 to 11.2 us
 # (40% -> 70% of copy) at G = 6 (Qwen2.5-1.5B) and from 18.0 to 11.1 us at G = 7 (Qwen2.5-0.5B, 7B).
 # Other G keep the defaults (tuned at Llama-3-8B's G = 4 by the --sweep at 64K; G <= 4 already fits
 # a 64-row tile).

@@ -11,7 +11,7 @@ weight transposed when it uses this path (engine.model.Transformer.use_fused_mlp
 PyTorch twin (reference.py). The engine uses it on the MLP shapes where it measured faster than the
 chain of small_matmul launches on the H200 (`fused_mlp_wanted`; BATCHD_FUSED_MLP=1 forces it, 0
 turns it off): Qwen2.5-0.5B, +18%; at Qwen2.5-1.5B, Llama-3-8B and SmolLM2-135M the chain is
-faster (kernels/small_matmul/NOTES.md, "Stop 19"). `FusedMlpConfig(stream=True)` runs the slices on
+faster (docs/performance.md, "Stop 19"). `FusedMlpConfig(stream=True)` runs the slices on
 a bulk-copy weight ring instead (stream_mlp.cu, stream_kernel.py; sm_90+, bf16/f16): correct and
 batch-invariant, but slower than the chain in whole steps (NOTES, "Stop 25"), so in no table entry.
 """
@@ -30,7 +30,7 @@ def fused_mlp_wanted(hidden: int, intermediate: int, dtype: torch.dtype) -> bool
     """Whether the engine should run this model's decode and verify MLPs through the kernel (on
     CUDA). BATCHD_FUSED_MLP=1: wherever it fits; 0: never; unset: on the shapes where it measured
     faster than the chain (triton_kernel.TUNED: Qwen2.5-0.5B; not 1.5B, 8B or SmolLM2-135M,
-    kernels/small_matmul/NOTES.md "Stop 19")."""
+    docs/performance.md "Stop 19")."""
     switch = os.environ.get("BATCHD_FUSED_MLP", "")
     if switch not in ("", "0", "1"):
         raise ValueError(f"BATCHD_FUSED_MLP is 0, 1 or unset, got {switch!r}")

@@ -5,7 +5,7 @@
 It computes what triton_kernel._fused_mlp_kernel computes (act for a slice of the intermediate
 axis, times the slice's down rows), into the same float32 partials, so triton_kernel's ordered
 reduce finishes both. A FusedMlpConfig with stream=True routes fused_mlp here. Design:
-stream_mlp.cu; measurements: kernels/small_matmul/NOTES.md, "Stop 25".
+stream_mlp.cu; measurements: docs/performance.md, "Stop 25".
 """
 from __future__ import annotations
 

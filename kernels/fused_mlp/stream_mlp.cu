@@ -3,7 +3,7 @@
 //
 // Why: the Triton slice kernel (triton_kernel.py) streams gate/up, then down, each through
 // cp.async tiles of one program, and lost to the chain at Qwen2.5-1.5B (816 against 837 tok/s,
-// kernels/small_matmul/NOTES.md "Stop 19"): its down rows only start after the gate/up loop, and
+// docs/performance.md "Stop 19"): its down rows only start after the gate/up loop, and
 // one program streams 16-26 GB/s. Here a producer thread streams the CTA's gate/up rows and then
 // its down rows without a pause (weights depend on no kernel), at the copy bandwidth (NOTES, stops
 // 20 and 23), while the consumers compute. The gate_up -> down boundary, down's k split and its

@@ -19,7 +19,7 @@ Batch invariance: the slices depend on (I, P) only, BLOCK_M is 16 whatever M is,
 a mask; a row goes through the same instructions alone or among 17 (tests check it bit for bit).
 Settled inputs (EARLY, the residual) follow kernels._pdl, as in kernels.small_matmul. Weights
 requested before the wait, an L2 prefetch of down's slice and act^T as the MMA's A operand were
-measured slower and dropped (commit 410a005 has them; kernels/small_matmul/NOTES.md "Stop 19").
+measured slower and dropped (commit 410a005 has them; docs/performance.md "Stop 19").
 """
 from __future__ import annotations
 
@@ -71,7 +71,7 @@ class FusedMlpConfig:
 
 # The MLP shapes where this kernel beat the chain of small_matmul launches in whole decode steps on
 # the H200 (`bench/step_sweep.py` mlp= variants against BATCHD_FUSED_MLP=0, kernels/small_matmul/
-# NOTES.md "Stop 19"); with BATCHD_FUSED_MLP unset the engine takes the kernel for these only.
+# docs/performance.md "Stop 19"); with BATCHD_FUSED_MLP unset the engine takes the kernel for these only.
 # Qwen2.5-1.5B (best 816 against 837 tok/s), Llama-3-8B (236 against 246) and SmolLM2-135M (1626
 # against 1755) keep the chain. Key: (I, H, element size).
 TUNED: dict[tuple[int, int, int], FusedMlpConfig] = {

@@ -9,7 +9,7 @@ same code). The k splits are cut at multiples of BLOCK_K that depend on (N, K) o
 one split the float32 partials go to a [splits, M, N] buffer and a second kernel sums them in split
 order 0, 1, 2, ... (no atomics), adds the bias and casts. (Summing them in the split kernel, by the
 last program of a tile to arrive on an atomic counter, measured slower: its fence, atomic and
-serial loads cost more than a launch under PDL; NOTES.md.) One config per (N, K, dtype): a table
+serial loads cost more than a launch under PDL; docs/performance.md.) One config per (N, K, dtype): a table
 measured on an H200 (bench/small_matmul.py --tune), a heuristic elsewhere; never autotuned per call.
 
 Under programmatic dependent launch a program requests its first `preload` weight tiles before
@@ -17,9 +17,9 @@ griddepcontrol.wait: weights do not depend on the previous kernel, so their firs
 trip overlaps that kernel's tail (at batch 1 the small projections are all ramp and tail). With
 `settled=True` the epilogue's inputs written two or more launches back (rope rows, positions, and in
 the reduce the residual; the constants bias and norm weight with them) are read there too
-(kernels._pdl, "Settled inputs"; +4% decode at Qwen2.5-1.5B with the attention's, NOTES.md "Stop 12").
+(kernels._pdl, "Settled inputs"; +4% decode at Qwen2.5-1.5B with the attention's, docs/performance.md "Stop 12").
 
-A gemv config (`gemv=True`, kernels/small_matmul/NOTES.md "Stop 13") replaces the tl.dot loop with
+A gemv config (`gemv=True`, docs/performance.md "Stop 13") replaces the tl.dot loop with
 block_n whole weight rows per program, loaded before the wait into registers and multiplied on the
 CUDA cores, one row of x after the other: more programs for a small weight (Qwen2.5-1.5B's o: 192
 instead of 96), same epilogues, the same code for every row whatever M is.
@@ -76,7 +76,7 @@ class SmallLinearConfig:
     skip_wait: bool = False  # a what-if for bench/step_sweep.py only: no griddepcontrol.wait, so the
                              # kernel reads its input while the kernel before still writes it (wrong
                              # results). Its tok/s overstates what any real handoff could gain: the
-                             # kernel then overlaps all of the one before (NOTES.md, "Stop 30")
+                             # kernel then overlaps all of the one before (docs/performance.md, "Stop 30")
 
     def __post_init__(self):
         # 0 runs launches two deep: the launch after this one may start while the one before it
@@ -119,15 +119,15 @@ class SmallLinearConfig:
 
 
 # Qwen2.5-1.5B's gate_up runs on kernels.stream_linear (128 KB ring) since stop 25: 858 against the
-# Triton tiles' 836 tok/s, once its folded norm's parts were loaded in flight together (NOTES.md,
+# Triton tiles' 836 tok/s, once its folded norm's parts were loaded in flight together (docs/performance.md,
 # "Stop 25"); off sm_90 or in f32 that entry falls back to the heuristic (choose_config). Since stop 26
 # its q/k/v projection (rope and cache write fused) streams too, and down's reduce signals before its
 # wait, so that qkv's CTAs start and fill their 96 KB rings while down still runs: 895 against 864
-# tok/s (NOTES.md, "Stop 26"; without the early reduce trigger the stream qkv gains nothing, and the
+# tok/s (docs/performance.md, "Stop 26"; without the early reduce trigger the stream qkv gains nothing, and the
 # Triton qkv with it loses: 800). Where stream kernels cannot run, the reduce keeps the knob's point.
 # Stop 27: that qkv's 100 KB CTAs landed two to an SM on 79 SMs (its dot products then share the
 # SM's issue slots: 1.6 us for 0.5); asking 114 KB keeps one a SM, and 128 CTAs (two 24 KB chunks
-# each) leave the 4 SMs that down frees last: 918 against 907 tok/s (NOTES.md, "Stop 27").
+# each) leave the 4 SMs that down frees last: 918 against 907 tok/s (docs/performance.md, "Stop 27").
 # Measured on one H200 (132 SMs, copy bandwidth 4.27 TB/s) by `python bench/small_matmul.py --tune`,
 # bf16 at M = 1, weights streamed from HBM; f16 uses the bf16 entry (same bytes). `preload` from
 # `python bench/step_sweep.py` (preload=) on whole decode steps: it pays on weights of 100 MB and more
@@ -137,9 +137,9 @@ class SmallLinearConfig:
 # entries and Llama-3-8B's down were then re-chosen on whole decode steps, where launches overlap
 # (`bench/step_sweep.py` N,K= specs): a kernel's best config alone is not its best in a step (1.5B
 # down: 11 splits alone, 8 with preload in steps, 703 -> 747 tok/s). Every variant tried and its
-# tok/s: NOTES.md, "Stop 10". Stop 16 re-measured on interleaved whole steps (the first run of a
+# tok/s: docs/performance.md, "Stop 10". Stop 16 re-measured on interleaved whole steps (the first run of a
 # process reads fast, which had hidden both): Qwen2.5-1.5B's qkv in 16x256 tiles (828 against 820
-# tok/s) and its down in 10 splits (840 against 829); NOTES.md "Stop 16". Key: (N, K, element size).
+# tok/s) and its down in 10 splits (840 against 829); docs/performance.md "Stop 16". Key: (N, K, element size).
 TUNED: dict[tuple[int, int, int], SmallLinearConfig] = {
     # Qwen2.5-1.5B
     (2048, 1536, 2): SmallLinearConfig(16, 256, 1, stream=True, ring_kb=96, stream_min_kb=114,
@@ -189,7 +189,7 @@ def choose_config(N: int, K: int, dtype: torch.dtype, device: torch.device, *, g
         config = heuristic_config(rows, K, dtype, multiprocessor_count(device))
     if config.reduce_trigger == 0 and not streams:
         # the early trigger pays only for a stream kernel after the reduce, which fills its weight ring
-        # while this projection runs; a Triton projection there lost (NOTES.md, "Stop 26")
+        # while this projection runs; a Triton projection there lost (docs/performance.md, "Stop 26")
         config = dataclasses.replace(config, reduce_trigger=None)
     if gated:
         config = dataclasses.replace(config, block_n=max(32, config.block_n), splits=1)
@@ -331,7 +331,7 @@ def _small_linear_kernel(
     if GEMV:
         # the program's BLOCK_N whole weight rows [BLOCK_N, K_P2], requested before the wait (held in
         # registers: the host keeps K_P2 <= 2048; K in chunks without the power-of-2 padding measured
-        # slower in whole steps, NOTES.md "Stop 13")
+        # slower in whole steps, docs/performance.md "Stop 13")
         offs_kk = tl.arange(0, K_P2)
         w_rows = tl.load(W + w_row[:, None].to(tl.int64) * stride_wn + offs_kk[None, :],
                          mask=n_ok[:, None] & (offs_kk < K)[None, :], other=0.0, eviction_policy="evict_first")
@@ -419,7 +419,7 @@ def _gemv_rows(acc, w_rows, X, m0, M, K, stride_xm, K_P2: tl.constexpr, BLOCK_M:
     sum is the same code whatever M is (batch-invariant), and the program holds its weight rows in
     registers for all of them. At batch 1 this streams a small weight from many programs, a few
     rows each, where the tl.dot tiles (16 weight rows at least) leave it to fewer programs with
-    fewer bytes in flight (NOTES.md, "Stop 13")."""
+    fewer bytes in flight (docs/performance.md, "Stop 13")."""
     offs_kk = tl.arange(0, K_P2)
     lane = tl.arange(0, BLOCK_M)
     w = w_rows.to(tl.float32)
@@ -443,7 +443,7 @@ def _epilogue_inputs(cols, first_pair, offs_m, m_ok, N, T, Bias, NextNormW, Cos,
     The residual is not among them: `_epilogue` reads it after the k loop even when it is settled.
     Read before the wait it moved the compiled epilogue's layout, and with it the order of the
     emitted sums of squares (the o projection's bits changed on the H200, for no gain:
-    kernels/small_matmul/NOTES.md "Stop 12")."""
+    docs/performance.md "Stop 12")."""
     bias = 0.0
     next_nw = 0.0
     rope_rows = 0.0

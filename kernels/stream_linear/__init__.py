@@ -8,7 +8,7 @@ The same operation and fusions as kernels.small_matmul.small_linear (its referen
 small_linear_reference, is this kernel's twin), for the decode step's weight-bound projections:
 one CTA per SM, a producer thread bulk-copying whole weight rows into a ring of shared-memory
 slots from the moment the CTA starts (weights depend on no kernel), eight consumer warps on the
-CUDA cores. Design and measurements: stream_linear.cu and kernels/small_matmul/NOTES.md, "Stop 23".
+CUDA cores. Design and measurements: stream_linear.cu and docs/performance.md, "Stop 23".
 
 Rows are batch-invariant: row m of an M-row call equals the one-row call on x[m] bit for bit, for
 every M up to MAX_ROWS, so a verify step reproduces the decode steps' logits.
@@ -63,7 +63,7 @@ def plan(M: int, N: int, K: int, itemsize: int, *, gated: bool, emit: bool, sms:
     shared memory when it takes at most X_STAGE_BYTES. max_ctas caps the grid (0: none);
     min_shared_bytes raises the shared memory asked (never past the limit), which keeps a second CTA
     off an SM once it passes half of one (a CTA that shares an SM shares its issue slots: the dot
-    products of Qwen2.5-1.5B's qkv took 1.6 us for 0.5, kernels/small_matmul/NOTES.md "Stop 27").
+    products of Qwen2.5-1.5B's qkv took 1.6 us for 0.5, docs/performance.md "Stop 27").
     Raises ValueError where the kernel cannot run the shape."""
     if not 1 <= M <= MAX_ROWS:
         raise ValueError(f"stream_linear takes 1..{MAX_ROWS} rows, got {M}")

@@ -2,7 +2,7 @@
 // memory slots filled by bulk copies (TMA), one CTA per SM.
 //
 // Why: at batch 1 a projection is a weight stream. The Triton tiles (kernels/small_matmul) stream
-// 16-26 GB/s per program through cp.async (kernels/small_matmul/NOTES.md, stop 15). One producer
+// 16-26 GB/s per program through cp.async (docs/performance.md, stop 15). One producer
 // thread per SM issuing bulk copies of contiguous 8-32 KB chunks pulls the copy bandwidth or more
 // (NOTES, stop 20). Weight rows are contiguous in nn.Linear's layout, so a chunk of whole rows is
 // one copy, no repacking. Measured (NOTES, stop 23): alone, Qwen2.5-1.5B's gate_up 16.2 us against

@@ -1,4 +1,4 @@
-"""PFlash selection and scoring without a real model: the rule of DESIGN.md section 3 exactly."""
+"""PFlash selection and scoring without a real model: the rule of docs/design.md section 3 exactly."""
 from __future__ import annotations
 
 import math

@@ -16,7 +16,7 @@ def test_every_cuda_source_under_kernels_is_package_data():
     assert sources, "no CUDA sources found under kernels/"
     missing = []
     for source in sources:
-        package = ".".join(source.parent.relative_to(ROOT).parts)
+        package = ".".join(("batchd", *source.parent.relative_to(ROOT).parts))   # kernels/ installs as batchd.kernels
         if not any(fnmatch.fnmatch(source.name, pattern) for pattern in package_data.get(package, [])):
             missing.append(str(source.relative_to(ROOT)))
     assert not missing, f"add these to [tool.setuptools.package-data] in pyproject.toml: {missing}"

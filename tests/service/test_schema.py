@@ -1,5 +1,5 @@
 """The database: migrations agree with the models, every telemetry field has its column,
-and the job_results view an analyst queries holds what DESIGN.md section 2 lists."""
+and the job_results view an analyst queries holds what docs/design.md section 2 lists."""
 from __future__ import annotations
 
 import dataclasses

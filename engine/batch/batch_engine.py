@@ -1,0 +1,230 @@
+"""The batch engine: many sequences per step over one paged KV pool (docs/engine.md, "Batching").
+
+    batch = BatchEngine(model, scratch, eos_ids=..., options=BatchOptions())
+    seq = batch.submit(prompt_ids, request)
+    while batch.has_work:
+        for done in batch.step(): ...
+
+Token ids only; text, stop-string cuts and hashing are the caller's (engine.runtime). Each step:
+the scheduler's plan (engine.batch.scheduler), every prompt chunk through the one-sequence prefill
+on the scratch cache, then all decode, verify and replay rows in one pass (engine.batch.rows), then
+one read-back of the chosen tokens.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+from batchd.engine.batch.paged_cache import PagedKVCache
+from batchd.engine.batch.rows import RowBatch, forward_rows
+from batchd.engine.batch.scheduler import PromptChunk, Scheduler, StepPlan
+from batchd.engine.batch.sequence import Sequence, SequenceStatus
+from batchd.engine.errors import BadInputError, PromptTooLongError
+from batchd.engine.sampling import Sampler
+from batchd.engine.speculative.proposers import PromptLookupProposer
+from batchd.engine.speculative.verify import rejection_sample
+from batchd.engine.stopping import StopChecker
+from batchd.engine.types import GenerationRequest
+
+MAX_DRAFTS = 16
+
+
+@dataclass(frozen=True)
+class BatchOptions:
+    """block_size: positions per KV block; max_step_tokens: prompt and replay tokens per step
+    (None: four chunks on CUDA, one on the CPU); max_running: sequences in flight; slab_rows: the
+    fixed row count of every CUDA projection of decode rows; kv_memory_fraction: the share of free
+    device memory the pool takes; max_blocks: a cap on the pool (the CPU's size: None gives room
+    for eight sequences of the whole context); prefix_sharing: share identical prompt chunks."""
+
+    block_size: int = 16
+    max_step_tokens: Optional[int] = None
+    max_running: int = 256
+    slab_rows: int = 64
+    kv_memory_fraction: float = 0.9
+    max_blocks: Optional[int] = None
+    prefix_sharing: bool = True
+    lookup_width: int = 4
+
+
+class BatchEngine:
+    def __init__(self, model, scratch, *, max_context: int, prefill_chunk: int, eos_ids: set[int],
+                 decode_text: Optional[Callable[[list[int]], str]] = None, options: BatchOptions = BatchOptions()):
+        self.model, self.scratch, self.options = model, scratch, options
+        self.device = model.device
+        self.max_context, self.eos_ids, self.decode_text = max_context, eos_ids, decode_text
+        chunk = max(options.block_size, prefill_chunk // options.block_size * options.block_size)
+        max_blocks = options.max_blocks
+        if max_blocks is None and self.device.type != "cuda":
+            max_blocks = 8 * -(-max_context // options.block_size)
+        # activations of a step: a chunk's logits row, its MLP and attention tensors, with headroom
+        config = model.config
+        reserve = 4 * chunk * (config.intermediate_size * 2 + config.hidden_size * 4) * 4 + (1 << 30)
+        self.cache = PagedKVCache.sized(config, self.device, scratch.dtype, block_size=options.block_size,
+                                        memory_fraction=options.kv_memory_fraction, reserve_bytes=reserve,
+                                        max_blocks=max_blocks)
+        step_tokens = options.max_step_tokens or (4 * chunk if self.device.type == "cuda" else chunk)
+        self.scheduler = Scheduler(self.cache.blocks, chunk=chunk, max_step_tokens=step_tokens,
+                                   max_running=options.max_running, prefix_sharing=options.prefix_sharing)
+        self.chunk = chunk
+        self._next_id = 0
+        self._proposers: dict[int, PromptLookupProposer] = {}
+        self.steps = 0
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    # ---- requests --------------------------------------------------------------------------
+
+    def submit(self, prompt_ids: list[int], request: GenerationRequest) -> Sequence:
+        """Queue one request. Raises BadInputError (bad params, empty prompt, an unsupported
+        option) or PromptTooLongError, for this request only."""
+        sampling = request.sampling
+        if not prompt_ids:
+            raise BadInputError("the prompt is empty: give it some text")
+        sampler = Sampler(sampling, self.device)
+        if len(prompt_ids) + sampling.max_new_tokens > self.max_context:
+            raise PromptTooLongError(
+                f"the prompt has {len(prompt_ids)} tokens and max_new_tokens is {sampling.max_new_tokens}: "
+                f"{len(prompt_ids) + sampling.max_new_tokens} > the {self.max_context}-token context; shorten the "
+                "document, lower max_new_tokens or submit with --compress auto")
+        if request.speculation.method == "draft":
+            raise BadInputError("draft-model speculation does not run in the batch engine yet; use spec 'lookup' "
+                                "or 'none'")
+        stopper = StopChecker(self.eos_ids, sampling.max_new_tokens, sampling.stop, decode=self.decode_text,
+                              ignore_eos=sampling.ignore_eos)
+        seq = Sequence(self._next_id, request, list(prompt_ids), sampler, stopper)
+        self._next_id += 1
+        try:
+            self.scheduler.add(seq)
+        except ValueError as exc:
+            raise PromptTooLongError(f"the request does not fit the KV pool ({exc}); lower max_new_tokens "
+                                     "or raise kv_memory_fraction") from None
+        if request.speculation.method == "lookup":
+            self._proposers[seq.seq_id] = PromptLookupProposer(self.device)
+        return seq
+
+    def cancel(self, seq: Sequence) -> None:
+        """`seq` leaves at the next step and its blocks are freed."""
+        seq.cancelled = True
+
+    # ---- one step --------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def step(self) -> list[Sequence]:
+        """Run one step; return the sequences that finished in it (cancelled ones included)."""
+        plan = self.scheduler.plan(self._drafts_for)
+        finished = list(plan.finished)
+        now = time.perf_counter()
+        for seq in [c.seq for c in plan.chunks] + [s for s, *_ in plan.replay] + [s for s, _ in plan.decode]:
+            if seq.first_scheduled_at is None:
+                seq.first_scheduled_at = now
+        for chunk in plan.chunks:
+            self._prefill_chunk(chunk, finished)
+        if plan.decode or plan.replay:
+            self._run_rows(plan, finished)
+        self.steps += 1
+        for seq in finished:
+            seq.finished_at = time.perf_counter()
+            self._proposers.pop(seq.seq_id, None)
+        return finished
+
+    def _prefill_chunk(self, chunk: PromptChunk, finished: list[Sequence]) -> None:
+        """The one-sequence prefill of the engine on the scratch cache, then its rows into the pool."""
+        seq, start, end = chunk.seq, chunk.start, chunk.end
+        self.cache.load_into_scratch(self.scratch, seq.blocks, start)
+        tokens = torch.tensor([seq.prompt_ids[start:end]], dtype=torch.long, device=self.device)
+        logits = self.model.forward_at(tokens, self.scratch, start, last_only=True)   # [1, 1, V]
+        self.cache.store_from_scratch(self.scratch, seq.blocks, start, end)
+        self.scheduler.chunk_done(seq, end)
+        if end == seq.prompt_len:
+            seq.prompt_done_at = time.perf_counter()
+            if not seq.generated:  # a recompute after preemption already has its tokens
+                first = seq.sampler.sample(logits[0, -1]).item()
+                self._accept(seq, [first], finished)
+
+    def _drafts_for(self, seq: Sequence) -> list[int]:
+        proposer = self._proposers.get(seq.seq_id)
+        if proposer is None:
+            return []
+        room = seq.request.sampling.max_new_tokens - len(seq.generated) - 1
+        width = min(self.options.lookup_width if seq.request.speculation.width is None else seq.request.speculation.width,
+                    room, MAX_DRAFTS)
+        if width < 1:
+            return []
+        return proposer.propose(seq.tokens(), width).tokens.tolist()
+
+    def _run_rows(self, plan: StepPlan, finished: list[Sequence]) -> None:
+        tokens, positions, owners, logit_rows = [], [], [], []
+        for seq, start, end in plan.replay:
+            for p in range(start, end):
+                tokens.append(seq.token(p)), positions.append(p), owners.append(seq)
+        decode_rows: list[tuple[Sequence, list[int], int]] = []   # (sequence, drafts, first row)
+        for seq, drafts in plan.decode:
+            first = len(tokens)
+            for i, token in enumerate([seq.generated[-1], *drafts]):
+                tokens.append(token), positions.append(seq.computed + i), owners.append(seq)
+                logit_rows.append(first + i)
+            decode_rows.append((seq, drafts, len(logit_rows) - 1 - len(drafts)))
+        rows = self._row_batch(tokens, positions, owners, logit_rows)
+        logits = forward_rows(self.model, self.cache, rows, slab_rows=self.options.slab_rows)   # [R, V]
+        for seq, start, end in plan.replay:
+            seq.computed = end
+        greedy_ids = logits.argmax(-1).tolist() if logits.shape[0] else []
+        batch_size = len(plan.decode)
+        for seq, drafts, at in decode_rows:
+            seq.batch_sizes.append(batch_size)
+            lanes = logits[at : at + len(drafts) + 1]
+            if seq.sampler.greedy:
+                target = greedy_ids[at : at + len(drafts) + 1]
+                accepted = 0
+                while accepted < len(drafts) and drafts[accepted] == target[accepted]:
+                    accepted += 1
+                new = target[: accepted + 1]
+            elif drafts:
+                verdict = rejection_sample(seq.sampler.probabilities(lanes), torch.tensor(drafts, device=self.device),
+                                           None, seq.sampler)
+                accepted, new = verdict.accepted, verdict.tokens
+            else:
+                accepted, new = 0, [seq.sampler.sample(lanes[0]).item()]
+            if drafts:
+                self._record_spec(seq, len(drafts), accepted)
+            seq.computed += 1 + accepted
+            self._accept(seq, new, finished)
+
+    def _record_spec(self, seq: Sequence, offered: int, accepted: int) -> None:
+        seq.spec_steps += 1
+        seq.spec_offered += offered
+        seq.spec_accepted += accepted
+        while len(seq.spec_offered_at) < offered:
+            seq.spec_offered_at.append(0), seq.spec_accepted_at.append(0)
+        for lane in range(offered):
+            seq.spec_offered_at[lane] += 1
+            seq.spec_accepted_at[lane] += lane < accepted
+
+    def _accept(self, seq: Sequence, new_tokens: list[int], finished: list[Sequence]) -> None:
+        reason = seq.stopper.accept(seq.generated, new_tokens)
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
+            finished.append(seq)
+
+    def _row_batch(self, tokens, positions, owners, logit_rows) -> RowBatch:
+        block_size = self.cache.block_size
+        width = max(len(seq.blocks) for seq in owners)
+        tables = [seq.blocks + [0] * (width - len(seq.blocks)) for seq in owners]
+        device = self.device
+        write_blocks = [seq.blocks[p // block_size] for seq, p in zip(owners, positions)]
+        return RowBatch(
+            tokens=torch.tensor(tokens, dtype=torch.long, device=device),
+            positions=torch.tensor(positions, dtype=torch.long, device=device),
+            block_tables=torch.tensor(tables, dtype=torch.int32, device=device),
+            seq_lens=torch.tensor([p + 1 for p in positions], dtype=torch.int32, device=device),
+            write_blocks=torch.tensor(write_blocks, dtype=torch.long, device=device),
+            write_offsets=torch.tensor([p % block_size for p in positions], dtype=torch.long, device=device),
+            logit_rows=torch.tensor(logit_rows, dtype=torch.long, device=device),
+            max_seq_len=max(positions) + 1,
+        )

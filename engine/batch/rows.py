@@ -1,0 +1,117 @@
+"""The forward of decode rows: many sequences' decode, verify and replay positions in one pass.
+
+    logits = forward_rows(model, cache, rows)   # rows: RowBatch of N positions -> [R, V] float32
+
+Every op here computes a row the same way whatever else is in the batch, which is what makes a
+job's greedy output independent of its neighbours (docs/engine.md, "Batch invariance"):
+- projections: CUDA multiplies fixed slabs of `slab_rows` rows (the last one zero-padded), so the
+  library's GEMM sees one shape only and a row's bits never depend on the batch size; the CPU runs
+  groups of at most 17 rows through engine.linear's row-invariant path;
+- norms: kernels.rms_norm (one program per row) on CUDA, the float32 reference on the CPU;
+- rope, silu * up and residual adds are elementwise;
+- attention: kernels.paged_attention, whose splits are fixed by each row's own length (the CPU
+  runs each row as its own call over its gathered keys).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from batchd.engine.attention import attend_lane_cpu
+from batchd.engine.linear import CPU_INVARIANT_ROWS, project_rows_cpu
+from batchd.kernels.paged_attention import paged_decode_attention
+from batchd.kernels.paged_attention.reference import gather_rows
+from batchd.kernels.rms_norm import rms_norm
+
+
+@dataclass
+class RowBatch:
+    """N positions to compute, each of one sequence, on the model's device.
+
+    tokens, positions: [N] long; block_tables: [N, max_blocks] int32 (the row's sequence's table,
+    zero-padded); seq_lens: [N] int32 = position + 1 (the keys the row sees, its own included);
+    write_blocks, write_offsets: [N] long, where the row's key and value go; logit_rows: [R] long,
+    the rows whose next-token logits are wanted (replayed rows need none)."""
+
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    write_blocks: torch.Tensor
+    write_offsets: torch.Tensor
+    logit_rows: torch.Tensor
+    max_seq_len: int
+
+
+def project_invariant(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], slab_rows: int,
+                      layer=None) -> torch.Tensor:
+    """x: [N, K] -> [N, Nout]; row n's bits do not depend on N or on the other rows."""
+    if x.device.type == "cpu":
+        parts = [project_rows_cpu(x[i : i + CPU_INVARIANT_ROWS], layer) for i in range(0, x.shape[0], CPU_INVARIANT_ROWS)]
+        return torch.cat(parts) if len(parts) > 1 else parts[0]
+    n = x.shape[0]
+    padded = -(-n // slab_rows) * slab_rows
+    if padded != n:
+        x = torch.cat([x, x.new_zeros(padded - n, x.shape[1])])
+    out = torch.cat([F.linear(x[i : i + slab_rows], weight, bias) for i in range(0, padded, slab_rows)])
+    return out[:n]
+
+
+def norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return rms_norm(x, weight, eps)[0]
+
+
+def rotate_rows(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [N, H, D]; cos, sin: [N, D] float32 -> x rotated ("rotate half", as engine.fused.rotate)."""
+    cos, sin = cos[:, None].to(x.dtype), sin[:, None].to(x.dtype)
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
+
+
+def attend_rows(q: torch.Tensor, cache, layer: int, rows: RowBatch, scale: float) -> torch.Tensor:
+    """q: [N, Hq, D] -> [N, Hq, D], each row over its own sequence's first seq_lens[n] positions."""
+    keys, values = cache.keys[layer], cache.values[layer]
+    if q.device.type == "cuda":
+        return paged_decode_attention(q.to(keys.dtype), keys, values, rows.block_tables, rows.seq_lens, scale=scale,
+                                      max_seq_len=rows.max_seq_len).to(q.dtype)
+    out = torch.empty_like(q)
+    lengths = rows.seq_lens.tolist()
+    for n, length in enumerate(lengths):
+        k = gather_rows(keys, rows.block_tables[n], length)[None]     # [1, Hkv, S, D]
+        v = gather_rows(values, rows.block_tables[n], length)[None]
+        out[n] = attend_lane_cpu(q[n][None, :, None].to(k.dtype), k, v, scale)[0, :, 0].to(q.dtype)
+    return out
+
+
+@torch.inference_mode()
+def forward_rows(model, cache, rows: RowBatch, *, slab_rows: int) -> torch.Tensor:
+    """Write each row's key and value into the pool and return the logits of `rows.logit_rows`
+    ([R, V] float32)."""
+    config = model.config
+    Hq, Hkv, D = config.num_heads, config.num_kv_heads, config.head_dim
+    hidden = model.embed_tokens(rows.tokens)                                  # [N, H]
+    cos, sin = model.rope_cos[rows.positions], model.rope_sin[rows.positions]  # [N, D]
+    for i, layer in enumerate(model.layers):
+        attn = layer.self_attn
+        x = norm_rows(hidden, layer.input_layernorm.weight, layer.input_layernorm.eps)
+        qkv = project_invariant(x, attn.qkv_proj.weight, attn.qkv_proj.bias, slab_rows, attn.qkv_proj)
+        q, k, v = qkv.split(attn.split_sizes, dim=-1)
+        q, k, v = q.view(-1, Hq, D), k.view(-1, Hkv, D), v.view(-1, Hkv, D)
+        if attn.q_norm is not None:  # qwen3: per-head norms before rope
+            q = norm_rows(q.reshape(-1, D), attn.q_norm.weight, attn.q_norm.eps).view(-1, Hq, D)
+            k = norm_rows(k.reshape(-1, D), attn.k_norm.weight, attn.k_norm.eps).view(-1, Hkv, D)
+        q, k = rotate_rows(q, cos, sin), rotate_rows(k, cos, sin)
+        cache.write(i, k, v, rows.write_blocks, rows.write_offsets)
+        out = attend_rows(q, cache, i, rows, attn.scale).reshape(-1, Hq * D)
+        hidden = hidden + project_invariant(out, attn.o_proj.weight, None, slab_rows, attn.o_proj)
+        post = layer.post_attention_layernorm
+        x = norm_rows(hidden, post.weight, post.eps)
+        mlp = layer.mlp
+        gate, up = project_invariant(x, mlp.gate_up_proj.weight, None, slab_rows, mlp.gate_up_proj).chunk(2, dim=-1)
+        hidden = hidden + project_invariant(F.silu(gate) * up, mlp.down_proj.weight, None, slab_rows, mlp.down_proj)
+    last = hidden.index_select(0, rows.logit_rows)
+    normed = norm_rows(last, model.norm.weight, model.norm.eps)
+    return project_invariant(normed, model.lm_head.weight, None, slab_rows, model.lm_head).float()

@@ -140,10 +140,23 @@ def test_no_import_cycle_inside_the_engine():
     assert cycles(GRAPH, ENGINE) == []
 
 
-@pytest.mark.xfail(reason="kernels/ small_matmul <-> stream_linear (issue 33 item 4): the kernels/ change "
-                          "removes it; drop this marker once merged", strict=False)
+# The kernels' circles when this test was written (issue 33 item 4); kernels/ is changed on its own
+# branch. Remove an entry once its circle is gone, and the xfail marker below once this is empty.
+KNOWN_KERNEL_CYCLES = [
+    ["batchd.kernels.small_matmul", "batchd.kernels.small_matmul.triton_kernel", "batchd.kernels.stream_linear"],
+    ["batchd.kernels.decode_attention", "batchd.kernels.decode_attention.cluster_kernel"],
+]
+
+
+@pytest.mark.xfail(reason="kernels/ still has the circles in KNOWN_KERNEL_CYCLES", strict=False)
 def test_no_import_cycle_inside_the_kernels():
     assert cycles(GRAPH, KERNELS) == []
+
+
+def test_no_new_import_cycle_inside_the_kernels():
+    """Until then, no circle beyond (or larger than) the known ones."""
+    known = [set(c) for c in KNOWN_KERNEL_CYCLES]
+    assert [c for c in cycles(GRAPH, KERNELS) if not any(set(c) <= k for k in known)] == []
 
 
 def test_layers_point_one_way():

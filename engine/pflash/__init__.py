@@ -25,9 +25,9 @@ from typing import Optional
 
 import torch
 
+from batchd.engine.architectures import GGUF_ARCHITECTURES, HF_ARCHITECTURE_NAMES
 from batchd.engine.capabilities import check_compression
 from batchd.engine.checkpoint.gguf_file import read_gguf
-from batchd.engine.architectures import GGUF_ARCHITECTURES, HF_ARCHITECTURE_NAMES
 from batchd.engine.errors import CheckpointError, UnsupportedFeatureError
 from batchd.engine.pflash.bridge import INSTRUCTION_TOKENS, MIN_INSTRUCTION_KEPT, DrafterView, drafter_view, target_ids_after
 from batchd.engine.pflash.scoring import TAIL_ROWS, score_prompt

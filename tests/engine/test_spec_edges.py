@@ -206,7 +206,8 @@ def test_speculation_switches_itself_off_exactly_when_it_does_not_pay(drafter, d
     plain = run_direct(engine, StopChecker(set(), 120), None)
     options, telemetry = spec_options(f"draft-{drafter}", None), Telemetry()
     sampler = Sampler(SamplingParams(), engine.device)
-    proposer = CostedProposer(make_proposer(engine.drafters, engine.device, options, sampler, telemetry), draft_s=draft_s)
+    proposer = CostedProposer(make_proposer(engine.drafters, engine.device, options, sampler, telemetry),
+                              draft_s=draft_s)
     spec = run_direct(engine, StopChecker(set(), 120), options, telemetry, proposer=proposer,
                       policy=WidthPolicy(clock=proposer))
     assert telemetry.spec_disabled == switched_off

@@ -33,12 +33,12 @@ def new_worker_id(model_name: str) -> str:
 
 def load_engine(settings: Settings):
     """The resident target (engine.runtime.Engine) for this worker's model path and device."""
-    from batchd.engine.runtime import Engine
+    from batchd.engine.runtime import Engine, EngineConfig
 
     started = time.perf_counter()
-    engine = Engine.load(settings.model_path, device=settings.device, dtype=settings.dtype,
+    engine = Engine.load(settings.model_path, EngineConfig(device=settings.device, dtype=settings.dtype,
                          max_context=settings.max_context, attention=settings.attention,
-                         sparse_top_k_blocks=settings.sparse_top_k_blocks)
+                         sparse_top_k_blocks=settings.sparse_top_k_blocks))
     log.info("loaded %s on %s in %.1f s", settings.model_path, settings.device, time.perf_counter() - started)
     if engine.device.type == "cuda":
         log.info("warmed up (kernels compiled, decode graph captured) in %.1f s", engine.warm_up())

@@ -15,10 +15,9 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from batchd.engine import fused  # noqa: E402
 from batchd.engine.batch import BatchOptions  # noqa: E402
 from batchd.engine.presets import preset  # noqa: E402
-from batchd.engine.runtime import Engine, build_model  # noqa: E402
+from batchd.engine.runtime import Engine, EngineConfig, build_model  # noqa: E402
 from batchd.engine.types import GenerationRequest, SamplingParams  # noqa: E402
 
 
@@ -30,9 +29,8 @@ def main() -> None:
     parser.add_argument("--new", type=int, default=32)
     parser.add_argument("--rows", type=int, default=25)
     args = parser.parse_args()
-    fused.enable_fusion()
     config = preset(args.shape)
-    engine = Engine(build_model(config, "cuda", torch.bfloat16), None, max_context=args.prompt + args.new + 64,
+    engine = Engine(build_model(config, "cuda", torch.bfloat16), None, EngineConfig(max_context=args.prompt + args.new + 64),
                     eos_ids=set())
     batch = engine.batch_engine(BatchOptions(block_size=64))
     rng = random.Random(0)

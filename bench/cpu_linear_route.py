@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from batchd.config import default_model_path  # noqa: E402
 from batchd.engine import linear  # noqa: E402
-from batchd.engine.runtime import Engine  # noqa: E402
+from batchd.engine.runtime import Engine, EngineConfig  # noqa: E402
 from batchd.engine.types import GenerationRequest, SamplingParams  # noqa: E402
 
 
@@ -26,7 +26,8 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--prompt", type=int, default=300)
     args = parser.parse_args()
-    engine = Engine.load(default_model_path(), device="cpu", max_context=args.prompt + args.new_tokens + 16)
+    engine = Engine.load(default_model_path(), EngineConfig(device="cpu",
+                         max_context=args.prompt + args.new_tokens + 16))
     prompt = list(range(1000, 1000 + args.prompt))
     request = GenerationRequest(sampling=SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True))
     onednn_pack = linear._pack

@@ -25,9 +25,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import copy_bandwidth, print_table  # noqa: E402
-from batchd.engine import fused  # noqa: E402
 from batchd.engine.presets import hf_config_dict, preset  # noqa: E402
-from batchd.engine.runtime import Engine, build_model  # noqa: E402
+from batchd.engine.runtime import Engine, EngineConfig, build_model  # noqa: E402
 from batchd.engine.types import GenerationRequest, SamplingParams  # noqa: E402
 from batchd.kernels.options import kernel_options  # noqa: E402
 
@@ -86,13 +85,13 @@ def bench_shape(name: str, args, bandwidth: float) -> list[dict]:
     rows = []
     contexts = [args.prompt] + ([args.long] if args.long else [])
     for prompt_len in contexts:
-        engine = Engine(model, None, max_context=prompt_len + args.new_tokens + 16, eos_ids=set())
+        engine = Engine(model, None, EngineConfig(max_context=prompt_len + args.new_tokens + 16), eos_ids=set())
         prompt = torch.randint(0, config.vocab_size, (prompt_len,), generator=torch.Generator().manual_seed(0)).tolist()
         out, tok_s = time_ours(engine, prompt, args.new_tokens)
         if args.compare_pdl:
             del engine
-            with kernel_options(pdl=False):   # read at each launch: a fresh engine captures graphs without it
-                engine = Engine(model, None, max_context=prompt_len + args.new_tokens + 16, eos_ids=set())
+            with kernel_options(pdl=False):   # a fresh engine captures its graphs without PDL
+                engine = Engine(model, None, EngineConfig(max_context=prompt_len + args.new_tokens + 16), eos_ids=set())
                 off, off_tok_s = time_ours(engine, prompt, args.new_tokens)
             same = off.token_ids == out.token_ids
         avg_context = prompt_len + args.new_tokens / 2
@@ -131,8 +130,8 @@ def main() -> None:
     parser.add_argument("--compare-pdl", action="store_true", help="also time with kernel_options(pdl=False)")
     args = parser.parse_args()
     torch.manual_seed(0)
-    if args.fusion:
-        fused.enable_fusion()
+    # --no-fusion changes nothing: the engine picks its kernels when built (engine.fused.kernels_for),
+    # as the first Engine turned fusion on before
     bandwidth = copy_bandwidth()
     print(f"copy bandwidth (read + write): {bandwidth / 1e12:.2f} TB/s", flush=True)
     rows = []

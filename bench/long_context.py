@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import print_table  # noqa: E402
 from batchd.engine.presets import preset  # noqa: E402
-from batchd.engine.runtime import Engine, build_model  # noqa: E402
+from batchd.engine.runtime import Engine, EngineConfig, build_model  # noqa: E402
 
 
 def fill_cache(engine: Engine, length: int) -> None:
@@ -63,8 +63,8 @@ def main() -> None:
     contexts = [int(c) for c in args.contexts.split(",")]
     rows = []
     for attention in ("dense", "sparse"):
-        engine = Engine(model, None, max_context=max(contexts) + 32, eos_ids=set(), attention=attention,
-                        sparse_top_k_blocks=args.top_k_blocks)
+        engine = Engine(model, None, EngineConfig(max_context=max(contexts) + 32, attention=attention,
+                        sparse_top_k_blocks=args.top_k_blocks), eos_ids=set())
         for length in contexts:
             fill_cache(engine, length)
             for width in (int(w) for w in args.widths.split(",")):

@@ -45,15 +45,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import print_table  # noqa: E402
-from batchd.engine import fused  # noqa: E402
 from batchd.engine.model import unfuse_hf_tensors  # noqa: E402
 from batchd.engine.presets import hf_config_dict, preset  # noqa: E402
-from batchd.engine.pflash import PromptCompressor, compress_for_request, default_scoring_chunk, set_compressor  # noqa: E402
+from batchd.engine.pflash import PromptCompressor, compress_for_request, default_scoring_chunk  # noqa: E402
 from batchd.engine.pflash.scoring import score_prompt  # noqa: E402
 from batchd.engine.pflash.selection import SelectionParams, select_chunks  # noqa: E402
 from batchd.engine.pflash.window import DEFAULT_SCORING_WINDOW, ScoringWindow  # noqa: E402
 from batchd.engine.residency import Residency  # noqa: E402
-from batchd.engine.runtime import Engine, build_model, parse_dtype  # noqa: E402
+from batchd.engine.runtime import Engine, EngineConfig, build_model, parse_dtype  # noqa: E402
 from batchd.engine.text import TextCodec  # noqa: E402
 from batchd.engine.types import CompressionOptions, GenerationRequest, SamplingParams, Telemetry  # noqa: E402
 
@@ -265,13 +264,13 @@ def bench_ttft(rows, engine, drafter_folder, tokens, keep_ratio, window, device)
     options = CompressionOptions(mode="always", keep_ratio=keep_ratio, drafter_path=str(drafter_folder))
     # warm-up: the first compression at this length compiles and autotunes what the score rows'
     # warm-up at 256 tokens did not reach (measured: 2.83 s of scoring against 0.77 s after it)
-    set_compressor(engine, PromptCompressor(Residency(park="auto", strategy="host"), scoring_window=window))
+    engine.compressor = PromptCompressor(Residency(park="auto", strategy="host"), scoring_window=window)
     compress_for_request(engine, ids, GenerationRequest(prompt="-", compression=options), Telemetry())
     for park, scoring in (("auto", window), ("always", window), ("auto", None)):
         what = f"ttft compressed, park {park}" + ("" if scoring else ", exact scoring")
 
         def compressed(park=park, scoring=scoring, what=what):
-            set_compressor(engine, PromptCompressor(Residency(park=park, strategy="host"), scoring_window=scoring))
+            engine.compressor = PromptCompressor(Residency(park=park, strategy="host"), scoring_window=scoring)
             telemetry = Telemetry()
             kept, compress_s = timed(lambda: compress_for_request(
                 engine, ids, GenerationRequest(prompt="-", compression=options), telemetry), device)
@@ -387,9 +386,7 @@ def bench_random(rows, args, sections, lengths, windows, device, dtype, tmp: Pat
     drafter_tok = word_tokenizer(drafter_cfg.vocab_size, offset=1000)
     target_tok = word_tokenizer(target_cfg.vocab_size)
 
-    if torch.device(device).type == "cuda":
-        fused.enable_fusion()  # as in a worker, whose target engine turned it on before any drafter runs
-    drafter_model = build_model(drafter_cfg, device, dtype, seed=1)
+    drafter_model = build_model(drafter_cfg, device, dtype, seed=1)  # the device's kernels, as a worker's
     drafter_folder = save_hf_folder(tmp / "drafter", drafter_model, drafter_cfg, drafter_tok)
     if "score" in sections:
         bench_scoring(rows, drafter_model, lengths, windows, args.keep_ratio, device, args.score_chunk)
@@ -399,7 +396,7 @@ def bench_random(rows, args, sections, lengths, windows, device, dtype, tmp: Pat
         return
 
     context = max(args.ttft_tokens, 1024) + 64
-    engine = Engine.from_config(target_cfg, device=device, dtype=args.dtype, max_context=context,
+    engine = Engine.from_config(target_cfg, EngineConfig(device=device, dtype=args.dtype, max_context=context),
                                 codec=TextCodec(target_tok))
     weights_gib = sum(p.numel() * p.element_size() for p in engine.model.parameters()) / 2**30
     rows.append({"what": "target", "tokens": context, "seconds": None,

@@ -16,7 +16,7 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from batchd.engine.presets import preset  # noqa: E402
-from batchd.engine.runtime import Engine, build_model  # noqa: E402
+from batchd.engine.runtime import Engine, EngineConfig, build_model  # noqa: E402
 from batchd.engine.types import GenerationRequest, SamplingParams  # noqa: E402
 
 
@@ -28,8 +28,8 @@ def main() -> None:
     parser.add_argument("--trace", help="write every kernel (name, start us, duration us) to this CSV")
     args = parser.parse_args()
     config = preset(args.shape)
-    engine = Engine(build_model(config, "cuda", torch.bfloat16), None, max_context=args.context + 64,
-                    eos_ids=set(), cuda_graphs=bool(args.graphs))
+    engine = Engine(build_model(config, "cuda", torch.bfloat16), None, EngineConfig(max_context=args.context + 64,
+                    cuda_graphs=bool(args.graphs)), eos_ids=set())
     prompt = list(range(args.context))
     request = GenerationRequest(sampling=SamplingParams(max_new_tokens=33, ignore_eos=True))
     engine.generate_ids(prompt, request)

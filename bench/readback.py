@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import print_table  # noqa: E402
 from batchd.engine.generate import generate_plain  # noqa: E402
 from batchd.engine.presets import preset  # noqa: E402
-from batchd.engine.runtime import Engine, build_model  # noqa: E402
+from batchd.engine.runtime import Engine, EngineConfig, build_model  # noqa: E402
 from batchd.engine.sampling import Sampler  # noqa: E402
 from batchd.engine.stopping import StopChecker  # noqa: E402
 from batchd.engine.types import SamplingParams  # noqa: E402
@@ -39,7 +39,7 @@ def main() -> None:
     for name in args.shapes.split(","):
         config = preset(name)
         model = build_model(config, "cuda", torch.bfloat16)
-        engine = Engine(model, None, max_context=args.prompt + args.new_tokens + 16, eos_ids=set())
+        engine = Engine(model, None, EngineConfig(max_context=args.prompt + args.new_tokens + 16), eos_ids=set())
         engine.warm_up()
         prompt = torch.randint(0, config.vocab_size, (args.prompt,), generator=torch.Generator().manual_seed(0)).tolist()
         sampling = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)

@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from batchd.samples import aclsum_papers  # noqa: E402
 from bench.common import print_table  # noqa: E402
-from batchd.engine.runtime import Engine  # noqa: E402
+from batchd.engine.runtime import Engine, EngineConfig  # noqa: E402
 from batchd.engine.types import GenerationRequest, SamplingParams  # noqa: E402
 from tests.conftest import smollm2_gguf_path  # noqa: E402
 
@@ -28,9 +28,9 @@ def main() -> None:
     parser.add_argument("--top-k-blocks", type=int, default=8, help="sparse past 2 x this x 64 rows")
     args = parser.parse_args()
     path = str(smollm2_gguf_path())
-    dense = Engine.load(path, max_context=args.prompt_tokens + args.new_tokens + 64)
-    sparse = Engine(dense.model, dense.codec, max_context=dense.max_context, eos_ids=dense.eos_ids,
-                    attention="sparse", sparse_top_k_blocks=args.top_k_blocks)
+    dense = Engine.load(path, EngineConfig(max_context=args.prompt_tokens + args.new_tokens + 64))
+    sparse = Engine(dense.model, dense.codec, EngineConfig(max_context=dense.max_context, attention="sparse",
+                    sparse_top_k_blocks=args.top_k_blocks), eos_ids=dense.eos_ids)
     rows = []
     for paper in aclsum_papers(args.papers):
         body = dense.codec.decode(dense.codec.encode(paper.text, add_special_tokens=False)[: args.prompt_tokens - 40])

@@ -35,9 +35,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import cuda_time, print_table  # noqa: E402
 from batchd.engine.generate import synchronize  # noqa: E402
-from batchd.engine.runtime import Engine  # noqa: E402
+from batchd.engine.runtime import Engine, EngineConfig  # noqa: E402
 from batchd.engine.sampling import Sampler  # noqa: E402
-from batchd.engine.speculative import Proposal, register_drafter, self_drafter, verify_step  # noqa: E402
+from batchd.engine.speculative import Proposal, self_drafter, verify_step  # noqa: E402
 from batchd.engine.types import GenerationRequest, SamplingParams, SpeculationOptions, Telemetry  # noqa: E402
 
 VERIFY_WIDTHS = (1, 2, 4, 8, 16)
@@ -107,7 +107,7 @@ def bench_cpu(args) -> None:
     from batchd.samples import aclsum_papers
     from tests.conftest import smollm2_gguf_path
 
-    engine = Engine.load(str(smollm2_gguf_path()), device="cpu", dtype="float32", max_context=4096)
+    engine = Engine.load(str(smollm2_gguf_path()), EngineConfig(device="cpu", dtype="float32", max_context=4096))
     engine.warm_up()  # packs the weights for the small-step path (engine.linear) before any timing
     methods = {"plain": SpeculationOptions(), "lookup adaptive": SpeculationOptions("lookup")}
     methods.update({f"lookup q={w}": SpeculationOptions("lookup", width=w) for w in args.widths})
@@ -178,9 +178,9 @@ def bench_cuda(args, device: str = "cuda") -> None:
 
     rows = []
     for shape in args.shapes:
-        engine = Engine.from_config(preset(shape), device=device, dtype="bf16" if device == "cuda" else "fp32",
-                                    max_context=args.context + 1024)
-        register_drafter(engine, "self", self_drafter(engine))
+        engine = Engine.from_config(preset(shape), EngineConfig(device=device,
+                                    dtype="bf16" if device == "cuda" else "fp32", max_context=args.context + 1024))
+        engine.drafters.register("self", self_drafter(engine.drafters.target))
         prompt = torch.randint(0, engine.config.vocab_size, (args.context,),
                                generator=torch.Generator().manual_seed(0)).tolist()
         costs = verify_costs(engine, prompt, repeats=args.repeats)

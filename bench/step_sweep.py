@@ -64,7 +64,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import copy_bandwidth, linear_config, print_table  # noqa: E402
 from bench.decode import kv_bytes_per_token, time_ours, weight_bytes_per_token  # noqa: E402
 from batchd.engine.presets import preset  # noqa: E402
-from batchd.engine.runtime import Engine, build_model  # noqa: E402
+from batchd.engine.runtime import Engine, EngineConfig, build_model  # noqa: E402
 from batchd.kernels.decode_attention import triton_kernel as attention_kernel  # noqa: E402
 from batchd.kernels.fused_mlp import triton_kernel as mlp_kernel  # noqa: E402
 from batchd.kernels.options import KernelOptions, environment_defaults, parse_option, set_kernel_options  # noqa: E402
@@ -225,7 +225,7 @@ def main() -> None:
         base_ids = None
         for spec, timed in run_order(args.variants.split(";"), args.rounds, args.warmup):
             apply_variant(spec, tuned)
-            engine = Engine(model, None, max_context=args.prompt + args.new_tokens + 16, eos_ids=set())
+            engine = Engine(model, None, EngineConfig(max_context=args.prompt + args.new_tokens + 16), eos_ids=set())
             out, tok_s = time_ours(engine, prompt, args.new_tokens)
             del engine
             gc.collect()

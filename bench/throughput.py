@@ -30,10 +30,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import copy_bandwidth, print_table  # noqa: E402
 from bench.decode import kv_bytes_per_token, reference_model, weight_bytes_per_token  # noqa: E402
-from batchd.engine import fused  # noqa: E402
 from batchd.engine.batch import BatchOptions  # noqa: E402
 from batchd.engine.presets import preset  # noqa: E402
-from batchd.engine.runtime import Engine, build_model  # noqa: E402
+from batchd.engine.runtime import Engine, EngineConfig, build_model  # noqa: E402
 from batchd.engine.types import GenerationRequest, SamplingParams  # noqa: E402
 
 
@@ -130,7 +129,6 @@ def main() -> None:
     parser.add_argument("--only-batched", action="store_true", help="the batched rows only (tuning runs)")
     args = parser.parse_args()
     torch.manual_seed(0)
-    fused.enable_fusion()
     bandwidth, flops = copy_bandwidth(), matmul_rate()
     print(f"copy {bandwidth / 1e12:.2f} TB/s, bf16 matmul {flops / 1e12:.0f} TFLOP/s", flush=True)
     config = preset(args.shape)
@@ -141,7 +139,7 @@ def main() -> None:
     prompts = [[rng.randrange(config.vocab_size) for _ in range(args.prompt)] for _ in range(args.docs)]
     outputs = [args.new] * args.docs
     max_context = max(args.prompt + args.new, 16384 + 512 if args.mixed_docs else 0) + 64
-    engine = Engine(model, None, max_context=max_context, eos_ids=set())
+    engine = Engine(model, None, EngineConfig(max_context=max_context), eos_ids=set())
     options = BatchOptions(block_size=64, max_step_tokens=args.step_tokens, slab_rows=args.slab, prefill_chunk=args.chunk)
     floor = floor_seconds(model, config, [args.prompt] * args.docs, outputs, flops, bandwidth)
     rows = []

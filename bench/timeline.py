@@ -34,7 +34,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from batchd.engine.presets import preset  # noqa: E402
-from batchd.engine.runtime import Engine, build_model  # noqa: E402
+from batchd.engine.runtime import Engine, EngineConfig, build_model  # noqa: E402
 from batchd.engine.types import GenerationRequest, SamplingParams  # noqa: E402
 from batchd.kernels import _trace  # noqa: E402
 from batchd.kernels.options import current_options  # noqa: E402
@@ -170,7 +170,7 @@ def main() -> None:
 def trace_step(model, config, context: int, csv_path: str | None) -> None:
     from bench.common import print_table
 
-    engine = Engine(model, None, max_context=context + 64, eos_ids=set())
+    engine = Engine(model, None, EngineConfig(max_context=context + 64), eos_ids=set())
     prompt = list(range(context))
     request = GenerationRequest(sampling=SamplingParams(max_new_tokens=17, ignore_eos=True))
     with _trace.recording("cuda") as recorder:

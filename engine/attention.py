@@ -10,6 +10,9 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
+from batchd.kernels.decode_attention import MAX_Q_ROWS, decode_attention
+from batchd.kernels.sparse_attention import select_blocks, sparse_attention, sparse_decode_attention
+
 # Widest verify the decode kernel serves; longer chunks (prefill) use SDPA.
 MAX_KERNEL_QUERY_ROWS = 16
 # Widest verify step (16 draft tokens + the last accepted one) that runs lane by lane on the CPU.
@@ -19,7 +22,7 @@ MAX_VERIFY_ROWS = 17
 def kernel_available(device: torch.device) -> bool:
     if device.type != "cuda":
         return False
-    try:
+    try:  # kept from when the kernels were a package of their own that could be missing
         import batchd.kernels.decode_attention  # noqa: F401
     except ImportError:
         return False
@@ -39,8 +42,6 @@ def attend_cached(q, cache, layer_idx: int, start: int, scale: float, use_kernel
     summary.update(k_cache, summary.length, start + T)
     if T > MAX_KERNEL_QUERY_ROWS:
         return attend(q, k_cache, v_cache, start, scale, use_kernel)
-    from batchd.kernels.sparse_attention import sparse_decode_attention
-
     # dense below the point where sparse removes half the rows (the kernel's rule); exact there
     return sparse_decode_attention(q, k_cache, v_cache, start + T, summary, top_k=cache.sparse_top_k,
                                    scale=scale, min_seq_len=start + T)
@@ -49,8 +50,6 @@ def attend_cached(q, cache, layer_idx: int, start: int, scale: float, use_kernel
 def _attend_sparse_captured(q, cache, summary, k_cache, v_cache, start, scale, use_kernel, seq_len_on_device):
     """A CUDA-graph step: the summary update and block choice read lengths on the device; whether
     this graph is a sparse or a dense one was decided on the host (StepRunner, cache.sparse_step)."""
-    from batchd.kernels.sparse_attention import select_blocks, sparse_attention
-
     T = q.shape[2]
     summary.update_on_device(k_cache, seq_len_on_device - T, T)
     if not cache.sparse_step:
@@ -98,8 +97,6 @@ def attend_kernel_lanes(q, k_cache, v_cache, seq_len, scale: float) -> torch.Ten
 
     settled=True: in a layer the kernel just before wrote only the T new rows (the q/k/v projection
     or its rope launch); the lengths and the older rows are from earlier launches (kernels._pdl)."""
-    from batchd.kernels.decode_attention import MAX_Q_ROWS, decode_attention
-
     T = q.shape[2]
     if T <= MAX_Q_ROWS:
         return decode_attention(q, k_cache, v_cache, seq_len, scale=scale, settled=True)

@@ -7,28 +7,13 @@ Nothing is dropped silently (docs/design.md section 5, the seeds' HTTP 500 and s
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
+from batchd.engine.architectures import ARCHITECTURES, Capabilities
 from batchd.engine.errors import UnsupportedFeatureError
 
+__all__ = ["Capabilities", "CAPABILITIES", "capabilities_for", "check_features", "check_compression"]
 
-@dataclass(frozen=True)
-class Capabilities:
-    speculation: tuple[str, ...]  # methods besides "none"
-    compression: bool  # PFlash prompt compression with a drafter
-    attention: tuple[str, ...]  # "dense", "sparse"
-    devices: tuple[str, ...]
-    note: str = ""
-
-
-CAPABILITIES: dict[str, Capabilities] = {
-    "llama": Capabilities(("lookup", "draft"), True, ("dense", "sparse"), ("cpu", "cuda"),
-                          "SmolLM2 and Llama 3 (llama3 rope scaling)"),
-    "qwen2": Capabilities(("lookup", "draft"), True, ("dense", "sparse"), ("cpu", "cuda"),
-                          "Qwen2 / Qwen2.5 (bias on q, k, v)"),
-    "qwen3": Capabilities(("lookup", "draft"), True, ("dense", "sparse"), ("cpu", "cuda"),
-                          "Qwen3 (RMSNorm on q and k)"),
-}
+# each architecture's row (engine.architectures), by name
+CAPABILITIES: dict[str, Capabilities] = {name: row.capabilities for name, row in ARCHITECTURES.items()}
 
 
 def capabilities_for(architecture: str) -> Capabilities:

@@ -1,23 +1,18 @@
 """Model hyper-parameters, read from a Hugging Face config.json or from GGUF metadata.
 
 One `ModelConfig` describes every supported architecture; the differences between them are
-flags (`attention_bias` for qwen2, `qk_norm` for qwen3) rather than subclasses.
+flags (`attention_bias`, `qk_norm`) rather than subclasses, set from the architecture's row in
+engine.architectures (the one place that names architectures).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Optional
 
+from batchd.engine.architectures import HF_ARCHITECTURE_NAMES, SUPPORTED_ARCHITECTURES, architecture
 from batchd.engine.errors import CheckpointError
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
-
-# config.json "architectures" entries -> our architecture name
-HF_ARCHITECTURE_NAMES = {
-    "LlamaForCausalLM": "llama",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-}
+__all__ = ["ModelConfig", "HF_ARCHITECTURE_NAMES", "SUPPORTED_ARCHITECTURES"]
 
 
 @dataclass
@@ -35,8 +30,8 @@ class ModelConfig:
     rope_scaling: Optional[dict] = None  # HF dict, e.g. {"rope_type": "llama3", "factor": 8.0, ...}
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
-    attention_bias: bool = False  # qwen2: bias on q, k, v projections
-    qk_norm: bool = False  # qwen3: RMSNorm over head_dim on q and k before rope
+    attention_bias: bool = False  # bias on q, k, v projections (qwen2)
+    qk_norm: bool = False  # RMSNorm over head_dim on q and k before rope (qwen3)
     bos_token_id: Optional[int] = None
     eos_token_ids: list[int] = field(default_factory=list)
 
@@ -69,6 +64,7 @@ class ModelConfig:
                 f"(architectures={cfg.get('architectures')}); batchd runs "
                 f"{', '.join(SUPPORTED_ARCHITECTURES)}"
             )
+        row = architecture(arch)
         eos = cfg.get("eos_token_id")
         eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
         try:
@@ -86,8 +82,8 @@ class ModelConfig:
                 rope_scaling=_rope_scaling(cfg),
                 max_position_embeddings=cfg.get("max_position_embeddings", 4096),
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-                attention_bias=arch == "qwen2" or bool(cfg.get("attention_bias", False)),
-                qk_norm=arch == "qwen3",
+                attention_bias=row.has_attention_bias_hf(cfg),
+                qk_norm=row.qk_norm,
                 bos_token_id=cfg.get("bos_token_id"),
                 eos_token_ids=eos_ids,
             )

@@ -1,7 +1,7 @@
 """The elementwise pieces of a layer, as pure tensor functions that can be fused.
 
 Eagerly each is a handful of small kernels; at batch 1 a decode step of a 1.5B model would spend
-more time launching them than reading weights. On CUDA `enable_fusion()` swaps in
+more time launching them than reading weights. On CUDA the engine's `KernelChoice` holds
 `torch.compile`d versions (one Triton kernel each, dynamic in the token axis so one compile
 serves decode, every verify width and every prefill chunk); norms run kernels.rms_norm (one
 reduction order for any row count) and the q/k rope plus the cache write one launch
@@ -9,6 +9,10 @@ reduction order for any row count) and the q/k rope plus the cache write one lau
 versions run.
 """
 from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -41,21 +45,49 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-# kernels.rope_cache.rope_and_store on CUDA once enable_fusion() ran (None: the eager ops)
-rope_kernel = None
+@dataclass(frozen=True)
+class KernelChoice:
+    """Which implementation of each elementwise piece and of small projections a model runs.
 
-_EAGER = {"rms_norm": rms_norm, "add_rms_norm": add_rms_norm, "rotate": rotate, "silu_mul": silu_mul}
-_fused_on = False
+    Held by the model (`Transformer.ops`, set by `Transformer.use_ops`) rather than by module
+    globals, so two models in one process can differ and nothing is rebound at run time. The
+    engine builds its choice once, at construction (`kernels_for(device)`), and hands it to every
+    model it runs: the target, speculative drafters and the PFlash drafter alike."""
+
+    rms_norm: Callable = rms_norm
+    add_rms_norm: Callable = add_rms_norm
+    rotate: Callable = rotate
+    silu_mul: Callable = silu_mul
+    # kernels.rope_cache.rope_and_store: q/k rope plus the cache write in one launch (None: eager ops)
+    rope_kernel: Optional[Callable] = None
+    # kernels.small_matmul.small_linear: row-invariant projections of up to 17 rows (engine.linear)
+    small_linear: Optional[Callable] = None
+
+    @property
+    def decode_kernels(self) -> bool:
+        """Whether CUDA decode and verify steps run the invariant kernels (and the fused layer path)."""
+        return self.small_linear is not None
 
 
-def enable_fusion() -> None:
-    """Replace the functions above by compiled ones (CUDA only; call once per process)."""
-    global _fused_on, rms_norm, add_rms_norm, rotate, silu_mul, rope_kernel
-    if _fused_on:
-        return
-    compiled = {name: torch.compile(fn, dynamic=True, fullgraph=True) for name, fn in _EAGER.items()}
-    rms_norm, add_rms_norm = compiled["rms_norm"], compiled["add_rms_norm"]
-    rotate, silu_mul = compiled["rotate"], compiled["silu_mul"]
+EAGER = KernelChoice()  # the CPU's choice, and a model's until it is given another
+
+
+def kernels_for(device) -> KernelChoice:
+    """The kernels a model on `device` runs: eager on the CPU; on CUDA the compiled and Triton ones."""
+    return cuda_kernels() if torch.device(device).type == "cuda" else EAGER
+
+
+@functools.cache
+def cuda_kernels() -> KernelChoice:
+    """The CUDA choice, built once per process: torch.compile wrappers are made once (each new
+    wrapper would compile again), dynamic in the token axis so one compile serves decode, every
+    verify width and every prefill chunk."""
+    compiled = {name: torch.compile(fn, dynamic=True, fullgraph=True)
+                for name, fn in (("rms_norm", rms_norm), ("add_rms_norm", add_rms_norm), ("rotate", rotate),
+                                 ("silu_mul", silu_mul))}
+    # imported where the CUDA choice is built, as enable_fusion() and enable_invariant_kernel() did:
+    # an ImportError (a kernel package that cannot load) leaves the compiled functions and the
+    # library's GEMMs
     try:
         from batchd.kernels.rms_norm import rms_norm as norm_kernel
         from batchd.kernels.rope_cache import rope_and_store
@@ -65,11 +97,16 @@ def enable_fusion() -> None:
         # Norms reduce over a row: torch.compile specialises one-row shapes and may split the
         # reduction there, so a decode row and the same row inside a verify step would differ
         # in the last bits. The kernel keeps one reduction order for any number of rows.
-        rms_norm = lambda x, weight, eps: norm_kernel(x, weight, eps)[0]  # noqa: E731
+        compiled["rms_norm"] = lambda x, weight, eps: norm_kernel(x, weight, eps)[0]  # noqa: E731
 
-        def add_rms_norm(x, residual, weight, eps):
+        def add_rms_norm_kernel(x, residual, weight, eps):
             normed, h = norm_kernel(x, weight, eps, residual)
             return h, normed
 
-        rope_kernel = rope_and_store
-    _fused_on = True
+        compiled["add_rms_norm"] = add_rms_norm_kernel
+        compiled["rope_kernel"] = rope_and_store
+    try:
+        from batchd.kernels.small_matmul import small_linear  # decode and verify rows computed alike
+    except ImportError:
+        small_linear = None
+    return KernelChoice(**compiled, small_linear=small_linear)

@@ -7,7 +7,8 @@ an argmax can flip. Every step of up to 17 rows (decode, and verify of up to 16 
 runs through a kernel whose per-row result is independent of M; prefill chunks, the same in both
 paths, use the library's GEMM.
 
-- CUDA: `kernels.small_matmul` (also faster than cuBLAS at these shapes).
+- CUDA: `kernels.small_matmul` (also faster than cuBLAS at these shapes), the model's
+  `KernelChoice.small_linear` (engine.fused).
 - CPU: oneDNN's inner product over a weight reordered once into its blocked layout
   (`torch.ops.mkldnn._linear_pointwise`, the op Inductor uses for frozen linears). Its rows are
   independent of M from 1 to 17, so a verify step of q + 1 rows costs about what one GEMM of
@@ -34,30 +35,14 @@ CPU_INVARIANT_ROWS = 17  # the widest verify step: 16 draft tokens plus the last
 # Smaller weights take the one-row products: there oneDNN's per-call overhead (and its threads'
 # wake-ups) costs more than the q + 1 products (a 64-wide test model runs 1.5-2x slower)
 ONEDNN_MIN_WEIGHTS = 1 << 16
-_small_linear = None
 
 
-def enable_invariant_kernel() -> bool:
-    """Use kernels.small_matmul for small steps on CUDA; False if it is not available."""
-    global _small_linear
-    try:
-        from batchd.kernels.small_matmul import small_linear
-    except ImportError:
-        return False
-    _small_linear = small_linear
-    return True
-
-
-def decode_kernels_enabled() -> bool:
-    """Whether CUDA decode and verify steps run the invariant kernels (`enable_invariant_kernel`)."""
-    return _small_linear is not None
-
-
-def project(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
-    """x: [B, T, K] -> [B, T, N] through `layer`'s weight and bias."""
+def project(x: torch.Tensor, layer: nn.Linear, small_linear=None) -> torch.Tensor:
+    """x: [B, T, K] -> [B, T, N] through `layer`'s weight and bias. `small_linear`: the model's
+    invariant CUDA kernel (`KernelChoice.small_linear`, kernels.small_matmul), or None."""
     rows = x.shape[0] * x.shape[1]
-    if _small_linear is not None and x.is_cuda and rows <= MAX_INVARIANT_ROWS:
-        out = _small_linear(x.reshape(rows, x.shape[-1]), layer.weight, layer.bias)
+    if small_linear is not None and x.is_cuda and rows <= MAX_INVARIANT_ROWS:
+        out = small_linear(x.reshape(rows, x.shape[-1]), layer.weight, layer.bias)
         return out.view(*x.shape[:-1], -1)
     if x.device.type == "cpu" and rows <= CPU_INVARIANT_ROWS:
         return project_rows_cpu(x.reshape(rows, x.shape[-1]), layer).view(*x.shape[:-1], -1)

@@ -14,14 +14,15 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from batchd.engine import fused
 from batchd.engine.attention import attend_cached, kernel_available
 from batchd.engine.config import ModelConfig
 from batchd.engine.errors import CheckpointError
+from batchd.engine.fused import EAGER, KernelChoice, kernels_for
 from batchd.engine.kv_cache import KVCache
-from batchd.engine import linear
-from batchd.engine.linear import project
+from batchd.engine.linear import MAX_INVARIANT_ROWS, project
 from batchd.engine.rope import rope_tables
+from batchd.kernels.fused_mlp import fused_mlp, fused_mlp_wanted, mlp_fits
+from batchd.kernels.small_matmul import qkv_rope_and_store, small_linear
 from batchd.kernels.step_inputs import step_inputs
 
 # observer(layer_idx, q [B, Hq, T, D] after rope, keys, values [B, Hkv, start+T, D], start)
@@ -29,16 +30,20 @@ AttentionObserver = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, int
 
 
 class RMSNorm(nn.Module):
+    ops: KernelChoice = EAGER  # the model's kernel choice (Transformer.use_ops)
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return fused.rms_norm(x, self.weight, self.eps)
+        return self.ops.rms_norm(x, self.weight, self.eps)
 
 
 class Attention(nn.Module):
+    ops: KernelChoice = EAGER
+
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
@@ -62,8 +67,6 @@ class Attention(nn.Module):
         k_cache, v_cache = cache.keys[layer_idx], cache.values[layer_idx]
         if normed_inputs is not None and self.q_norm is None:
             # projection, rope and the cache write in one launch (kernels.small_matmul.qkv_rope_and_store)
-            from batchd.kernels.small_matmul import qkv_rope_and_store
-
             # the step's rope rows and positions come from kernels.step_inputs: the launch just
             # before the first layer's projection, two or more launches back for every other layer
             q = qkv_rope_and_store(normed_inputs.weighted, self.qkv_proj.weight, self.qkv_proj.bias, cos=cos, sin=sin,
@@ -75,7 +78,7 @@ class Attention(nn.Module):
                 qkv = fused_project(normed_inputs.weighted.view(hidden.shape), self.qkv_proj,
                                     norm_inputs=normed_inputs, eps=norm.eps)  # [B, T, (Hq + 2 Hkv) D]
             else:
-                qkv = project(norm(hidden), self.qkv_proj)
+                qkv = project(norm(hidden), self.qkv_proj, self.ops.small_linear)
             q = self.rope_norm_and_store(qkv, cos, sin, positions, k_cache, v_cache)
         if observer is not None:
             observer(layer_idx, q, k_cache[:, :, : start + T], v_cache[:, :, : start + T], start)
@@ -85,11 +88,12 @@ class Attention(nn.Module):
     def rope_norm_and_store(self, qkv, cos, sin, positions, k_cache, v_cache):
         """qkv [B, T, (Hq + 2 Hkv) D] -> rotated q [B, Hq, T, D], k/v rows into the caches: in one
         launch on CUDA (kernels.rope_cache), else `rope_and_store`."""
-        if fused.rope_kernel is not None and qkv.is_cuda and qkv.dtype == k_cache.dtype:
+        rope_kernel = self.ops.rope_kernel
+        if rope_kernel is not None and qkv.is_cuda and qkv.dtype == k_cache.dtype:
             # norm, rope and the cache write in one launch (kernels.rope_cache)
             norms = (self.q_norm.weight, self.k_norm.weight) if self.q_norm is not None else (None, None)
-            return fused.rope_kernel(qkv, cos, sin, positions, k_cache, v_cache, self.num_heads, self.num_kv_heads,
-                                     q_norm=norms[0], k_norm=norms[1], eps=self.rms_eps)
+            return rope_kernel(qkv, cos, sin, positions, k_cache, v_cache, self.num_heads, self.num_kv_heads,
+                               q_norm=norms[0], k_norm=norms[1], eps=self.rms_eps)
         return self.rope_and_store(qkv, cos, sin, positions, k_cache, v_cache)
 
     def rope_and_store(self, qkv, cos, sin, positions, k_cache, v_cache):
@@ -101,8 +105,8 @@ class Attention(nn.Module):
         k = k.view(B, T, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = fused.rotate(q.transpose(1, 2), cos, sin)  # [B, Hq, T, D]
-        k = fused.rotate(k.transpose(1, 2), cos, sin)  # [B, Hkv, T, D]
+        q = self.ops.rotate(q.transpose(1, 2), cos, sin)  # [B, Hq, T, D]
+        k = self.ops.rotate(k.transpose(1, 2), cos, sin)  # [B, Hkv, T, D]
         v = v.view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
         k_cache.index_copy_(2, positions, k.to(k_cache.dtype))
         v_cache.index_copy_(2, positions, v.to(v_cache.dtype))
@@ -110,16 +114,21 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    ops: KernelChoice = EAGER
+
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x):
-        return project(fused.silu_mul(project(x, self.gate_up_proj)), self.down_proj)
+        small = self.ops.small_linear
+        return project(self.ops.silu_mul(project(x, self.gate_up_proj, small)), self.down_proj, small)
 
 
 class Block(nn.Module):
+    ops: KernelChoice = EAGER
+
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -144,7 +153,8 @@ class Block(nn.Module):
                               seq_len_on_device, observer, normed_inputs=normed_inputs)
         post, mlp = self.post_attention_layernorm, self.mlp
         if normed_inputs is None:
-            hidden, normed = fused.add_rms_norm(project(attn, self.self_attn.o_proj), hidden, post.weight, post.eps)
+            o = project(attn, self.self_attn.o_proj, self.ops.small_linear)
+            hidden, normed = self.ops.add_rms_norm(o, hidden, post.weight, post.eps)
             return hidden + mlp(normed), None
         # Both residuals were written two or more launches before the projection that adds them
         # (the stream by the last layer's down or kernels.step_inputs, then by o), so the kernels
@@ -164,8 +174,6 @@ class Block(nn.Module):
         mlp = self.mlp
         down_t = mlp.down_proj.weight.t()  # [I, H]
         if down_t.is_contiguous():
-            from batchd.kernels.fused_mlp import fused_mlp
-
             rows = hidden.shape[0] * hidden.shape[1]
             result = fused_mlp(post_inputs.weighted.reshape(rows, -1), post_inputs.sumsq, mlp.gate_up_proj.weight,
                                down_t, residual=hidden.reshape(rows, -1), eps=self.post_attention_layernorm.eps,
@@ -181,11 +189,11 @@ class Block(nn.Module):
         return fused_project(act, mlp.down_proj, residual=hidden, emit_norm=next_norm, settled=True)
 
 
-def decode_fusion_applies(tokens: torch.Tensor) -> bool:
-    """True for a step of few rows (tokens [B, T]) on CUDA with the invariant kernel on: the fused
-    layer path."""
-    return (linear._small_linear is not None and tokens.is_cuda
-            and tokens.shape[0] * tokens.shape[1] <= linear.MAX_INVARIANT_ROWS)
+def decode_fusion_applies(tokens: torch.Tensor, ops: KernelChoice) -> bool:
+    """True for a step of few rows (tokens [B, T]) on CUDA with the invariant kernel in the
+    model's kernel choice: the fused layer path."""
+    return (ops.small_linear is not None and tokens.is_cuda
+            and tokens.shape[0] * tokens.shape[1] <= MAX_INVARIANT_ROWS)
 
 
 def fused_project(x: torch.Tensor, layer: nn.Linear, *, norm_inputs=None, eps: float = 1e-6,
@@ -195,8 +203,6 @@ def fused_project(x: torch.Tensor, layer: nn.Linear, *, norm_inputs=None, eps: f
     with `norm_inputs` (h's RMSNorm folded in), silu(gate) * up of a stacked gate/up weight
     (N = rows / 2), plus `residual` [B, T, N]; with `emit_norm`: (out, out's NormInputs for it).
     settled: the residual was written two or more launches back (small_linear)."""
-    from batchd.kernels.small_matmul import small_linear
-
     rows = x.shape[0] * x.shape[1]
     result = small_linear(
         x.reshape(rows, x.shape[-1]), layer.weight, layer.bias,
@@ -211,6 +217,8 @@ def fused_project(x: torch.Tensor, layer: nn.Linear, *, norm_inputs=None, eps: f
 
 
 class Transformer(nn.Module):
+    ops: KernelChoice = EAGER  # which kernels every layer runs: `use_ops`
+
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config
@@ -231,6 +239,13 @@ class Transformer(nn.Module):
     @property
     def dtype(self) -> torch.dtype:
         return self.embed_tokens.weight.dtype
+
+    def use_ops(self, ops: KernelChoice) -> None:
+        """Run `ops` (engine.fused.KernelChoice) in every layer: the engine's choice for its device.
+        Modules shared with another model (a truncated drafter's layers) follow the last call."""
+        for module in self.modules():
+            if isinstance(module, (Transformer, Block, Attention, MLP, RMSNorm)):
+                module.ops = ops
 
     def setup_rope(self, max_len: int) -> None:
         """Build the rope tables for `max_len` positions on the model's device."""
@@ -258,7 +273,7 @@ class Transformer(nn.Module):
             self.setup_rope(cache.max_len)
         # positions [T], seq_len_on_device [1] or None, cos/sin [T, D], hidden [B, T, H], and for the
         # fused layer path the first norm's inputs: one launch on CUDA (kernels.step_inputs)
-        fusion = decode_fusion_applies(tokens)
+        fusion = decode_fusion_applies(tokens, self.ops)
         inputs = step_inputs(tokens, start if start_on_device is None else start_on_device, self.embed_tokens.weight,
                              self.rope_cos, self.rope_sin, self.layers[0].input_layernorm.weight if fusion else None,
                              backend="auto" if fusion else "reference")
@@ -272,7 +287,7 @@ class Transformer(nn.Module):
         normed = self.norm(hidden)
         if not head:
             return normed
-        logits = project(normed, self.lm_head)
+        logits = project(normed, self.lm_head, self.ops.small_linear)
         return logits.float() if float_logits else logits
 
     # ---- weights ---------------------------------------------------------------------------
@@ -287,8 +302,6 @@ class Transformer(nn.Module):
         then. A change moves the weights to new storage, which CUDA graphs captured before do not
         follow: call it before capturing (Engine does, when it is built; parking drops the graphs).
         -> whether the fused MLP is on (False where the kernel does not fit the shape)."""
-        from batchd.kernels.fused_mlp import mlp_fits
-
         enabled = enabled and mlp_fits(self.config.hidden_size, self.config.intermediate_size, self.dtype)
         for layer in self.layers:
             weight = layer.mlp.down_proj.weight
@@ -355,3 +368,42 @@ def unfuse_hf_tensors(tensors: dict[str, torch.Tensor], config: ModelConfig) -> 
         else:
             out["model." + name] = value
     return out
+
+
+def choose_fused_mlp(model: Transformer) -> bool:
+    """Decode and verify MLPs in two launches instead of three (kernels.fused_mlp) on the shapes
+    where that measured faster (BATCHD_FUSED_MLP=1 forces it, 0 turns it off): only on CUDA with
+    the invariant kernels in the model's choice. down's weight is stored transposed for it. Its
+    sums of down run in another order than the chain's, so the engine records the path in the
+    fingerprint. -> whether the fused MLP is on."""
+    config = model.config
+    return model.use_fused_mlp(
+        model.device.type == "cuda" and model.ops.decode_kernels
+        and fused_mlp_wanted(config.hidden_size, config.intermediate_size, model.dtype))
+
+
+def build_model(config: ModelConfig, device: str, dtype: torch.dtype, *, tensors=None, source="checkpoint",
+                seed: int = 0, ops: Optional[KernelChoice] = None) -> Transformer:
+    """Build on the target device in `dtype`; load tensors, or fill random weights. `ops`: the
+    kernels it runs (default: the device's choice, engine.fused.kernels_for)."""
+    with torch.device("meta"):
+        model = Transformer(config)
+    model = model.to_empty(device=device).to(dtype)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    if tensors is not None:
+        model.load_hf_tensors(tensors, source)
+    else:
+        init_random(model, seed)
+    model.use_ops(ops if ops is not None else kernels_for(device))
+    return model.eval().requires_grad_(False)
+
+
+@torch.no_grad()
+def init_random(model: Transformer, seed: int) -> None:
+    generator = torch.Generator(device=model.device).manual_seed(seed)
+    for name, p in model.named_parameters():
+        if "norm" in name:
+            p.fill_(1.0)
+        else:
+            p.normal_(0.0, 0.02, generator=generator)

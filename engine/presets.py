@@ -1,6 +1,7 @@
 """Named shapes of real models (../shared/MODELS.md), for benchmarks with random weights."""
 from __future__ import annotations
 
+from batchd.engine.architectures import architecture
 from batchd.engine.config import ModelConfig
 
 PRESETS = {
@@ -26,9 +27,8 @@ def preset(name: str, **overrides) -> ModelConfig:
 
 def hf_config_dict(config: ModelConfig) -> dict:
     """The same shape as a transformers config dict (to build the reference model)."""
-    names = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
     return {
-        "architectures": [names[config.architecture]], "model_type": config.architecture,
+        "architectures": [architecture(config.architecture).hf_class], "model_type": config.architecture,
         "vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
         "num_hidden_layers": config.num_layers, "num_attention_heads": config.num_heads,
         "num_key_value_heads": config.num_kv_heads, "intermediate_size": config.intermediate_size,

@@ -43,10 +43,14 @@ from pathlib import Path
 from typing import Callable, Literal, Optional, TypeVar
 
 import torch
+from safetensors import safe_open
 
 from batchd.engine.checkpoint import Checkpoint, load_checkpoint
+from batchd.engine.checkpoint.hf import _weight_files
+from batchd.engine.checkpoint.validate import IGNORED_SUFFIXES
 from batchd.engine.errors import DeviceOutOfMemoryError, EngineError
-from batchd.engine.model import Transformer
+from batchd.engine.model import Transformer, build_model, init_random
+from batchd.engine.step import StepRunner
 from batchd.engine.text import TextCodec
 from batchd.engine.types import Telemetry
 
@@ -186,7 +190,7 @@ class Residency:
         needed = drafter_bytes_needed(ckpt, dtype, 2 * prompt_tokens, rows)
         self.park_if_needed(engine, needed, telemetry)
         started = time.perf_counter()
-        drafter = self._place(ckpt, device, dtype)
+        drafter = self._place(ckpt, device, dtype, engine.model.ops)
         del ckpt
         if device.type == "cuda":
             synchronize_all_streams(device)
@@ -196,10 +200,9 @@ class Residency:
         self.step_hook("score", drafter)
         return result
 
-    def _place(self, ckpt: Checkpoint, device, dtype) -> Drafter:
-        from batchd.engine.runtime import build_model
-
-        model = build_model(ckpt.config, str(device), dtype, tensors=ckpt.tensors, source=ckpt.path)
+    def _place(self, ckpt: Checkpoint, device, dtype, ops) -> Drafter:
+        # with the target's kernels (engine.fused.KernelChoice), as every model the engine runs
+        model = build_model(ckpt.config, str(device), dtype, tensors=ckpt.tensors, source=ckpt.path, ops=ops)
         self.last_drafter = weakref.ref(model)
         codec = TextCodec(ckpt.tokenizer, ckpt.chat_template, ckpt.bos_token, ckpt.eos_token)
         return Drafter(model, codec, ckpt.path, ckpt.sha256, ckpt.config.architecture)
@@ -338,8 +341,6 @@ class Residency:
 
     def _reload(self, engine, params, parked: _Parked) -> None:
         """Read the weights again: from the checkpoint, or the same random weights again."""
-        from batchd.engine.runtime import init_random
-
         device, dtype = engine.device, engine.model.dtype
         for name in parked.moved:
             params[name].data = torch.empty(parked.weight_shapes[name], dtype=dtype, device=device)
@@ -381,8 +382,6 @@ def forget_frames(exc: BaseException) -> None:
 def _drop_step_graphs(engine) -> None:
     """Captured CUDA graphs point at the old buffers: start a fresh step runner (graphs are
     captured again on first use)."""
-    from batchd.engine.step import StepRunner
-
     runner = engine.runner
     engine.runner = StepRunner(engine.model, engine.cache, cuda_graphs=runner.cuda_graphs)
 
@@ -390,8 +389,6 @@ def _drop_step_graphs(engine) -> None:
 def checkpoint_stamp(folder: str) -> list[tuple[str, int, int]]:
     """(name, size, mtime_ns) of a Hugging Face folder's weight files: a reload checks that they
     are the files the target was loaded from, without hashing them again."""
-    from batchd.engine.checkpoint.hf import _weight_files
-
     files, _ = _weight_files(Path(folder))
     return [(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files]
 
@@ -417,11 +414,6 @@ def reload_hf_weights(model: Transformer, folder: str) -> None:
     one tensor at a time: each is read from disk, copied to the device and cast there, q/k/v and
     gate/up into their rows of the fused matrices. No hash, no full host copy of the model (what
     load_checkpoint costs: the reload strategy's unpark). Every parameter must be written."""
-    from safetensors import safe_open
-
-    from batchd.engine.checkpoint.hf import _weight_files
-    from batchd.engine.checkpoint.validate import IGNORED_SUFFIXES
-
     params = dict(model.named_parameters())
     slots = hf_weight_slots(model.config)
     tied = model.config.tie_word_embeddings

@@ -1,38 +1,43 @@
 """`Engine`: the resident model a worker keeps loaded, and the one call the service makes.
 
-    engine = Engine.load("SmolLM2-135M-Instruct.Q4_1.gguf", device="cpu")
+    engine = Engine.load("SmolLM2-135M-Instruct.Q4_1.gguf", EngineConfig(device="cpu"))
     result = engine.generate(GenerationRequest(prompt="...", chat=True))
 
-The engine owns the target model, its KV cache (allocated once for `max_context` rows and
-reset per job), the text codec and the step runner (CUDA graphs on CUDA). Each job runs:
+The engine is configured by one `EngineConfig`. It owns the target model and the kernels it
+runs (`engine.fused.KernelChoice`, chosen once for the device), its KV cache (allocated once for
+`max_context` rows and reset per job), the text codec, the step runner (CUDA graphs on CUDA),
+its speculative drafters (`drafters`) and its PFlash compressor with the drafter residency
+(`compressor`, `residency`). Each job runs:
 (1) validate and encode, (2) compress the prompt (PFlash, optional), (3) prefill and decode,
 plainly or speculatively, (4) detokenise, cut stop strings, hash, collect telemetry.
 """
 from __future__ import annotations
 
-import hashlib
 import socket
-import struct
 import time
-from typing import Optional
+from dataclasses import dataclass, replace
+from typing import Literal, Optional
 
 import torch
 
-from batchd.engine import fused
+from batchd.engine.batch import BatchEngine, BatchOptions, generate_many
 from batchd.engine.capabilities import check_features
+from batchd.engine.checkpoint import load_checkpoint
 from batchd.engine.config import ModelConfig
 from batchd.engine.errors import BadInputError, DeviceOutOfMemoryError, PromptTooLongError
+from batchd.engine.fused import kernels_for
 from batchd.engine.generate import TokenOutput, generate_plain, synchronize
-from batchd.engine.kv_cache import KVCache
-from batchd.engine.linear import decode_kernels_enabled, enable_invariant_kernel
-from batchd.engine.model import Transformer
-from batchd.engine.pflash import compress_for_request, ensure_target_resident
+from batchd.engine.hashes import sha256_hex, token_ids_sha256  # noqa: F401 (re-exported)
+from batchd.engine.kv_cache import ContiguousKVCache, KVCache
+from batchd.engine.model import Transformer, build_model, choose_fused_mlp, init_random  # noqa: F401 (re-exported)
+from batchd.engine.pflash import PromptCompressor, compress_for_request, ensure_target_resident
+from batchd.engine.residency import Residency
 from batchd.engine.sampling import Sampler
+from batchd.engine.speculative import Drafters, DraftTarget, generate_speculative
 from batchd.engine.step import StepRunner
 from batchd.engine.stopping import StopChecker, cut_at_stop_string
 from batchd.engine.text import TextCodec
 from batchd.engine.types import GenerationRequest, GenerationResult, SamplingParams, Telemetry
-from batchd.kernels.fused_mlp import fused_mlp_wanted
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16, "f16": torch.float16}
@@ -48,79 +53,100 @@ def parse_dtype(name: Optional[str], device: str) -> torch.dtype:
         raise BadInputError(f"unknown dtype {name!r}; use one of {', '.join(sorted(DTYPES))}") from None
 
 
-def sha256_hex(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
+@dataclass(frozen=True)
+class EngineConfig:
+    """How an engine runs its model: everything but the model itself.
 
+    device, dtype: where and in what the weights live (dtype None: bfloat16 on CUDA, float32 on
+      the CPU; names as `parse_dtype` takes them). Read by `Engine.load` / `Engine.from_config`;
+      an engine built around a model takes the model's.
+    max_context: KV-cache rows, prompt plus output (None: the checkpoint's max_position_embeddings,
+      at most 8192, for `load`; 8192 for `from_config` and a model handed to `Engine`).
+    cuda_graphs: capture decode and verify steps as CUDA graphs (CUDA only).
+    prefill_chunk: rows per prefill forward.
+    attention: "dense", or "sparse" (top-k block sparse decode attention).
+    sparse_top_k_blocks: blocks each decode step attends to with sparse attention.
+    """
 
-def token_ids_sha256(ids: list[int]) -> str:
-    return sha256_hex(struct.pack(f"<{len(ids)}i", *ids))
+    device: str = "cpu"
+    dtype: Optional[str] = None
+    max_context: Optional[int] = None
+    cuda_graphs: bool = True
+    prefill_chunk: int = 2048
+    attention: Literal["dense", "sparse"] = "dense"
+    sparse_top_k_blocks: int = 64
 
 
 class Engine:
-    def __init__(self, model: Transformer, codec: Optional[TextCodec], *, max_context: int,
-                 eos_ids: set[int], checkpoint_sha256: str = "", checkpoint_path: str = "",
-                 cuda_graphs: bool = True, prefill_chunk: int = 2048, attention: str = "dense",
-                 sparse_top_k_blocks: int = 64):
+    def __init__(self, model: Transformer, codec: Optional[TextCodec], config: EngineConfig = EngineConfig(), *,
+                 eos_ids: frozenset[int] | set[int] = frozenset(), checkpoint_sha256: str = "",
+                 checkpoint_path: str = ""):
+        """An engine around a built model (`load` and `from_config` build one). `config.device`
+        and `config.dtype` are the model's own; a missing `max_context` becomes 8192. The codec
+        and the checkpoint's path and hash are fixed here: the drafters see them as given."""
         self.model = model
         self.config: ModelConfig = model.config
+        self.device = model.device
+        self.engine_config = config = replace(config, device=str(self.device),
+                                              dtype=str(model.dtype).removeprefix("torch."),
+                                              max_context=config.max_context or DEFAULT_MAX_CONTEXT)
         self.codec = codec
-        self.eos_ids = eos_ids
+        self.eos_ids = set(eos_ids)
         self.checkpoint_sha256 = checkpoint_sha256
         self.checkpoint_path = checkpoint_path
         self.compress_drafter_sha256 = ""  # set per job by `compress`: the fingerprint names the drafter
-        self.max_context = max_context
-        self.prefill_chunk = prefill_chunk
-        self.attention = attention
-        self.device = model.device
-        if self.device.type == "cuda":
-            fused.enable_fusion()  # one Triton kernel per norm / rope / silu-mul (engine.fused)
-            enable_invariant_kernel()  # decode and verify rows computed alike (engine.linear)
-        # decode and verify MLPs in two launches instead of three (kernels.fused_mlp) on the shapes
-        # where that measured faster (BATCHD_FUSED_MLP=1 forces it, 0 turns it off); down's weight
-        # is stored transposed for it. Its sums of down run in another order than the chain's, so
-        # the path is recorded in the fingerprint
-        config = model.config
-        self.fused_mlp = model.use_fused_mlp(
-            self.device.type == "cuda" and decode_kernels_enabled()
-            and fused_mlp_wanted(config.hidden_size, config.intermediate_size, model.dtype))
-        self.notes = check_features(self.config.architecture, self.device.type, attention=attention,
-                                    cuda_graphs=cuda_graphs, head_dim=self.config.head_dim)
-        self.cache = KVCache(self.config, max_context, self.device, model.dtype)
-        if attention == "sparse":
-            self.cache.enable_sparse_attention(sparse_top_k_blocks)
-        model.setup_rope(max_context)
-        self.runner = StepRunner(model, self.cache, cuda_graphs=cuda_graphs)
-        self._drafters: dict[str, object] = {}  # drafter path -> loaded drafter (speculation)
+        self.max_context = config.max_context
+        self.prefill_chunk = config.prefill_chunk
+        self.attention = config.attention
+        # the kernels every model of this engine runs (target, drafters): one Triton kernel per
+        # norm / rope / silu-mul and row-invariant projections on CUDA, the eager ops on the CPU
+        model.use_ops(kernels_for(self.device))
+        self.fused_mlp = choose_fused_mlp(model)  # recorded in the fingerprint
+        self.notes = check_features(self.config.architecture, self.device.type, attention=config.attention,
+                                    cuda_graphs=config.cuda_graphs, head_dim=self.config.head_dim)
+        self.cache: KVCache = ContiguousKVCache(self.config, config.max_context, self.device, model.dtype)
+        if config.attention == "sparse":
+            self.cache.enable_sparse_attention(config.sparse_top_k_blocks)
+        model.setup_rope(config.max_context)
+        self.runner = StepRunner(model, self.cache, cuda_graphs=config.cuda_graphs)
+        # speculative drafters, by drafter_path; they see the target's model and settings only
+        self.drafters = Drafters(DraftTarget(model, codec, checkpoint_path, checkpoint_sha256, config.max_context,
+                                             config.prefill_chunk, self.runner.cuda_graphs))
+        # PFlash: replace `compressor` to configure it (park strategy, constants, test hooks)
+        self.compressor = PromptCompressor(Residency())
+        self._batch: Optional[BatchEngine] = None  # many jobs per step: `batch_engine`, built at first use
+
+    @property
+    def residency(self) -> Residency:
+        """Where the PFlash drafter lives while it scores (parks and restores this engine's target)."""
+        return self.compressor.residency
 
     # ---- construction ------------------------------------------------------------------------
 
     @classmethod
-    def load(cls, path: str, *, device: str = "cpu", dtype: Optional[str] = None,
-             max_context: Optional[int] = None, **options) -> "Engine":
-        from batchd.engine.checkpoint import load_checkpoint
-
-        torch_dtype = parse_dtype(dtype, device)
+    def load(cls, path: str, config: EngineConfig = EngineConfig()) -> "Engine":
+        """The checkpoint at `path` (a Hugging Face folder or a GGUF file) with its tokenizer."""
+        torch_dtype = parse_dtype(config.dtype, config.device)
         ckpt = load_checkpoint(path, dtype=torch_dtype)
-        model = build_model(ckpt.config, device, torch_dtype, tensors=ckpt.tensors, source=str(path))
+        model = build_model(ckpt.config, config.device, torch_dtype, tensors=ckpt.tensors, source=str(path))
         codec = TextCodec(ckpt.tokenizer, ckpt.chat_template, ckpt.bos_token, ckpt.eos_token)
         eos_ids = set(ckpt.config.eos_token_ids)
         eos_id = codec.token_id(ckpt.eos_token)
         if eos_id is not None:
             eos_ids.add(eos_id)
-        context = max_context or min(ckpt.config.max_position_embeddings, DEFAULT_MAX_CONTEXT)
-        return cls(model, codec, max_context=context, eos_ids=eos_ids, checkpoint_sha256=ckpt.sha256,
-                   checkpoint_path=str(path), **options)
+        context = config.max_context or min(ckpt.config.max_position_embeddings, DEFAULT_MAX_CONTEXT)
+        return cls(model, codec, replace(config, max_context=context), eos_ids=eos_ids, checkpoint_sha256=ckpt.sha256,
+                   checkpoint_path=str(path))
 
     @classmethod
-    def from_config(cls, config: ModelConfig, *, device: str = "cpu", dtype: Optional[str] = None,
-                    max_context: int = DEFAULT_MAX_CONTEXT, seed: int = 0, codec: Optional[TextCodec] = None,
-                    **options) -> "Engine":
+    def from_config(cls, model_config: ModelConfig, config: EngineConfig = EngineConfig(), *, seed: int = 0,
+                    codec: Optional[TextCodec] = None) -> "Engine":
         """Random weights at a real model's shape: for benchmarks, where speed does not depend
         on weight values. Token-id API only unless a codec is given."""
-        torch_dtype = parse_dtype(dtype, device)
-        model = build_model(config, device, torch_dtype, seed=seed)
-        return cls(model, codec, max_context=max_context, eos_ids=set(config.eos_token_ids),
-                   checkpoint_sha256=f"random-seed-{seed}", **options)
+        torch_dtype = parse_dtype(config.dtype, config.device)
+        model = build_model(model_config, config.device, torch_dtype, seed=seed)
+        return cls(model, codec, replace(config, max_context=config.max_context or DEFAULT_MAX_CONTEXT),
+                   eos_ids=set(model_config.eos_token_ids), checkpoint_sha256=f"random-seed-{seed}")
 
     # ---- the job ---------------------------------------------------------------------------
 
@@ -172,8 +198,6 @@ class Engine:
         spec = request.speculation
         if spec.method == "none":
             return generate_plain(self.runner, prompt_ids, sampler, stopper, prefill_chunk=self.prefill_chunk)
-        from batchd.engine.speculative import generate_speculative
-
         telemetry.spec_method = spec.method
         return generate_speculative(self, prompt_ids, sampler, stopper, spec, telemetry)
 
@@ -183,11 +207,9 @@ class Engine:
         self.compress_drafter_sha256 = ""
         if request.compression.mode == "off":
             return prompt_ids
-        from batchd.engine.pflash import compressor_for
-
-        before = compressor_for(self).last_report
+        before = self.compressor.last_report
         ids = compress_for_request(self, prompt_ids, request, telemetry)
-        report = compressor_for(self).last_report
+        report = self.compressor.last_report
         if report is not None and report is not before:
             self.compress_drafter_sha256 = report.drafter_sha256.partition("#")[0]
         return ids
@@ -213,9 +235,9 @@ class Engine:
     def fingerprint(self, request: GenerationRequest) -> dict:
         s, spec, comp = request.sampling, request.speculation, request.compression
         drafter = {}
-        if spec.method == "draft" and spec.drafter_path in self._drafters:
+        if spec.method == "draft" and spec.drafter_path in self.drafters:
             # the checkpoint file's hash; a '#layers=N' view of it is told by drafter_path
-            drafter["drafter_sha256"] = self._drafters[spec.drafter_path].checkpoint_sha256.partition("#")[0]
+            drafter["drafter_sha256"] = self.drafters[spec.drafter_path].checkpoint_sha256.partition("#")[0]
         return {
             "target_sha256": self.checkpoint_sha256, "target_path": self.checkpoint_path,
             "dtype": str(self.model.dtype).removeprefix("torch."),
@@ -234,9 +256,7 @@ class Engine:
 
     def _scoring_window_key(self) -> str:
         """How long prompts are scored: the window decides which chunks survive compression."""
-        from batchd.engine.pflash import compressor_for
-
-        window = compressor_for(self).scoring_window
+        window = self.compressor.scoring_window
         return "exact" if window is None else f"w{window.window}-b{window.block}-s{window.sink}"
 
     # ---- many jobs per step ---------------------------------------------------------------
@@ -244,9 +264,7 @@ class Engine:
     def batch_engine(self, options=None):
         """The batch engine over this engine's model (built at first use: its KV pool takes
         `kv_memory_fraction` of the device memory free then)."""
-        if getattr(self, "_batch", None) is None or options is not None:
-            from batchd.engine.batch import BatchEngine, BatchOptions
-
+        if self._batch is None or options is not None:
             if options is None:   # CUDA: 4K-token chunks keep a 4K document's prefill in one flash call
                 options = (BatchOptions(block_size=64, prefill_chunk=4096) if self.device.type == "cuda"
                            else BatchOptions(block_size=16))
@@ -265,39 +283,13 @@ class Engine:
     def generate_many(self, requests, **kwargs):
         """Run many requests together; yield (index, GenerationResult or EngineError) as each
         finishes (engine.batch.generate_many)."""
-        from batchd.engine.batch import generate_many
-
         return generate_many(self, requests, **kwargs)
 
     def close(self) -> None:
         self._batch = None
-        self._drafters.clear()
-        del self.runner, self.cache, self.model
+        self.drafters.clear()
+        del self.runner, self.cache, self.model, self.drafters  # the drafters' target holds the model
         if self.device.type == "cuda":
             synchronize(self.device)
             torch.cuda.empty_cache()
 
-
-def build_model(config: ModelConfig, device: str, dtype: torch.dtype, *, tensors=None, source="checkpoint",
-                seed: int = 0) -> Transformer:
-    """Build on the target device in `dtype`; load tensors, or fill random weights."""
-    with torch.device("meta"):
-        model = Transformer(config)
-    model = model.to_empty(device=device).to(dtype)
-    if config.tie_word_embeddings:
-        model.lm_head.weight = model.embed_tokens.weight
-    if tensors is not None:
-        model.load_hf_tensors(tensors, source)
-    else:
-        init_random(model, seed)
-    return model.eval().requires_grad_(False)
-
-
-@torch.no_grad()
-def init_random(model: Transformer, seed: int) -> None:
-    generator = torch.Generator(device=model.device).manual_seed(seed)
-    for name, p in model.named_parameters():
-        if "norm" in name:
-            p.fill_(1.0)
-        else:
-            p.normal_(0.0, 0.02, generator=generator)

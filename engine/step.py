@@ -15,6 +15,7 @@ import torch
 from batchd.engine.kv_cache import KVCache
 from batchd.engine.model import Transformer
 from batchd.kernels.argmax import pick_and_advance
+from batchd.kernels.sparse_attention import sparse_is_worthwhile
 
 MAX_GRAPH_WIDTH = 17  # the widest verify step: 16 drafts plus the last accepted token
 
@@ -83,8 +84,6 @@ class StepRunner:
     def _sparse_rule(self, width: int) -> bool:
         if self.cache.block_summaries is None:
             return False
-        from batchd.kernels.sparse_attention import sparse_is_worthwhile
-
         block_size = self.cache.block_summaries[0].block_size
         return sparse_is_worthwhile(self.cache.length + width, width, self.cache.sparse_top_k, block_size)
 

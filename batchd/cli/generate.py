@@ -40,10 +40,10 @@ def generate(model_path: str, prompt: Optional[str], prompt_file: Optional[str],
     if not Path(model_path).exists():
         raise click.ClickException(f"no checkpoint at {model_path}: give --model PATH (a GGUF file or a HF folder)")
     request = build_request(prompt, None, params_from_options(options))
-    from batchd.engine.runtime import Engine
+    from batchd.engine.runtime import Engine, EngineConfig
 
-    engine = Engine.load(model_path, device=device, dtype=dtype, max_context=max_context, attention=attention,
-                         sparse_top_k_blocks=sparse_top_k_blocks)
+    engine = Engine.load(model_path, EngineConfig(device=device, dtype=dtype, max_context=max_context,
+                         attention=attention, sparse_top_k_blocks=sparse_top_k_blocks))
     result = engine.generate(request)
     if as_json:
         click.echo(json.dumps(result.as_dict(), ensure_ascii=False))

@@ -13,6 +13,7 @@ from typing import Iterable, Iterator, Union
 
 from batchd.engine.batch.sequence import Sequence
 from batchd.engine.errors import EngineError
+from batchd.engine.hashes import sha256_hex, token_ids_sha256
 from batchd.engine.stopping import cut_at_stop_string
 from batchd.engine.types import GenerationRequest, GenerationResult, Telemetry
 
@@ -48,8 +49,6 @@ def generate_many(engine, requests: Iterable[GenerationRequest], *, cancelled=No
 
 def build_result(engine, seq: Sequence, request: GenerationRequest, telemetry: Telemetry, prompt_tokens: int,
                  started: float) -> GenerationResult:
-    from batchd.engine.runtime import sha256_hex, token_ids_sha256
-
     ids = list(seq.generated)
     text = cut_at_stop_string(engine.codec.decode(ids), request.sampling.stop)
     first, prompt_done, done = seq.first_scheduled_at, seq.prompt_done_at or seq.finished_at, seq.finished_at

@@ -16,7 +16,10 @@ from pathlib import Path
 import torch
 
 from batchd.engine.checkpoint.base import Checkpoint, files_sha256
+from batchd.engine.checkpoint import gguf_file
 from batchd.engine.checkpoint.gguf_file import GGUF_MAGIC
+from batchd.engine.checkpoint.hf import load_hf_folder
+from batchd.engine.checkpoint.validate import check_tensor_shapes
 from batchd.engine.errors import CheckpointError
 
 __all__ = ["Checkpoint", "load_checkpoint"]
@@ -28,8 +31,6 @@ def load_checkpoint(path: str | Path, *, dtype: torch.dtype = torch.float32) -> 
     if not path.exists():
         raise CheckpointError(f"{path}: no such file or folder; pass a Hugging Face model folder or a .gguf file")
     if path.is_dir():
-        from batchd.engine.checkpoint.hf import load_hf_folder
-
         return load_hf_folder(path, dtype)
     if _has_gguf_magic(path):
         return load_gguf(path, dtype)
@@ -40,9 +41,6 @@ def load_checkpoint(path: str | Path, *, dtype: torch.dtype = torch.float32) -> 
 
 
 def load_gguf(path: Path, dtype: torch.dtype = torch.float32) -> Checkpoint:
-    from batchd.engine.checkpoint import gguf_file
-    from batchd.engine.checkpoint.validate import check_tensor_shapes
-
     gguf = gguf_file.read_gguf(path)
     if int(gguf.metadata.get("split.count", 1)) > 1:
         raise CheckpointError(f"{path}: one part of a split GGUF; merge the parts first with "

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from batchd.engine.architectures import GGUF_ARCHITECTURES, architecture
 from batchd.engine.checkpoint import dequant
 from batchd.engine.checkpoint.gguf_tokenizer import GGUFTokenizerError, build_tokenizer, control_token_ids
 from batchd.engine.config import ModelConfig
@@ -38,8 +39,6 @@ _NUMPY = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: n
 _STRING, _ARRAY = 8, 9
 _U64 = struct.Struct("<Q")
 
-# general.architecture -> ours
-GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 
 # GGUF tensor name -> HF tensor name; per-layer names are blk.{i}.<key> -> model.layers.{i}.<value>
 _GLOBAL_NAMES = {
@@ -286,8 +285,8 @@ def config_from_metadata(gguf: GGUFFile) -> ModelConfig:
             rope_theta=_short_float(key("rope.freq_base", 10000.0)),
             max_position_embeddings=key("context_length", 4096),
             tie_word_embeddings="output.weight" not in names,
-            attention_bias=arch == "qwen2" or "blk.0.attn_q.bias" in names,
-            qk_norm=arch == "qwen3",
+            attention_bias=architecture(arch).has_attention_bias_gguf(names),
+            qk_norm=architecture(arch).qk_norm,
             bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
             eos_token_ids=list(dict.fromkeys(eos_ids)),
         )
@@ -372,7 +371,7 @@ def load_tensors(gguf: GGUFFile, config: ModelConfig, dtype: torch.dtype) -> dic
                 f"dequantise (supported: {', '.join(sorted(t.name for t in dequant.SUPPORTED_TYPES))}); "
                 f"re-quantise the model with one of those") from None
         suffix = info.name.split(".", 2)[-1]
-        if config.architecture == "llama" and suffix in _PERMUTED:
+        if architecture(config.architecture).gguf_permuted_qk and suffix in _PERMUTED:
             n_head = config.num_heads if _PERMUTED[suffix] == "q" else config.num_kv_heads
             value = undo_rope_permutation(value, n_head)
         tensors[name] = dequant.to_torch(value, dtype)

@@ -2,6 +2,9 @@
 
     ids = compress_for_request(engine, prompt_ids, request, telemetry)   # Engine.compress calls it
 
+The engine owns its `PromptCompressor` (`engine.compressor`: park strategy, constants, test
+hooks); replace it to configure PFlash for that engine.
+
 One compressing job: the gate checks the options; a prompt under the threshold (mode auto) is
 left alone with a note; otherwise the drafter is loaded beside (or instead of) the target
 (engine.residency), scores every prompt token (scoring), the kept chunks are chosen
@@ -16,15 +19,15 @@ from __future__ import annotations
 
 import json
 import time
-import weakref
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Optional
 
 import torch
 
+from batchd.engine.architectures import GGUF_ARCHITECTURES, HF_ARCHITECTURE_NAMES
 from batchd.engine.capabilities import check_compression
-from batchd.engine.config import HF_ARCHITECTURE_NAMES
+from batchd.engine.checkpoint.gguf_file import read_gguf
 from batchd.engine.errors import CheckpointError, UnsupportedFeatureError
 from batchd.engine.pflash.bridge import INSTRUCTION_TOKENS, MIN_INSTRUCTION_KEPT, DrafterView, drafter_view, target_ids_after
 from batchd.engine.pflash.scoring import TAIL_ROWS, score_prompt
@@ -34,11 +37,8 @@ from batchd.engine.residency import Drafter, Residency
 from batchd.engine.types import CompressionOptions, GenerationRequest, Telemetry
 
 __all__ = ["PromptCompressor", "CompressionReport", "ScoringWindow", "DEFAULT_SCORING_WINDOW", "compress_for_request",
-           "compressor_for", "set_compressor", "check_compression_options", "drafter_architecture",
+           "check_compression_options", "drafter_architecture",
            "ensure_target_resident", "default_scoring_chunk"]
-
-# gguf general.architecture -> ours
-GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 
 
 @dataclass
@@ -124,28 +124,10 @@ def default_scoring_chunk(device) -> int:
     return 131072 if torch.device(device).type == "cuda" else 8192
 
 
-_compressors: "weakref.WeakKeyDictionary[object, PromptCompressor]" = weakref.WeakKeyDictionary()
-
-
-def compressor_for(engine) -> PromptCompressor:
-    """The engine's compressor (made with defaults on first use)."""
-    compressor = _compressors.get(engine)
-    if compressor is None:
-        compressor = _compressors[engine] = PromptCompressor()
-    return compressor
-
-
-def set_compressor(engine, compressor: PromptCompressor) -> None:
-    """Configure an engine's PFlash (park strategy, constants, test hooks)."""
-    _compressors[engine] = compressor
-
-
 def ensure_target_resident(engine) -> None:
     """For the worker before any job: if an earlier job's restore failed and left the target
     parked, restore it now (raises TargetRestoreError if it still cannot)."""
-    compressor = _compressors.get(engine)
-    if compressor is not None:
-        compressor.residency.ensure_resident(engine)
+    engine.compressor.residency.ensure_resident(engine)
 
 
 def compress_for_request(engine, prompt_ids: list[int], request: GenerationRequest, telemetry: Telemetry) -> list[int]:
@@ -158,7 +140,7 @@ def compress_for_request(engine, prompt_ids: list[int], request: GenerationReque
     if options.mode == "auto" and len(prompt_ids) < options.threshold_tokens:
         telemetry.notes.append(f"not compressed: {len(prompt_ids)} tokens < threshold {options.threshold_tokens}")
         return prompt_ids
-    return compressor_for(engine).compress(engine, prompt_ids, options, telemetry)
+    return engine.compressor.compress(engine, prompt_ids, options, telemetry)
 
 
 def check_compression_options(target_architecture: str, device: str, options: CompressionOptions,
@@ -191,7 +173,5 @@ def drafter_architecture(path: str) -> str:
             if name in HF_ARCHITECTURE_NAMES:
                 return HF_ARCHITECTURE_NAMES[name]
         return str(raw.get("model_type") or (raw.get("architectures") or ["unknown"])[0])
-    from batchd.engine.checkpoint.gguf_file import read_gguf
-
     arch = str(read_gguf(p).metadata.get("general.architecture", "unknown"))
     return GGUF_ARCHITECTURES.get(arch, arch)

@@ -22,7 +22,7 @@ from typing import Callable, Optional
 
 import torch
 
-from batchd.engine.kv_cache import KVCache
+from batchd.engine.kv_cache import ContiguousKVCache, KVCache
 from batchd.engine.model import Transformer
 from batchd.engine.pflash.window import DEFAULT_SCORING_WINDOW, ScoringWindow, prefill_windowed
 
@@ -51,7 +51,7 @@ def score_tail_queries_torch(q_tail: torch.Tensor, k: torch.Tensor, *, scale: Op
 
 
 def default_tail_scorer() -> TailScorer:
-    try:
+    try:  # kept from when the kernels were a package of their own that could be missing
         from batchd.kernels.chunk_scoring import score_tail_queries
     except ImportError:
         return score_tail_queries_torch
@@ -71,7 +71,7 @@ def score_prompt(model: Transformer, ids: list[int], *, tail_rows: int = TAIL_RO
     if prefill_chunk < 1:
         raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
     S, T = len(ids), min(tail_rows, len(ids))
-    cache = KVCache(model.config, S, model.device, model.dtype)
+    cache = ContiguousKVCache(model.config, S, model.device, model.dtype)
     tokens = torch.tensor([ids], dtype=torch.long, device=model.device)  # [1, S]
     windowed = window is not None and window.applies(S)
     for begin in range(0, S - T, prefill_chunk):

@@ -41,7 +41,6 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
-from batchd.engine import fused
 from batchd.engine.kv_cache import KVCache
 from batchd.engine.linear import project
 from batchd.engine.model import Transformer
@@ -131,22 +130,23 @@ def prefill_windowed(model: Transformer, tokens: torch.Tensor, cache: KVCache, a
     positions = torch.arange(start, start + T, device=tokens.device)
     cos, sin = model.rope_cos[positions], model.rope_sin[positions]  # [T, D]
     hidden = model.embed_tokens(tokens)  # [1, T, H], the residual stream
+    ops = model.ops  # the kernels the model's own forward runs (engine.fused.KernelChoice)
     for i, layer in enumerate(model.layers):
         attn = layer.self_attn
         k_cache, v_cache = cache.keys[i], cache.values[i]
-        qkv = project(layer.input_layernorm(hidden), attn.qkv_proj)  # [1, T, (Hq + 2 Hkv) D]
-        if fused.rope_kernel is not None and qkv.is_cuda and qkv.dtype == k_cache.dtype:
+        qkv = project(layer.input_layernorm(hidden), attn.qkv_proj, ops.small_linear)  # [1, T, (Hq + 2 Hkv) D]
+        if ops.rope_kernel is not None and qkv.is_cuda and qkv.dtype == k_cache.dtype:
             norms = (attn.q_norm.weight, attn.k_norm.weight) if attn.q_norm is not None else (None, None)
-            q = fused.rope_kernel(qkv, cos, sin, positions, k_cache, v_cache, attn.num_heads, attn.num_kv_heads,
-                                  q_norm=norms[0], k_norm=norms[1], eps=attn.rms_eps)
+            q = ops.rope_kernel(qkv, cos, sin, positions, k_cache, v_cache, attn.num_heads, attn.num_kv_heads,
+                                q_norm=norms[0], k_norm=norms[1], eps=attn.rms_eps)
         else:
             q = attn.rope_and_store(qkv, cos, sin, positions, k_cache, v_cache)  # [1, Hq, T, D]
         if i + 1 == len(model.layers):
             break  # the cache is complete: the last layer's output feeds nothing here
         out = attention(q.to(k_cache.dtype), k_cache, v_cache, start, attn.scale)  # [1, Hq, T, D]
-        attn_out = project(out.to(hidden.dtype).transpose(1, 2).reshape(1, T, -1), attn.o_proj)
+        attn_out = project(out.to(hidden.dtype).transpose(1, 2).reshape(1, T, -1), attn.o_proj, ops.small_linear)
         post = layer.post_attention_layernorm
-        hidden, normed = fused.add_rms_norm(attn_out, hidden, post.weight, post.eps)
+        hidden, normed = ops.add_rms_norm(attn_out, hidden, post.weight, post.eps)
         hidden = hidden + layer.mlp(normed)
     cache.advance(T)
 

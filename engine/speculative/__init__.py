@@ -14,13 +14,13 @@ decode (the loop).
 """
 from batchd.engine.speculative.adaptive import MAX_WIDTH, WidthPolicy
 from batchd.engine.speculative.decode import generate_speculative, verify_step
-from batchd.engine.speculative.drafters import load_drafter, register_drafter, self_drafter, truncated_drafter
+from batchd.engine.speculative.drafters import DraftModel, Drafters, DraftTarget, self_drafter, truncated_drafter
 from batchd.engine.speculative.proposers import DraftModelProposer, PromptLookupProposer, Proposal
 from batchd.engine.speculative.stats import SpecStats
 from batchd.engine.speculative.verify import Verdict, rejection_sample, verify_greedy
 
 __all__ = [
-    "MAX_WIDTH", "WidthPolicy", "generate_speculative", "verify_step", "load_drafter", "register_drafter",
+    "MAX_WIDTH", "WidthPolicy", "generate_speculative", "verify_step", "DraftModel", "Drafters", "DraftTarget",
     "self_drafter", "truncated_drafter", "DraftModelProposer", "PromptLookupProposer", "Proposal", "SpecStats",
     "Verdict", "rejection_sample", "verify_greedy",
 ]

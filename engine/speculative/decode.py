@@ -23,7 +23,7 @@ from batchd.engine.generate import TokenOutput, decode_plain, prefill_prompt, sy
 from batchd.engine.linear import rows_are_invariant
 from batchd.engine.sampling import Sampler
 from batchd.engine.speculative.adaptive import MAX_WIDTH, WidthPolicy, check_width
-from batchd.engine.speculative.drafters import load_drafter
+from batchd.engine.speculative.drafters import Drafters
 from batchd.engine.speculative.proposers import DraftModelProposer, PromptLookupProposer, Proposal, Proposer
 from batchd.engine.speculative.stats import SpecStats
 from batchd.engine.speculative.verify import Verdict, certified_argmax, rejection_sample, verify_greedy
@@ -44,15 +44,17 @@ def max_width_on(engine) -> int:
     return MAX_GRAPH_WIDTH - 1
 
 
-def make_proposer(engine, options: SpeculationOptions, sampler: Sampler, telemetry: Telemetry) -> Proposer:
+def make_proposer(drafters: Drafters, device, options: SpeculationOptions, sampler: Sampler,
+                  telemetry: Telemetry) -> Proposer:
+    """The proposer `options` asks for; a draft model comes from the target's `drafters`."""
     if options.method == "lookup":
         if options.drafter_path:
             telemetry.notes.append("--drafter has no effect with --spec lookup")
-        return PromptLookupProposer(engine.device)
+        return PromptLookupProposer(device)
     if options.method == "draft":
         if not options.drafter_path:
             raise BadInputError("--spec draft needs --drafter PATH (a small model with the target's tokenizer)")
-        return DraftModelProposer(load_drafter(engine, options.drafter_path, telemetry), sampler)
+        return DraftModelProposer(drafters.get(options.drafter_path, telemetry), sampler)
     raise BadInputError(f"--spec {options.method!r} is not a method; use none, lookup or draft")
 
 
@@ -62,7 +64,7 @@ def generate_speculative(engine, prompt_ids: list[int], sampler: Sampler, stoppe
                          policy: Optional[WidthPolicy] = None, proposer: Optional[Proposer] = None) -> TokenOutput:
     """`policy` and `proposer` replace the ones `options` implies (tests, benchmarks)."""
     check_width(options.width)
-    proposer = proposer or make_proposer(engine, options, sampler, telemetry)
+    proposer = proposer or make_proposer(engine.drafters, engine.device, options, sampler, telemetry)
     policy = policy or WidthPolicy(options.width)
     max_width = max_width_on(engine)
     if options.width is not None and options.width > max_width:

@@ -1,7 +1,8 @@
 """Draft models: loading, checking the vocabulary, and building smaller drafters from a target.
 
-A drafter is an `engine.runtime.Engine` of its own (model, KV cache, step runner), cached on the
-target engine under the job's `drafter_path`, so a worker loads it once. `drafter_path` is
+A drafter is a `DraftModel`: a model with a KV cache and a step runner of its own (what a
+proposer needs, not an Engine). A target engine keeps its drafters in a `Drafters` (the
+engine's `drafters`), by the job's `drafter_path`, so a worker loads each once. `drafter_path` is
 
 - a checkpoint path (HF folder or GGUF), loaded on the target's device and dtype;
 - the target's own checkpoint path: the target drafts for itself, sharing its weights (no copy);
@@ -16,31 +17,98 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 from torch import nn
 
+from batchd.engine.checkpoint import load_checkpoint
+from batchd.engine.config import ModelConfig
 from batchd.engine.errors import BadInputError
-from batchd.engine.model import Transformer
+from batchd.engine.fused import KernelChoice
+from batchd.engine.kv_cache import ContiguousKVCache, KVCache
+from batchd.engine.model import Transformer, build_model, choose_fused_mlp
+from batchd.engine.step import StepRunner
+from batchd.engine.text import TextCodec
 
 
-def load_drafter(engine, drafter_path: str, telemetry=None):
-    """The drafter for `drafter_path`, loaded once per engine (kept in `engine._drafters`)."""
-    drafter = engine._drafters.get(drafter_path)
-    if drafter is None:
-        started = time.perf_counter()
-        drafter = _build_drafter(engine, drafter_path)
-        register_drafter(engine, drafter_path, drafter)
-        if telemetry is not None:
-            telemetry.drafter_load_s += time.perf_counter() - started
-    return drafter
+@dataclass
+class DraftTarget:
+    """What drafting needs to know of the target: its model (shared by self and truncated
+    drafters), tokenizer, checkpoint, context and step settings."""
+
+    model: Transformer
+    codec: Optional[TextCodec]
+    checkpoint_path: str
+    checkpoint_sha256: str
+    max_context: int
+    prefill_chunk: int
+    cuda_graphs: bool
+
+    @property
+    def config(self) -> ModelConfig:
+        return self.model.config
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    @property
+    def ops(self) -> KernelChoice:
+        return self.model.ops
 
 
-def register_drafter(engine, name: str, drafter) -> None:
-    """Make `drafter` (an Engine) available to jobs whose `drafter_path` is `name`."""
-    check_same_vocabulary(engine, drafter, name)
-    engine._drafters[name] = drafter
+@dataclass
+class DraftModel:
+    """A drafter: its model, its own KV cache and step runner, and the checkpoint it came from
+    (`checkpoint_sha256` goes into the job's fingerprint). An Engine has the same attributes, so
+    one may be registered as a drafter too."""
+
+    model: Transformer
+    codec: Optional[TextCodec]
+    cache: KVCache
+    runner: StepRunner
+    prefill_chunk: int
+    checkpoint_sha256: str
+    checkpoint_path: str
+
+    @property
+    def config(self) -> ModelConfig:
+        return self.model.config
+
+
+class Drafters:
+    """The draft models of one target engine, by `drafter_path` (each loaded once)."""
+
+    def __init__(self, target: DraftTarget):
+        self.target = target
+        self._loaded: dict[str, object] = {}
+
+    def get(self, drafter_path: str, telemetry=None):
+        """The drafter for `drafter_path`, loaded on first use (its time goes to `telemetry`)."""
+        drafter = self._loaded.get(drafter_path)
+        if drafter is None:
+            started = time.perf_counter()
+            drafter = _build_drafter(self.target, drafter_path)
+            self.register(drafter_path, drafter)
+            if telemetry is not None:
+                telemetry.drafter_load_s += time.perf_counter() - started
+        return drafter
+
+    def register(self, name: str, drafter) -> None:
+        """Make `drafter` (a DraftModel, or an Engine) available to jobs whose `drafter_path` is `name`."""
+        check_same_vocabulary(self.target, drafter, name)
+        self._loaded[name] = drafter
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._loaded
+
+    def __getitem__(self, name: str):
+        return self._loaded[name]
+
+    def clear(self) -> None:
+        self._loaded.clear()
 
 
 def check_same_vocabulary(target, drafter, name: str = "the drafter") -> None:
@@ -58,20 +126,30 @@ def check_same_vocabulary(target, drafter, name: str = "the drafter") -> None:
                 "pick one from the target's model family or use --spec lookup")
 
 
-def _build_drafter(engine, drafter_path: str):
+def _build_drafter(target: DraftTarget, drafter_path: str):
     path, layers = parse_drafter_path(drafter_path)
-    if engine.checkpoint_path and _same_file(path, engine.checkpoint_path):
-        base = engine
+    if target.checkpoint_path and _same_file(path, target.checkpoint_path):
+        base = target
     else:
-        from batchd.engine.runtime import Engine
-
         if not os.path.exists(path):
             raise BadInputError(f"drafter checkpoint {path} does not exist; give a GGUF file or a model folder")
-        base = Engine.load(path, device=str(engine.device), dtype=str(engine.model.dtype).removeprefix("torch."),
-                           max_context=engine.max_context, prefill_chunk=engine.prefill_chunk)
+        base = load_draft_model(target, path)
     if layers is None:
-        return base if base is not engine else self_drafter(engine)
+        return base if base is not target else self_drafter(target)
     return truncated_drafter(base, layers)
+
+
+def load_draft_model(target: DraftTarget, path: str) -> DraftModel:
+    """Another checkpoint as a drafter, on the target's device and dtype, with the target's
+    kernels and the step settings an engine loaded from `path` would have: the fused MLP where
+    the engine would choose it, and CUDA graphs on (the engine's default: the target's own
+    setting was never passed on)."""
+    ckpt = load_checkpoint(path, dtype=target.model.dtype)
+    model = build_model(ckpt.config, str(target.device), target.model.dtype, tensors=ckpt.tensors, source=str(path),
+                        ops=target.ops)
+    choose_fused_mlp(model)
+    codec = TextCodec(ckpt.tokenizer, ckpt.chat_template, ckpt.bos_token, ckpt.eos_token)
+    return _draft_model(model, codec, target.max_context, target.prefill_chunk, True, ckpt.sha256, str(path))
 
 
 def parse_drafter_path(drafter_path: str) -> tuple[str, Optional[int]]:
@@ -89,23 +167,27 @@ def _same_file(a: str, b: str) -> bool:
     return os.path.realpath(a) == os.path.realpath(b)
 
 
-def _drafter_engine(target, model: Transformer, sha256: str, path: str):
-    from batchd.engine.runtime import Engine
+def _draft_model(model: Transformer, codec, max_context: int, prefill_chunk: int, cuda_graphs: bool,
+                 sha256: str, path: str) -> DraftModel:
+    cache = ContiguousKVCache(model.config, max_context, model.device, model.dtype)
+    model.setup_rope(max_context)
+    return DraftModel(model, codec, cache, StepRunner(model, cache, cuda_graphs=cuda_graphs), prefill_chunk,
+                      sha256, path)
 
-    return Engine(model, target.codec, max_context=target.max_context, eos_ids=set(target.eos_ids),
-                  checkpoint_sha256=sha256, checkpoint_path=path, cuda_graphs=target.runner.cuda_graphs,
-                  prefill_chunk=target.prefill_chunk)
 
-
-def self_drafter(target):
+def self_drafter(target) -> DraftModel:
     """The target drafting for itself: its own model (shared weights) with a cache of its own.
-    Acceptance is 1.0 under greedy decoding: an upper bound for the speculative machinery."""
-    return _drafter_engine(target, target.model, target.checkpoint_sha256, target.checkpoint_path)
+    Acceptance is 1.0 under greedy decoding: an upper bound for the speculative machinery.
+    `target`: a DraftTarget (an engine's `drafters.target`)."""
+    return _draft_model(target.model, target.codec, target.max_context, target.prefill_chunk, target.cuda_graphs,
+                        target.checkpoint_sha256, target.checkpoint_path)
 
 
-def truncated_drafter(target, num_layers: int):
+def truncated_drafter(target, num_layers: int) -> DraftModel:
     """A drafter made of the target's first `num_layers` layers, its final norm and its head,
-    sharing the target's tensors (no memory beyond its own KV cache)."""
+    sharing the target's tensors (no memory beyond its own KV cache). `target`: a DraftTarget,
+    or a DraftModel loaded from another checkpoint (then its settings come from the DraftTarget
+    it was loaded for)."""
     total = target.config.num_layers
     if not 1 <= num_layers <= total:
         raise BadInputError(f"a truncated drafter needs 1..{total} layers of this {total}-layer model, got {num_layers}")
@@ -116,5 +198,15 @@ def truncated_drafter(target, num_layers: int):
     model.layers = nn.ModuleList(list(target.model.layers)[:num_layers])
     model.norm = target.model.norm
     model.lm_head = target.model.lm_head
-    return _drafter_engine(target, model.eval(), f"{target.checkpoint_sha256}#layers={num_layers}",
-                           f"{target.checkpoint_path}#layers={num_layers}")
+    model.use_ops(target.model.ops)
+    return _draft_model(model.eval(), target.codec, _max_context(target), target.prefill_chunk, _cuda_graphs(target),
+                        f"{target.checkpoint_sha256}#layers={num_layers}",
+                        f"{target.checkpoint_path}#layers={num_layers}")
+
+
+def _max_context(target) -> int:
+    return target.max_context if isinstance(target, DraftTarget) else target.cache.max_len
+
+
+def _cuda_graphs(target) -> bool:
+    return target.cuda_graphs if isinstance(target, DraftTarget) else target.runner.cuda_graphs

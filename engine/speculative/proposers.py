@@ -8,8 +8,8 @@ from (None: one-hot drafts). After verification it hears how many drafts the tar
   n tokens (n = 6 down to 2, longest first) in the prompt or the output, and proposes the tokens
   that followed it, more of them for a longer match. Strong where the output copies its input:
   summaries, extraction, rewriting.
-- `DraftModelProposer`: a small model with the target's vocabulary (an `Engine` of its own, with
-  its own KV cache) drafts autoregressively. Its cache follows the accepted tokens: rejected draft
+- `DraftModelProposer`: a small model with the target's vocabulary (a `DraftModel`, with its own
+  KV cache and step runner) drafts autoregressively. Its cache follows the accepted tokens: rejected draft
   rows are truncated and the accepted tail is fed at the next proposal.
 """
 from __future__ import annotations
@@ -88,7 +88,7 @@ class DraftModelProposer:
     holds rows for a prefix of the context (`cache.length` tokens of it)."""
 
     def __init__(self, drafter, sampler: Sampler):
-        self.drafter = drafter  # engine.runtime.Engine: model, cache, runner
+        self.drafter = drafter  # drafters.DraftModel (or an Engine): model, cache, runner, prefill_chunk
         self.sampler = sampler
         self.fed_drafts = 0  # draft tokens of the last proposal written to the drafter's cache
         self.context_rows = 0  # rows of the context in the drafter's cache before that proposal

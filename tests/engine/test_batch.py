@@ -8,7 +8,7 @@ import pytest
 
 from batchd.engine.batch import BatchOptions
 from batchd.engine.errors import PromptTooLongError
-from batchd.engine.runtime import Engine
+from batchd.engine.runtime import Engine, EngineConfig
 from batchd.engine.types import GenerationRequest, SamplingParams, SpeculationOptions
 
 pytestmark = pytest.mark.slow
@@ -18,7 +18,7 @@ TOPICS = ["the moon", "tea", "rivers", "prime numbers", "owls", "glass", "winter
 
 @pytest.fixture(scope="module")
 def engine(smollm2_gguf) -> Engine:
-    engine = Engine.load(str(smollm2_gguf), device="cpu", max_context=1024, prefill_chunk=64)
+    engine = Engine.load(str(smollm2_gguf), EngineConfig(max_context=1024, prefill_chunk=64))
     engine.batch_engine(BatchOptions(block_size=16, max_step_tokens=128))
     return engine
 
@@ -62,7 +62,7 @@ def test_prompt_lookup_verified_in_the_batch_changes_no_greedy_id(engine, alone)
 
 
 def test_a_pool_too_small_for_all_preempts_and_changes_no_id(smollm2_gguf, alone):
-    small = Engine.load(str(smollm2_gguf), device="cpu", max_context=1024, prefill_chunk=64)
+    small = Engine.load(str(smollm2_gguf), EngineConfig(max_context=1024, prefill_chunk=64))
     batch = small.batch_engine(BatchOptions(block_size=16, max_step_tokens=128, max_blocks=40))
     assert run(small, requests()) == alone
     assert batch.scheduler.preemptions > 0

@@ -9,7 +9,7 @@ import torch
 
 from batchd.engine.batch import BatchOptions
 from batchd.engine.presets import preset
-from batchd.engine.runtime import Engine, build_model
+from batchd.engine.runtime import Engine, EngineConfig, build_model
 from batchd.engine.types import GenerationRequest, SamplingParams, SpeculationOptions
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -30,7 +30,7 @@ def run(engine: Engine, prompts, news, *, spec: str = "none", order=None) -> dic
 def engine(request):
     config = preset(request.param)
     model = build_model(config, "cuda", torch.bfloat16, seed=3)
-    engine = Engine(model, None, max_context=4096, eos_ids=set(), prefill_chunk=256)
+    engine = Engine(model, None, EngineConfig(max_context=4096, prefill_chunk=256), eos_ids=set())
     engine.batch_engine(BatchOptions(block_size=64, max_step_tokens=1024))
     yield engine
     engine.close()
@@ -64,7 +64,7 @@ def test_lookup_speculation_changes_no_id(engine):
 def test_a_small_pool_preempts_and_changes_no_id(engine):
     prompts, news = workload(engine.config.vocab_size, 12, seed=2)
     want = run(engine, prompts, news)
-    small = Engine(engine.model, None, max_context=4096, eos_ids=set(), prefill_chunk=256)
+    small = Engine(engine.model, None, EngineConfig(max_context=4096, prefill_chunk=256), eos_ids=set())
     batch = small.batch_engine(BatchOptions(block_size=64, max_step_tokens=1024, max_blocks=40))
     got = run(small, prompts, news)
     assert got == want

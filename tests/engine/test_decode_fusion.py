@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from batchd.engine import model as model_module
-from batchd.engine.kv_cache import KVCache
+from batchd.engine.kv_cache import ContiguousKVCache
 from tests.engine.tiny_models import hf_model, ours_from_hf
 
 pytest.importorskip("transformers")
@@ -29,14 +29,14 @@ def test_fused_decode_layer_matches_transformers(arch, mlp, monkeypatch):
     tokens = torch.randint(0, 512, (1, 48), generator=torch.Generator().manual_seed(3))
     fused_calls = []
 
-    def fused_for_small_steps(x):
+    def fused_for_small_steps(x, ops):
         fused_calls.append(x.shape[1])
         return x.shape[0] * x.shape[1] <= 16
 
     monkeypatch.setattr(model_module, "decode_fusion_applies", fused_for_small_steps)
     with torch.no_grad():
         expected = hf(tokens).logits
-        cache = KVCache(ours.config, 64, "cpu", torch.float32)
+        cache = ContiguousKVCache(ours.config, 64, "cpu", torch.float32)
         chunks = [ours(tokens[:, :32], cache)]                          # prefill: op by op
         chunks += [ours(tokens[:, i : i + 1], cache) for i in range(32, 36)]  # decode: fused
         chunks.append(ours(tokens[:, 36:48], cache))                    # verify of 12 rows: fused

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from batchd.engine.errors import BadInputError, PromptTooLongError
-from batchd.engine.runtime import Engine
+from batchd.engine.runtime import Engine, EngineConfig
 from batchd.engine.generate import TokenOutput
 from batchd.engine.types import GenerationRequest, SamplingParams, Telemetry
 from tests.engine.tiny_models import ARCHITECTURES, hf_model, ours_from_hf
@@ -15,7 +15,7 @@ pytest.importorskip("transformers")
 
 def tiny_engine(name: str, max_context: int = 128, eos_ids=frozenset()) -> tuple[object, Engine]:
     hf = hf_model(name)
-    return hf, Engine(ours_from_hf(hf), None, max_context=max_context, eos_ids=set(eos_ids))
+    return hf, Engine(ours_from_hf(hf), None, EngineConfig(max_context=max_context), eos_ids=set(eos_ids))
 
 
 def run(engine: Engine, prompt: list[int], **sampling):

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from batchd.engine.presets import preset
-from batchd.engine.runtime import Engine, build_model
+from batchd.engine.runtime import Engine, EngineConfig, build_model
 from batchd.engine.types import GenerationRequest, SamplingParams
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -27,8 +27,8 @@ PROMPT = torch.randint(0, 49152, (300,), generator=torch.Generator().manual_seed
 
 def test_graph_replay_matches_eager_steps(model):
     """Greedy decoding replays the chain graph (forward, argmax, feed); eager steps argmax on the host."""
-    graphed = Engine(model, None, max_context=1024, eos_ids=set(), cuda_graphs=True)
-    eager = Engine(model, None, max_context=1024, eos_ids=set(), cuda_graphs=False)
+    graphed = Engine(model, None, EngineConfig(max_context=1024, cuda_graphs=True), eos_ids=set())
+    eager = Engine(model, None, EngineConfig(max_context=1024, cuda_graphs=False), eos_ids=set())
     assert greedy_ids(graphed, PROMPT) == greedy_ids(eager, PROMPT)
     assert set(graphed.runner._graphs) == {(1, False, True)}
     # a second job on the same engine: the chain's first token is fed again, the length follows
@@ -38,8 +38,8 @@ def test_graph_replay_matches_eager_steps(model):
 def test_greedy_chain_and_plain_graph_give_the_same_ids(model, monkeypatch):
     from batchd.engine.step import StepRunner
 
-    chained = Engine(model, None, max_context=1024, eos_ids=set())
-    plain = Engine(model, None, max_context=1024, eos_ids=set())
+    chained = Engine(model, None, EngineConfig(max_context=1024), eos_ids=set())
+    plain = Engine(model, None, EngineConfig(max_context=1024), eos_ids=set())
     monkeypatch.setattr(StepRunner, "chains", property(lambda self: False))
     want = greedy_ids(plain, PROMPT)
     monkeypatch.undo()
@@ -47,14 +47,14 @@ def test_greedy_chain_and_plain_graph_give_the_same_ids(model, monkeypatch):
 
 
 def test_second_job_after_long_job_matches_fresh(model):
-    engine = Engine(model, None, max_context=2048, eos_ids=set())
+    engine = Engine(model, None, EngineConfig(max_context=2048), eos_ids=set())
     greedy_ids(engine, PROMPT * 5, 32)
-    fresh = Engine(model, None, max_context=2048, eos_ids=set())
+    fresh = Engine(model, None, EngineConfig(max_context=2048), eos_ids=set())
     assert greedy_ids(engine, PROMPT) == greedy_ids(fresh, PROMPT)
 
 
 def test_kernel_attention_logits_close_to_sdpa(model):
-    engine = Engine(model, None, max_context=1024, eos_ids=set(), cuda_graphs=False)
+    engine = Engine(model, None, EngineConfig(max_context=1024, cuda_graphs=False), eos_ids=set())
     tokens = torch.tensor([PROMPT], device="cuda")
     with torch.inference_mode():
         engine.cache.reset()
@@ -89,7 +89,8 @@ def test_verify_rows_equal_decode_steps_bitwise(shape, width, mlp, monkeypatch):
     if mlp == "stream":
         monkeypatch.setitem(mlp_kernel.TUNED, (config.intermediate_size, config.hidden_size, 2),
                             mlp_kernel.FusedMlpConfig(stream=True))
-    engine = Engine(build_model(config, "cuda", torch.bfloat16, seed=2), None, max_context=1024, eos_ids=set())
+    engine = Engine(build_model(config, "cuda", torch.bfloat16, seed=2), None, EngineConfig(max_context=1024),
+                    eos_ids=set())
     assert engine.fused_mlp == (mlp != "chain")
     tokens = torch.randint(0, config.vocab_size, (1, 400), device="cuda", generator=None)
     with torch.inference_mode():
@@ -104,9 +105,10 @@ def test_verify_rows_equal_decode_steps_bitwise(shape, width, mlp, monkeypatch):
 def test_sparse_graph_replay_matches_eager_sparse_steps(model):
     """Sparse attention replayed from CUDA graphs (device-side summary update and block choice)
     gives what eager sparse steps give; past 2 * 4 * 64 rows the sparse rule is active."""
-    graphed = Engine(model, None, max_context=2048, eos_ids=set(), attention="sparse", sparse_top_k_blocks=4)
-    eager = Engine(model, None, max_context=2048, eos_ids=set(), attention="sparse", sparse_top_k_blocks=4,
-                   cuda_graphs=False)
+    graphed = Engine(model, None, EngineConfig(max_context=2048, attention="sparse", sparse_top_k_blocks=4),
+                     eos_ids=set())
+    eager = Engine(model, None, EngineConfig(max_context=2048, attention="sparse", sparse_top_k_blocks=4,
+                   cuda_graphs=False), eos_ids=set())
     prompt = PROMPT * 3  # 900 tokens
     assert graphed.runner._sparse_rule(1) is False  # empty cache: dense
     assert greedy_ids(graphed, prompt, 32) == greedy_ids(eager, prompt, 32)
@@ -114,10 +116,10 @@ def test_sparse_graph_replay_matches_eager_sparse_steps(model):
 
 
 def test_warm_up_captures_the_decode_graph_and_leaves_no_trace(model):
-    warmed = Engine(model, None, max_context=1024, eos_ids=set())
+    warmed = Engine(model, None, EngineConfig(max_context=1024), eos_ids=set())
     assert warmed.warm_up() > 0
     assert {(1, False, True), (1, False, False)} <= set(warmed.runner._graphs) and warmed.cache.length == 0
-    fresh = Engine(model, None, max_context=1024, eos_ids=set())
+    fresh = Engine(model, None, EngineConfig(max_context=1024), eos_ids=set())
     assert greedy_ids(warmed, PROMPT) == greedy_ids(fresh, PROMPT)
 
 
@@ -128,7 +130,7 @@ def test_greedy_ids_same_with_attention_kernel_and_sdpa_in_float32():
     model = build_model(preset("smollm2-135m"), "cuda", torch.float32, seed=3)
     ids = {}
     for use_kernel in (True, False):
-        engine = Engine(model, None, max_context=1024, eos_ids=set())
+        engine = Engine(model, None, EngineConfig(max_context=1024), eos_ids=set())
         model.use_attention_kernel = use_kernel
         ids[use_kernel] = greedy_ids(engine, PROMPT, 64)
     model.setup_rope(1024)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from batchd.engine.kv_cache import KVCache
+from batchd.engine.kv_cache import ContiguousKVCache
 from tests.engine.tiny_models import ARCHITECTURES, hf_model, ours_from_hf
 
 pytest.importorskip("transformers")
@@ -21,7 +21,7 @@ def pair(request):
 
 
 def new_cache(model, max_len=128):
-    return KVCache(model.config, max_len, "cpu", torch.float32)
+    return ContiguousKVCache(model.config, max_len, "cpu", torch.float32)
 
 
 def test_prefill_logits_match(pair):

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from batchd.engine.pflash import compress_for_request
-from batchd.engine.runtime import Engine
+from batchd.engine.runtime import Engine, EngineConfig
 from batchd.engine.types import CompressionOptions, GenerationRequest, Telemetry
 from tests.engine.test_pflash_helpers import NEEDLES, document_with_needles, smollm2_folder
 
@@ -50,7 +50,7 @@ def answers_after(engine: Engine, context_ids: list[int]) -> list[str]:
 
 @pytest.mark.slow
 def test_five_needles_survive_keep_ratio_0_1_and_answers_match():
-    engine = Engine.load(str(smollm2_folder()), max_context=8192)
+    engine = Engine.load(str(smollm2_folder()), EngineConfig(max_context=8192))
     codec = engine.codec
     document = document_with_needles(codec, DOCUMENT_TOKENS)
     questions = "\n".join(f"{i + 1}. {question}" for i, (_, question, _) in enumerate(NEEDLES))

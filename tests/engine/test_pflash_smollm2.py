@@ -10,8 +10,8 @@ import pytest
 from batchd.engine.capabilities import check_features
 from batchd.engine.config import ModelConfig
 from batchd.engine.errors import UnsupportedFeatureError
-from batchd.engine.pflash import compress_for_request, compressor_for
-from batchd.engine.runtime import Engine
+from batchd.engine.pflash import compress_for_request
+from batchd.engine.runtime import Engine, EngineConfig
 from batchd.engine.types import CompressionOptions, GenerationRequest, SamplingParams, Telemetry
 from tests.engine.test_pflash_helpers import llama3_tokenizer_json, long_paper_text, smollm2_folder, tiny_drafter
 
@@ -20,7 +20,7 @@ QUESTION = "Question: what problem does this paper address, and which method doe
 
 @pytest.fixture(scope="module")
 def engine() -> Engine:
-    return Engine.load(str(smollm2_folder()), max_context=8192)
+    return Engine.load(str(smollm2_folder()), EngineConfig(max_context=8192))
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +50,7 @@ def assert_in_order(pieces: list[str], text: str) -> None:
 def test_cross_tokenizer_keeps_fraction_head_tail_question_in_order(engine, llama3_drafter):
     prompt = paper_prompt(2600)
     ids, out, tel = compress(engine, prompt, mode="always", keep_ratio=0.2, drafter_path=llama3_drafter)
-    report = compressor_for(engine).last_report
+    report = engine.compressor.last_report
     view, sel = report.view, report.selection
     assert not view.same_tokenizer and view.ids != ids
     # the configured fraction of the drafter's chunks, within one chunk (only the prompt's last
@@ -74,7 +74,7 @@ def test_cross_tokenizer_keeps_fraction_head_tail_question_in_order(engine, llam
 
 def test_cross_tokenizer_reappends_a_cut_instruction(engine, llama3_drafter):
     ids, out, tel = compress(engine, paper_prompt(2600), mode="always", keep_ratio=0.02, drafter_path=llama3_drafter)
-    report = compressor_for(engine).last_report
+    report = engine.compressor.last_report
     assert report.instruction_reappended
     assert any("re-appended it whole" in n for n in tel.notes)
     text = engine.codec.decode(out, skip_special_tokens=False)
@@ -92,7 +92,7 @@ def test_self_drafting_compresses_and_generates(engine):
     result = engine.generate(request)
     tel = result.telemetry
     assert tel.compressed and any("target's own checkpoint drafts" in n for n in tel.notes)
-    report = compressor_for(engine).last_report
+    report = engine.compressor.last_report
     assert report.view.same_tokenizer
     assert result.effective_prompt_tokens == report.tokens_after < 0.35 * result.prompt_tokens
     assert result.prompt_tokens == tel.compress_tokens_before
@@ -151,7 +151,7 @@ def test_gate_refuses_a_drafter_of_an_unsupported_architecture(engine, tmp_path)
 def test_gate_needs_a_drafter_when_the_target_has_no_checkpoint():
     config = ModelConfig("llama", vocab_size=256, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
                          intermediate_size=64)
-    target = Engine.from_config(config, max_context=128, cuda_graphs=False)
+    target = Engine.from_config(config, EngineConfig(max_context=128, cuda_graphs=False))
     with pytest.raises(UnsupportedFeatureError, match="needs --compress-drafter PATH"):
         target.compress(list(range(50)), GenerationRequest(prompt="x", compression=CompressionOptions(mode="always")),
                         Telemetry())

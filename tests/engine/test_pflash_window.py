@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from batchd.engine.attention import attend
-from batchd.engine.kv_cache import KVCache
+from batchd.engine.kv_cache import ContiguousKVCache, KVCache
 from batchd.engine.pflash.scoring import score_prompt, score_tail
 from batchd.engine.pflash.window import ScoringWindow, prefill_windowed
 from tests.engine.tiny_models import hf_model, ours_from_hf
@@ -25,7 +25,7 @@ def exact_attention(q, k_cache, v_cache, start, scale):
 
 
 def prefilled(model, ids, attention, chunk, max_len=None) -> KVCache:
-    cache = KVCache(model.config, max_len or len(ids), model.device, model.dtype)
+    cache = ContiguousKVCache(model.config, max_len or len(ids), model.device, model.dtype)
     tokens = torch.tensor([ids])
     for begin in range(0, len(ids), chunk):
         prefill_windowed(model, tokens[:, begin : begin + chunk], cache, attention)
@@ -71,7 +71,7 @@ def test_blockwise_attention_matches_the_masked_reference(window, start, rows):
 def test_layer_loop_with_exact_attention_is_the_models_forward(tiny):
     ids = random_ids(90, seed=1)
     ours = prefilled(tiny, ids, exact_attention, chunk=40)
-    theirs = KVCache(tiny.config, len(ids), tiny.device, tiny.dtype)
+    theirs = ContiguousKVCache(tiny.config, len(ids), tiny.device, tiny.dtype)
     for begin in range(0, len(ids), 40):
         tiny(torch.tensor([ids[begin : begin + 40]]), theirs, last_only=True)
     assert ours.length == theirs.length == len(ids)
@@ -111,11 +111,11 @@ def test_bad_windows_are_refused(bad):
 
 def test_the_compressor_scores_long_prompts_windowed_and_says_so(tmp_path):
     from batchd.engine.pflash import PromptCompressor
-    from batchd.engine.runtime import Engine
+    from batchd.engine.runtime import Engine, EngineConfig
     from batchd.engine.types import CompressionOptions, Telemetry
     from tests.engine.test_pflash_helpers import llama3_tokenizer_json, tiny_drafter
 
-    engine = Engine.load(str(tiny_drafter(tmp_path / "tiny", llama3_tokenizer_json())), max_context=1024)
+    engine = Engine.load(str(tiny_drafter(tmp_path / "tiny", llama3_tokenizer_json())), EngineConfig(max_context=1024))
     ids = random_ids(600, seed=5, vocab=engine.config.vocab_size - 300)  # no special tokens
     options = CompressionOptions(mode="always", keep_ratio=0.5)
     notes = {}
@@ -129,16 +129,16 @@ def test_the_compressor_scores_long_prompts_windowed_and_says_so(tmp_path):
 
 
 def test_fingerprint_tells_how_long_prompts_were_scored():
-    from batchd.engine.pflash import PromptCompressor, ScoringWindow, set_compressor
-    from batchd.engine.runtime import Engine
+    from batchd.engine.pflash import PromptCompressor, ScoringWindow
+    from batchd.engine.runtime import Engine, EngineConfig
     from batchd.engine.types import CompressionOptions, GenerationRequest
     from tests.engine.tiny_models import hf_model, ours_from_hf
 
-    engine = Engine(ours_from_hf(hf_model("llama")), None, max_context=256, eos_ids=set())
+    engine = Engine(ours_from_hf(hf_model("llama")), None, EngineConfig(max_context=256), eos_ids=set())
     compressed = GenerationRequest(compression=CompressionOptions(mode="auto"))
     assert engine.fingerprint(GenerationRequest())["scoring_window"] is None       # no compression
     assert engine.fingerprint(compressed)["scoring_window"] == "w8192-b4096-s128"  # the default
-    set_compressor(engine, PromptCompressor(scoring_window=ScoringWindow(window=4096, block=2048, sink=64)))
+    engine.compressor = PromptCompressor(scoring_window=ScoringWindow(window=4096, block=2048, sink=64))
     assert engine.fingerprint(compressed)["scoring_window"] == "w4096-b2048-s64"
-    set_compressor(engine, PromptCompressor(scoring_window=None))
+    engine.compressor = PromptCompressor(scoring_window=None)
     assert engine.fingerprint(compressed)["scoring_window"] == "exact"

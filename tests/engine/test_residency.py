@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from batchd.engine.errors import CheckpointError, EngineError
-from batchd.engine.pflash import PromptCompressor, ensure_target_resident, set_compressor
+from batchd.engine.pflash import PromptCompressor, ensure_target_resident
 from batchd.engine.checkpoint import load_checkpoint
 from batchd.engine.residency import DrafterError, Residency, TargetRestoreError, drafter_bytes_needed
-from batchd.engine.runtime import Engine
+from batchd.engine.runtime import Engine, EngineConfig
 from batchd.engine.types import CompressionOptions, GenerationRequest, SamplingParams
 from tests.engine.test_pflash_helpers import llama3_tokenizer_json, long_paper_text, smollm2_folder, tiny_drafter
 
@@ -29,13 +29,13 @@ def drafter_path(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def engine() -> Engine:
-    return Engine.load(str(smollm2_folder()), max_context=2048)
+    return Engine.load(str(smollm2_folder()), EngineConfig(max_context=2048))
 
 
 @pytest.fixture(scope="module")
 def fresh_sha() -> str:
     """The plain job on a worker that never compressed anything."""
-    fresh = Engine.load(str(smollm2_folder()), max_context=2048)
+    fresh = Engine.load(str(smollm2_folder()), EngineConfig(max_context=2048))
     sha = fresh.generate(PLAIN_JOB).output_sha256
     fresh.close()
     return sha
@@ -54,7 +54,7 @@ def compressing_job(drafter_path: str) -> GenerationRequest:
 
 def use(engine, **residency_options) -> Residency:
     residency = Residency(**residency_options)
-    set_compressor(engine, PromptCompressor(residency))
+    engine.compressor = PromptCompressor(residency)
     return residency
 
 
@@ -86,7 +86,7 @@ def test_auto_parks_what_the_drafter_needs(engine, drafter_path, original_weight
         residency, parked = Residency(headroom_bytes=cache, free_bytes=lambda device: 0), "KV cache and weights"
     else:  # the cache alone makes room
         residency, parked = Residency(headroom_bytes=cache // 2, free_bytes=lambda device: needed), "KV cache"
-    set_compressor(engine, PromptCompressor(residency))
+    engine.compressor = PromptCompressor(residency)
     tel = engine.generate(job).telemetry
     assert tel.park_s > 0 and any(f"parked the target's {parked} " in n for n in tel.notes)
     assert_target_restored(engine, residency, original_weights)
@@ -207,7 +207,7 @@ def test_a_corrupt_drafter_checkpoint_fails_the_job_cleanly(engine, drafter_path
 def tiny_engine(tmp_path_factory) -> Engine:
     folder = tiny_drafter(tmp_path_factory.mktemp("tiny-target"), llama3_tokenizer_json(), seed=3,
                           architecture="qwen2")  # q/k/v biases too
-    return Engine.load(str(folder), max_context=256)
+    return Engine.load(str(folder), EngineConfig(max_context=256))
 
 
 def test_reload_reads_the_folder_into_the_fused_weights(tiny_engine):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from batchd.engine.runtime import Engine
+from batchd.engine.runtime import Engine, EngineConfig
 from batchd.engine.types import GenerationRequest, SamplingParams
 
 transformers = pytest.importorskip("transformers")
@@ -16,7 +16,7 @@ QUESTIONS = ["What is the capital of France?", "Name three primary colours."]
 
 @pytest.fixture(scope="module")
 def engine(smollm2_gguf) -> Engine:
-    return Engine.load(str(smollm2_gguf), device="cpu", max_context=2048)
+    return Engine.load(str(smollm2_gguf), EngineConfig(device="cpu", max_context=2048))
 
 
 @pytest.fixture(scope="module")

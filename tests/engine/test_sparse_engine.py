@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from batchd.engine.runtime import Engine
+from batchd.engine.runtime import Engine, EngineConfig
 from batchd.engine.types import GenerationRequest, SamplingParams
 from tests.engine.tiny_models import hf_model, ours_from_hf
 
@@ -14,9 +14,9 @@ pytest.importorskip("transformers")
 
 def engines(top_k_blocks: int = 4):
     model = ours_from_hf(hf_model("llama"))
-    dense = Engine(model, None, max_context=1024, eos_ids=set())
-    sparse = Engine(model, None, max_context=1024, eos_ids=set(), attention="sparse",
-                    sparse_top_k_blocks=top_k_blocks)
+    dense = Engine(model, None, EngineConfig(max_context=1024), eos_ids=set())
+    sparse = Engine(model, None, EngineConfig(max_context=1024, attention="sparse",
+                    sparse_top_k_blocks=top_k_blocks), eos_ids=set())
     return dense, sparse
 
 

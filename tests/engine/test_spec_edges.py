@@ -9,10 +9,10 @@ from tokenizers.models import WordLevel
 
 from batchd.engine.errors import BadInputError
 from batchd.engine.generate import generate_plain
-from batchd.engine.runtime import Engine
+from batchd.engine.runtime import Engine, EngineConfig
 from batchd.engine.sampling import Sampler
-from batchd.engine.speculative import (PromptLookupProposer, WidthPolicy, generate_speculative, register_drafter,
-                                self_drafter, truncated_drafter)
+from batchd.engine.speculative import (PromptLookupProposer, WidthPolicy, generate_speculative, self_drafter,
+                                truncated_drafter)
 from batchd.engine.speculative.adaptive import best_width
 from batchd.engine.speculative.decode import make_proposer
 from batchd.engine.stopping import StopChecker
@@ -23,14 +23,17 @@ from tests.engine.tiny_models import TINY, hf_model, ours_from_hf
 pytest.importorskip("transformers")
 
 WIDTHS = [1, 2, 4, 8, 16, None]
-DRAFTERS = {"self": lambda e: self_drafter(e), "first-layer": lambda e: truncated_drafter(e, 1)}
+DRAFTERS = {"self": lambda e: self_drafter(e.drafters.target),
+            "first-layer": lambda e: truncated_drafter(e.drafters.target, 1)}
 
 
-def tiny_engine(arch: str = "llama", max_context: int = 256, vocab_size: int = 512) -> Engine:
+def tiny_engine(arch: str = "llama", max_context: int = 256, vocab_size: int = 512, codec=None,
+                checkpoint_sha256: str = "") -> Engine:
     hf = hf_model(arch) if vocab_size == TINY["vocab_size"] else _hf_with_vocab(arch, vocab_size)
-    engine = Engine(ours_from_hf(hf), None, max_context=max_context, eos_ids=set())
+    engine = Engine(ours_from_hf(hf), codec, EngineConfig(max_context=max_context), eos_ids=set(),
+                    checkpoint_sha256=checkpoint_sha256)
     for name, build in DRAFTERS.items():
-        register_drafter(engine, name, build(engine))
+        engine.drafters.register(name, build(engine))
     return engine
 
 
@@ -203,7 +206,8 @@ def test_speculation_switches_itself_off_exactly_when_it_does_not_pay(drafter, d
     plain = run_direct(engine, StopChecker(set(), 120), None)
     options, telemetry = spec_options(f"draft-{drafter}", None), Telemetry()
     sampler = Sampler(SamplingParams(), engine.device)
-    proposer = CostedProposer(make_proposer(engine, options, sampler, telemetry), draft_s=draft_s)
+    proposer = CostedProposer(make_proposer(engine.drafters, engine.device, options, sampler, telemetry),
+                              draft_s=draft_s)
     spec = run_direct(engine, StopChecker(set(), 120), options, telemetry, proposer=proposer,
                       policy=WidthPolicy(clock=proposer))
     assert telemetry.spec_disabled == switched_off
@@ -213,12 +217,11 @@ def test_speculation_switches_itself_off_exactly_when_it_does_not_pay(drafter, d
 
 
 def test_fingerprint_names_the_drafter_checkpoint_only_when_a_drafter_drafts():
-    engine = tiny_engine()
-    engine.checkpoint_sha256 = "a" * 64
-    register_drafter(engine, "first-layer-of-a", truncated_drafter(engine, 1))
-    other = Engine(ours_from_hf(hf_model("llama", seed=1)), None, max_context=256, eos_ids=set(),
+    engine = tiny_engine(checkpoint_sha256="a" * 64)
+    engine.drafters.register("first-layer-of-a", truncated_drafter(engine.drafters.target, 1))
+    other = Engine(ours_from_hf(hf_model("llama", seed=1)), None, EngineConfig(max_context=256), eos_ids=set(),
                    checkpoint_sha256="b" * 64, checkpoint_path="other.gguf")
-    register_drafter(engine, "other.gguf", other)
+    engine.drafters.register("other.gguf", other)
     cases = [(SpeculationOptions(), None), (SpeculationOptions("lookup", drafter_path="other.gguf"), None),
              (SpeculationOptions("draft", drafter_path="other.gguf"), "b" * 64),
              (SpeculationOptions("draft", drafter_path="first-layer-of-a"), "a" * 64)]  # the file's hash
@@ -280,9 +283,9 @@ def test_prompt_lookup_prefers_the_longest_match_then_the_latest():
 
 def test_mismatched_vocabulary_is_refused_with_both_sizes():
     target = tiny_engine()
-    small = Engine(ours_from_hf(_hf_with_vocab("llama", 256)), None, max_context=256, eos_ids=set())
+    small = Engine(ours_from_hf(_hf_with_vocab("llama", 256)), None, EngineConfig(max_context=256), eos_ids=set())
     with pytest.raises(BadInputError, match=r"256 tokens, the target 512"):
-        register_drafter(target, "small", small)
+        target.drafters.register("small", small)
 
 
 def word_codec(words: list[str]) -> TextCodec:
@@ -290,11 +293,10 @@ def word_codec(words: list[str]) -> TextCodec:
 
 
 def test_same_size_but_different_tokenizer_is_refused():
-    target, drafter = tiny_engine(), tiny_engine()
-    target.codec = word_codec([f"w{i}" for i in range(512)])
-    drafter.codec = word_codec([f"v{i}" for i in range(512)])
+    target = tiny_engine(codec=word_codec([f"w{i}" for i in range(512)]))
+    drafter = tiny_engine(codec=word_codec([f"v{i}" for i in range(512)]))
     with pytest.raises(BadInputError, match="tokenizer"):
-        register_drafter(target, "other", drafter)
+        target.drafters.register("other", drafter)
 
 
 @pytest.mark.parametrize("options, message", [

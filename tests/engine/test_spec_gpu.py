@@ -9,10 +9,9 @@ import pytest
 import torch
 
 from batchd.engine.presets import preset
-from batchd.engine.runtime import Engine
+from batchd.engine.runtime import Engine, EngineConfig
 from batchd.engine.sampling import Sampler
-from batchd.engine.speculative import (PromptLookupProposer, generate_speculative, register_drafter, self_drafter,
-                                truncated_drafter)
+from batchd.engine.speculative import PromptLookupProposer, generate_speculative, self_drafter, truncated_drafter
 from batchd.engine.stopping import StopChecker
 from batchd.engine.types import GenerationRequest, SamplingParams, SpeculationOptions, Telemetry
 
@@ -25,9 +24,10 @@ PROMPT = _tokens + _tokens[:100]  # a repeat, so that prompt lookup finds matche
 
 @pytest.fixture(scope="module", params=["smollm2-135m", "qwen2.5-0.5b"])
 def engine(request):
-    engine = Engine.from_config(preset(request.param), device="cuda", dtype="bf16", max_context=1024, seed=1)
-    register_drafter(engine, "self", self_drafter(engine))
-    register_drafter(engine, "first-6-layers", truncated_drafter(engine, 6))
+    engine = Engine.from_config(preset(request.param), EngineConfig(device="cuda", dtype="bf16", max_context=1024),
+                                seed=1)
+    engine.drafters.register("self", self_drafter(engine.drafters.target))
+    engine.drafters.register("first-6-layers", truncated_drafter(engine.drafters.target, 6))
     yield engine
     engine.close()
 
@@ -73,7 +73,7 @@ def test_adaptive_width_identical_to_plain_on_gpu(engine, plain):
 
 
 def test_graphs_off_gives_the_same_speculative_output(engine, plain):
-    eager = Engine(engine.model, None, max_context=1024, eos_ids=set(), cuda_graphs=False)
-    register_drafter(eager, "self", self_drafter(eager))
+    eager = Engine(engine.model, None, EngineConfig(max_context=1024, cuda_graphs=False), eos_ids=set())
+    eager.drafters.register("self", self_drafter(eager.drafters.target))
     out, t = generate(eager, SpeculationOptions("draft", drafter_path="self", width=4))
     assert out.token_ids == plain and t.acceptance_rate == 1.0

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from batchd.engine import linear
-from batchd.engine.kv_cache import KVCache
+from batchd.engine.kv_cache import ContiguousKVCache
 from batchd.engine.linear import project
 from batchd.engine.speculative.verify import certified_argmax
 from tests.engine.tiny_models import ARCHITECTURES, hf_model, ours_from_hf
@@ -96,7 +96,7 @@ def test_fp32_small_steps_take_the_onednn_route():
 def decode_then_verify_logits(model, prompt, continuation, width):
     """Logits of `continuation` fed one token at a time, and fed in verify steps of `width` + 1."""
     with torch.inference_mode():
-        cache = KVCache(model.config, 256, "cpu", torch.float32)
+        cache = ContiguousKVCache(model.config, 256, "cpu", torch.float32)
         model(prompt, cache)
         decoded = torch.cat([model(continuation[:, t : t + 1], cache) for t in range(continuation.shape[1])], dim=1)
         cache.reset()

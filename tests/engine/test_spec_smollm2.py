@@ -13,7 +13,7 @@ import functools
 import pytest
 
 from batchd.samples import aclsum_papers
-from batchd.engine.runtime import Engine
+from batchd.engine.runtime import Engine, EngineConfig
 from batchd.engine.types import GenerationRequest, SamplingParams, SpeculationOptions
 
 WIDTHS = [1, 2, 4, 8, 16]
@@ -42,7 +42,7 @@ def prompts() -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def engine(smollm2_gguf) -> Engine:
-    return Engine.load(str(smollm2_gguf), device="cpu", dtype="float32", max_context=2048)
+    return Engine.load(str(smollm2_gguf), EngineConfig(device="cpu", dtype="float32", max_context=2048))
 
 
 @pytest.fixture(scope="module")
@@ -104,8 +104,8 @@ def test_smollm2_drafting_for_itself_accepts_every_draft(engine, plain, prompt, 
 
 
 def test_drafters_share_the_targets_weights(engine, plain):
-    truncated = engine._drafters[drafter(engine, "first-6-layers")]
-    itself = engine._drafters[drafter(engine, "self")]
+    truncated = engine.drafters[drafter(engine, "first-6-layers")]
+    itself = engine.drafters[drafter(engine, "self")]
     assert truncated.config.num_layers == 6 and truncated.model.layers[5] is engine.model.layers[5]
     assert truncated.model.lm_head is engine.model.lm_head and itself.model is engine.model
     assert truncated.cache is not engine.cache and itself.cache is not engine.cache

@@ -272,6 +272,9 @@ class Engine:
             self._batch = BatchEngine(self.model, self.cache, max_context=self.max_context,
                                       prefill_chunk=self.prefill_chunk, eos_ids=self.eos_ids,
                                       decode_text=self.codec.decode if self.codec else None, options=options)
+            if self.attention == "sparse":   # accepted, but it has no effect there: say so
+                self._batch.notes.append("attention=sparse has no effect in the batch engine: its decode rows "
+                                         "attend densely over the paged cache (kernels.paged_attention)")
         return self._batch
 
     def release_batch_engine(self) -> None:

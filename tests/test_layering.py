@@ -16,7 +16,6 @@ import ast
 import sys
 from pathlib import Path
 
-import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 # import prefix -> repository folder (setup.py's package_dir mapping)

@@ -24,6 +24,7 @@ from batchd.engine.batch.scheduler import PromptChunk, Scheduler, StepPlan
 from batchd.engine.batch.sequence import Sequence, SequenceStatus
 from batchd.engine.errors import BadInputError, PromptTooLongError
 from batchd.engine.sampling import Sampler
+from batchd.engine.speculative.adaptive import best_width
 from batchd.engine.speculative.proposers import PromptLookupProposer
 from batchd.engine.speculative.verify import rejection_sample
 from batchd.engine.stopping import StopChecker
@@ -48,7 +49,7 @@ class BatchOptions:
     kv_memory_fraction: float = 0.9
     max_blocks: Optional[int] = None
     prefix_sharing: bool = True
-    lookup_width: int = 4
+    max_lookup_width: int = 8
     prefill_chunk: Optional[int] = None   # prompt tokens a chunk (a multiple of block_size); None: the engine's
     batch_invariant: bool = True   # False: one GEMM over every decode row (benchmarks measure the difference)
     cuda_graphs: bool = True
@@ -80,6 +81,11 @@ class BatchEngine:
         self._next_id = 0
         self._proposers: dict[int, PromptLookupProposer] = {}
         self.steps = 0
+        self.notes: list[str] = []   # feature-gate notes every result of this engine carries
+        # speculation's budget: seconds of decode-only steps per row bucket (moving averages), and
+        # the draft rows this step may still take
+        self._bucket_seconds: dict[int, float] = {}
+        self._draft_rows = 0
         self.last_plan: Optional[StepPlan] = None
 
     @property
@@ -125,6 +131,8 @@ class BatchEngine:
     @torch.inference_mode()
     def step(self) -> list[Sequence]:
         """Run one step; return the sequences that finished in it (cancelled ones included)."""
+        self._draft_rows = self._draft_row_budget()
+        began = time.perf_counter()
         plan = self.last_plan = self.scheduler.plan(self._drafts_for)
         finished = list(plan.finished)
         now = time.perf_counter()
@@ -135,6 +143,8 @@ class BatchEngine:
             self._prefill_chunk(chunk, finished)
         if plan.decode or plan.replay:
             self._run_rows(plan, finished)
+            if not plan.chunks and not plan.replay:   # the rows' read-back synchronised the step
+                self._time_bucket(sum(1 + len(d) for _, d in plan.decode), time.perf_counter() - began)
         self.steps += 1
         for seq in finished:
             seq.finished_at = time.perf_counter()
@@ -155,16 +165,56 @@ class BatchEngine:
                 first = seq.sampler.sample(logits[0, -1]).item()
                 self._accept(seq, [first], finished)
 
+    # ---- speculation in the batch ------------------------------------------------------------
+    #
+    # A verify lane is one more row of the step. Rows are computed in buckets (CUDA: slabs of
+    # `slab_rows`; the CPU: groups of 17), so lanes that fill the plain decode rows' last bucket
+    # cost little, and a lane that opens a new bucket costs what the measured step times of the
+    # two buckets say. Drafts are offered only within the rows that pay: at a large batch, where
+    # the decode rows fill their buckets and a bigger bucket measured slower than the tokens its
+    # lanes are expected to add, speculation turns itself off. Each sequence's width follows its
+    # own acceptance (engine.speculative.adaptive.best_width).
+
+    def _row_step(self) -> int:
+        return (self.options.slab_rows if self.device.type == "cuda" else 17) or 64
+
+    def _draft_row_budget(self) -> int:
+        running = [s for s in self.scheduler.running if s.decoding]
+        speculating = [s for s in running if s.seq_id in self._proposers]
+        if not speculating:
+            return 0
+        plain, step = len(running), self._row_step()
+        bucket = -(-plain // step) * step
+        budget = bucket - plain
+        t_now, t_next = self._bucket_seconds.get(bucket), self._bucket_seconds.get(bucket + step)
+        alpha = sum(s.spec_alpha for s in speculating) / len(speculating)
+        if t_next is None or t_now is None:
+            # not measured yet: try the next bucket once, so that its cost gets measured
+            return budget + (step if t_now is not None and t_next is None else 0)
+        # a full extra bucket of lanes adds about `step * alpha` tokens to `plain` a step
+        if t_next / t_now < 1 + step * alpha / plain:
+            budget += step
+        return budget
+
+    def _time_bucket(self, rows: int, seconds: float) -> None:
+        step = self._row_step()
+        bucket = -(-rows // step) * step
+        old = self._bucket_seconds.get(bucket)
+        self._bucket_seconds[bucket] = seconds if old is None else 0.8 * old + 0.2 * seconds
+
     def _drafts_for(self, seq: Sequence) -> list[int]:
         proposer = self._proposers.get(seq.seq_id)
-        if proposer is None:
+        if proposer is None or self._draft_rows <= 0:
             return []
         room = seq.request.sampling.max_new_tokens - len(seq.generated) - 1
-        width = min(self.options.lookup_width if seq.request.speculation.width is None else seq.request.speculation.width,
-                    room, MAX_DRAFTS)
+        fixed = seq.request.speculation.width
+        width = fixed if fixed is not None else best_width(seq.spec_alpha, 0.05)
+        width = min(width, room, self._draft_rows, MAX_DRAFTS, self.options.max_lookup_width if fixed is None else MAX_DRAFTS)
         if width < 1:
             return []
-        return proposer.propose(seq.tokens(), width).tokens.tolist()
+        drafts = proposer.propose(seq.tokens(), width).tokens.tolist()
+        self._draft_rows -= len(drafts)
+        return drafts
 
     def _run_rows(self, plan: StepPlan, finished: list[Sequence]) -> None:
         tokens, positions, tables = [], [], []
@@ -202,6 +252,9 @@ class BatchEngine:
             self._accept(seq, new, finished)
 
     def _record_spec(self, seq: Sequence, offered: int, accepted: int) -> None:
+        # P(a draft is accepted | the ones before it were), a moving average over recent steps
+        seq.spec_alpha = 0.7 * seq.spec_alpha + 0.3 * (accepted / (accepted + (accepted < offered)) if accepted
+                                                          or offered else 0.0)
         seq.spec_steps += 1
         seq.spec_offered += offered
         seq.spec_accepted += accepted

@@ -27,7 +27,7 @@ def generate_many(engine, requests: Iterable[GenerationRequest], *, cancelled=No
     live: dict[int, tuple[int, Sequence, Telemetry, int, GenerationRequest, float]] = {}
     for index, request in enumerate(requests):
         started = time.perf_counter()
-        telemetry = Telemetry(device=str(engine.device), notes=list(engine.notes))
+        telemetry = Telemetry(device=str(engine.device), notes=list(engine.notes) + batch.notes)
         try:
             prompt_ids = engine.codec.encode_request(request.prompt, request.messages, request.chat)
             effective = engine.compress(prompt_ids, request, telemetry)

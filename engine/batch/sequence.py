@@ -46,6 +46,7 @@ class Sequence:
     spec_accepted: int = 0
     spec_accepted_at: list[int] = field(default_factory=list)
     spec_offered_at: list[int] = field(default_factory=list)
+    spec_alpha: float = 0.7                               # its acceptance estimate (the prior first)
     # wall-clock marks (time.perf_counter) and batch sizes seen while running
     arrived_at: float = field(default_factory=time.perf_counter)
     first_scheduled_at: Optional[float] = None

@@ -384,6 +384,9 @@ def _drop_step_graphs(engine) -> None:
     captured again on first use)."""
     runner = engine.runner
     engine.runner = StepRunner(engine.model, engine.cache, cuda_graphs=runner.cuda_graphs)
+    batch = getattr(engine, "batch", None)   # the batch engine's row graphs read the weights too
+    if batch is not None:
+        batch.rows.drop_graphs()
 
 
 def checkpoint_stamp(folder: str) -> list[tuple[str, int, int]]:

@@ -277,6 +277,11 @@ class Engine:
                                          "attend densely over the paged cache (kernels.paged_attention)")
         return self._batch
 
+    @property
+    def batch(self):
+        """The batch engine if one was built (`batch_engine()` builds it), else None."""
+        return self._batch
+
     def release_batch_engine(self) -> None:
         """Give the batch engine's KV pool back (the next `batch_engine()` builds a new one)."""
         self._batch = None

@@ -13,6 +13,7 @@ from typing import Iterable, Iterator, Union
 
 from batchd.engine.batch.sequence import Sequence
 from batchd.engine.errors import EngineError
+from batchd.engine.pflash import ensure_target_resident
 from batchd.engine.hashes import sha256_hex, token_ids_sha256
 from batchd.engine.stopping import cut_at_stop_string
 from batchd.engine.types import GenerationRequest, GenerationResult, Telemetry
@@ -23,6 +24,7 @@ Outcome = Union[GenerationResult, EngineError]
 def generate_many(engine, requests: Iterable[GenerationRequest], *, cancelled=None) -> Iterator[tuple[int, Outcome]]:
     """Yield (index of the request, its result or error) as each finishes. `cancelled(index)`, if
     given, is asked before every step: True removes that request within the step (no result)."""
+    ensure_target_resident(engine)   # an earlier job's failed unpark is retried before these
     batch = engine.batch_engine()
     live: dict[int, tuple[int, Sequence, Telemetry, int, GenerationRequest, float]] = {}
     for index, request in enumerate(requests):

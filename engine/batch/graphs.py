@@ -22,6 +22,11 @@ class RowRunner:
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._pool = None
 
+    def drop_graphs(self) -> None:
+        """Forget every captured graph (parking moved the weights they read); capture again on use."""
+        self._graphs.clear()
+        self._pool = None
+
     def bucket(self, rows: int) -> int:
         step = self.slab_rows or 16
         return -(-rows // step) * step

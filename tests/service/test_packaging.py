@@ -1,7 +1,7 @@
 """An installed wheel runs the service, not only a checkout: the wheel carries the Alembic
 migrations (setup.py installs migrations/ as batchd.migrations), and `batchd db upgrade` from the
-installed copy brings a new database to the head revision. Until stop 31 the wheel had no
-migrations, and every command of an installed batchd failed on its schema check."""
+installed copy brings a new database to the head revision. A wheel without the migrations fails
+every command of an installed batchd on its schema check."""
 from __future__ import annotations
 
 import os

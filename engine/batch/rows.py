@@ -20,6 +20,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from batchd.engine import fused
 from batchd.engine.attention import attend_lane_cpu
 from batchd.engine.linear import CPU_INVARIANT_ROWS, project_rows_cpu
 from batchd.kernels.paged_attention import paged_decode_attention
@@ -73,13 +74,6 @@ def norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     return rms_norm(x, weight, eps)[0]
 
 
-def rotate_rows(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [N, H, D]; cos, sin: [N, D] float32 -> x rotated ("rotate half", as engine.fused.rotate)."""
-    cos, sin = cos[:, None].to(x.dtype), sin[:, None].to(x.dtype)
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
-
-
 def attend_rows(q: torch.Tensor, cache, layer: int, rows: RowBatch, scale: float) -> torch.Tensor:
     """q: [N, Hq, D] -> [N, Hq, D], each row over its own sequence's first seq_lens[n] positions."""
     keys, values = cache.keys[layer], cache.values[layer]
@@ -112,7 +106,8 @@ def forward_rows(model, cache, rows: RowBatch, *, slab_rows: Optional[int]) -> t
         if attn.q_norm is not None:  # qwen3: per-head norms before rope
             q = norm_rows(q.reshape(-1, D), attn.q_norm.weight, attn.q_norm.eps).view(-1, Hq, D)
             k = norm_rows(k.reshape(-1, D), attn.k_norm.weight, attn.k_norm.eps).view(-1, Hkv, D)
-        q, k = rotate_rows(q, cos, sin), rotate_rows(k, cos, sin)
+        # rows as the leading axis: cos, sin [N, 1, D] broadcast over the heads
+        q, k = fused.rotate(q, cos[:, None], sin[:, None]), fused.rotate(k, cos[:, None], sin[:, None])
         cache.write(i, k, v, rows.write_blocks, rows.write_offsets)
         out = attend_rows(q, cache, i, rows, attn.scale).reshape(-1, Hq * D)
         hidden = hidden + project_invariant(out, attn.o_proj.weight, None, slab_rows, attn.o_proj)

@@ -54,6 +54,9 @@ class Settings:
     queue_lease_s: float = 300.0  # a queued job unclaimed this long may be republished
     max_attempts: int = 3  # worker losses before a job fails for good
     relay_interval_s: float = 1.0
+    max_jobs: Optional[int] = None  # jobs in flight per worker; None: what the KV pool fits (batchd.worker)
+    drain_grace_s: float = 60.0  # SIGTERM: seconds to finish jobs in flight before requeueing them
+    cancel_poll_s: float = 1.0  # how often a worker looks for cancelled jobs among its own
 
     @property
     def queue_name(self) -> str:
@@ -112,9 +115,11 @@ class Settings:
             "attention": str(get("attention") or "dense"),
             "sparse_top_k_blocks": _opt_int(get("sparse_top_k_blocks")) or 64,
             "queue_prefix": str(get("queue_prefix") or "batchd"),
+            "max_jobs": _opt_int(get("max_jobs")),
         }
         for name, convert in (("job_time_limit_s", float), ("lease_s", float), ("queue_lease_s", float),
-                              ("max_attempts", int), ("relay_interval_s", float)):
+                              ("max_attempts", int), ("relay_interval_s", float), ("drain_grace_s", float),
+                              ("cancel_poll_s", float)):
             value = get(name)
             if value is not None:
                 fields[name] = convert(value)
@@ -127,6 +132,10 @@ class Settings:
             raise ValueError(f"model name {self.model_name!r}: use letters, digits, '.', '_' or '-' (at most 64)")
         if self.lease_s <= 0 or self.queue_lease_s <= 0 or self.job_time_limit_s <= 0:
             raise ValueError("BATCHD_LEASE_S, BATCHD_QUEUE_LEASE_S and BATCHD_JOB_TIME_LIMIT_S must be positive")
+        if self.max_jobs is not None and self.max_jobs < 1:
+            raise ValueError("--max-jobs (BATCHD_MAX_JOBS) must be at least 1")
+        if self.drain_grace_s < 0 or self.cancel_poll_s <= 0:
+            raise ValueError("BATCHD_DRAIN_GRACE_S must be >= 0 and BATCHD_CANCEL_POLL_S > 0")
         if self.max_attempts < 1:
             raise ValueError("BATCHD_MAX_ATTEMPTS must be at least 1")
 

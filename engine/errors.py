@@ -43,3 +43,9 @@ class UnsupportedFeatureError(EngineError, ValueError):
 class DeviceOutOfMemoryError(EngineError):
     kind = "oom"
     retryable = True
+
+
+class InternalError(EngineError):
+    """A bug met while running a job (the worker log has the traceback); the job fails, the worker goes on."""
+
+    kind = "internal"

@@ -90,6 +90,13 @@ class Telemetry:
     compress_tokens_before: Optional[int] = None
     compress_drafter_tokens_kept: Optional[int] = None
     compress_s: float = 0.0
+    # the batch (engine.batch): seconds queued in the engine before the first step that ran the
+    # job, against seconds from then to its end; the mean number of sequences per decode step
+    # while it decoded; how often it was preempted (its blocks freed and recomputed)
+    slot_wait_s: float = 0.0
+    running_s: float = 0.0
+    batch_size_mean: Optional[float] = None
+    preemptions: int = 0
     # device
     peak_device_memory_bytes: Optional[int] = None
     device: str = "cpu"

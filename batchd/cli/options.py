@@ -54,7 +54,8 @@ def params_from_options(options: dict[str, Any]) -> dict[str, Any]:
     return params
 
 
-MODEL_OPTIONS = ("model_path", "model_name", "device", "dtype", "max_context", "attention", "sparse_top_k_blocks")
+MODEL_OPTIONS = ("model_path", "model_name", "device", "dtype", "max_context", "attention", "sparse_top_k_blocks",
+                 "max_jobs")
 
 
 def model_options(func: Callable) -> Callable:
@@ -67,6 +68,8 @@ def model_options(func: Callable) -> Callable:
         click.option("--device", envvar="BATCHD_DEVICE", help="cpu, cuda or cuda:N (default cpu)."),
         click.option("--dtype", envvar="BATCHD_DTYPE", help="float32, bfloat16 or float16 (default: by device)."),
         click.option("--max-context", type=int, envvar="BATCHD_MAX_CONTEXT", help="KV cache rows (default: model's)."),
+        click.option("--max-jobs", type=int, envvar="BATCHD_MAX_JOBS",
+                     help="Jobs in flight in this worker's batch (default: what its KV pool fits of 4K-token jobs)."),
         click.option("--attention", type=click.Choice(["dense", "sparse"]), envvar="BATCHD_ATTENTION",
                      help="Decode/verify attention: dense (default; exact) or sparse top-k key blocks past "
                           "2 x budget rows (faster at 128K, may change outputs)."),

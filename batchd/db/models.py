@@ -167,6 +167,10 @@ class Result(Base):
     compress_tokens_before: Mapped[Optional[int]]
     compress_drafter_tokens_kept: Mapped[Optional[int]]
     compress_s: Mapped[float]
+    slot_wait_s: Mapped[float] = mapped_column(server_default="0")  # in the engine, before its first step
+    running_s: Mapped[float] = mapped_column(server_default="0")  # first step -> finished
+    batch_size_mean: Mapped[Optional[float]]  # sequences per decode step while it decoded
+    preemptions: Mapped[int] = mapped_column(server_default="0")
     peak_device_memory_bytes: Mapped[Optional[int]] = mapped_column(BigInteger)
     device: Mapped[str] = mapped_column(String(64))
     notes: Mapped[list[Any]]

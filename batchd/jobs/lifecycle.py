@@ -106,6 +106,12 @@ CLAIM = Transition("running", durable=False, cas=(
             attempts=JOBS.c.attempts + 1)
     .returning(*CLAIMED_COLUMNS)))
 RENEW_LEASE = Transition(None, durable=False, cas=_running_job_of_worker(lease_expires_at=LEASE_UNTIL))
+JOBS_IN = bindparam("jobs", expanding=True)
+RENEW_LEASES = Transition(None, durable=False, cas=(
+    update(JOBS).where(JOBS.c.id.in_(JOBS_IN), JOBS.c.status == JobStatus.RUNNING, JOBS.c.worker_id == WORKER)
+    .values(lease_expires_at=LEASE_UNTIL).returning(JOBS.c.id)))
+STILL_OURS = select(JOBS.c.id).where(JOBS.c.id.in_(JOBS_IN), JOBS.c.status == JobStatus.RUNNING,
+                                     JOBS.c.worker_id == WORKER)
 COMPLETE = Transition("succeeded", with_result=True, cas=_running_job_of_worker(
     status=JobStatus.SUCCEEDED, succeeded_at=NOW, lease_expires_at=None, error_kind=None, error_message=None,
     retryable=None))
@@ -136,6 +142,25 @@ def renew_lease(url: str, job_id: int, worker_id: str, lease_s: float) -> bool:
     now = utcnow()
     return bool(RENEW_LEASE.run(url, {"job": job_id, "worker": worker_id, "now": now,
                                       "lease_until": now + timedelta(seconds=lease_s)}))
+
+
+def renew_leases(url: str, job_ids: list[int], worker_id: str, lease_s: float) -> set[int]:
+    """`renew_lease` for many jobs in one statement; the ids still ours (renewed)."""
+    if not job_ids:
+        return set()
+    now = utcnow()
+    rows = RENEW_LEASES.run(url, {"jobs": list(job_ids), "worker": worker_id, "now": now,
+                                  "lease_until": now + timedelta(seconds=lease_s)})
+    return {row.id for row in rows}
+
+
+def still_ours(url: str, job_ids: list[int], worker_id: str) -> set[int]:
+    """Of `job_ids`, those still running under this worker (a read: the others were cancelled,
+    expired or taken over, and their work should stop)."""
+    if not job_ids:
+        return set()
+    with db_engine(url).connect() as connection:
+        return set(connection.execute(STILL_OURS, {"jobs": list(job_ids), "worker": worker_id}).scalars())
 
 
 def complete(url: str, job_id: int, worker_id: str, result: dict[str, Any]) -> bool:

@@ -1,22 +1,25 @@
-"""Run one job on the worker's resident engine: claim, generate, persist.
+"""Run one job on the worker's batch: claim, hand it to the engine loop, persist.
 
-    claim (CAS queued -> running)  ->  build the request  ->  engine.generate
+    claim (CAS queued -> running)  ->  build the request  ->  engine loop (joins the batch)
         ->  result + succeeded in one transaction       (or failed with kind and message)
 
-An `EngineError` fails the job at once with its kind, message and retryable flag; any other
-exception from the engine is a bug: it is logged with its traceback and the job fails as
-`internal`, and the worker goes on with the next job. Database or broker trouble is
-transient: the claim is released and the task retried with backoff.
+Each Celery task thread runs `JobRunner.run(job_id)` for one job and waits for the engine loop
+(batchd.jobs.engine_loop) to finish it beside the other jobs in flight. An `EngineError` fails
+the job at once with its kind, message and retryable flag; a bug inside the engine fails the
+job as `internal`, and the worker goes on. Past the soft time limit the job is taken out of the
+batch and fails as `timeout`. Database or broker trouble is transient: a finished result is
+kept and its commit retried for up to `COMMIT_PATIENCE_S`; otherwise the claim is released
+and the task retried with backoff. A job the loop hands back (out of memory, shutdown) is
+released to the queue and retried.
 """
 from __future__ import annotations
 
 import dataclasses
 import logging
-import signal
 import socket
 import threading
 import time
-from contextlib import contextmanager
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Optional
@@ -35,14 +38,11 @@ log = logging.getLogger(__name__)
 TELEMETRY_FIELDS = tuple(f.name for f in dataclasses.fields(Telemetry))
 FINGERPRINT_COLUMNS = ("target_sha256", "drafter_sha256", "drafter_path", "dtype", "kv_dtype", "temperature",
                        "top_k", "top_p", "seed", "max_new_tokens", "spec_width", "keep_ratio")
+COMMIT_PATIENCE_S = 120.0   # how long a finished result waits for the database before it is given up
 
 
 class TransientJobError(Exception):
-    """The database or broker failed under the job: retry the task later."""
-
-
-class JobTimeLimitExceeded(Exception):
-    pass
+    """The database or broker failed under the job, or the batch handed it back: retry later."""
 
 
 @dataclass
@@ -52,14 +52,20 @@ class RunningJob:
 
 
 class JobRunner:
-    """Holds the engine and this worker's identity; `run(job_id)` is the Celery task's body."""
+    """This worker's identity, its engine loop (`jobs`: submit/cancel, batchd.jobs.engine_loop)
+    and the jobs it holds; `run(job_id)` is the Celery task's body, called from many threads."""
 
-    def __init__(self, settings: Settings, engine, worker_id: str):
+    def __init__(self, settings: Settings, jobs, worker_id: str):
         self.settings = settings
-        self.engine = engine
+        self.jobs = jobs
         self.worker_id = worker_id
         self.host = socket.gethostname()
-        self.current: Optional[RunningJob] = None  # read by the lease keeper thread
+        self._lock = threading.Lock()
+        self._in_flight: dict[int, RunningJob] = {}  # read by the lease keeper thread
+
+    def in_flight(self) -> list[RunningJob]:
+        with self._lock:
+            return list(self._in_flight.values())
 
     def run(self, job_id: int) -> str:
         """Process one delivery of `job_id`; returns what happened (for logs and tests)."""
@@ -72,48 +78,76 @@ class JobRunner:
                 return "ignored"
         except (OperationalError, DBAPIError) as exc:
             raise TransientJobError(f"database unavailable while claiming job {job_id}: {exc}") from exc
-        self.current = RunningJob(job_id, time.monotonic())
+        with self._lock:
+            self._in_flight[job_id] = RunningJob(job_id, time.monotonic())
         try:
             return self._run_claimed(job)
         except (OperationalError, DBAPIError) as exc:
             self._release(job_id, f"database error: {type(exc).__name__}")
             raise TransientJobError(f"database unavailable while running job {job_id}: {exc}") from exc
         finally:
-            self.current = None
+            with self._lock:
+                self._in_flight.pop(job_id, None)
 
     def _run_claimed(self, job) -> str:
         url, job_id = self.settings.database_url, job.id
         started_at = utcnow()
         try:
             request = build_request(job.prompt, job.messages, job.params)
-            with time_limit(self.settings.soft_time_limit_s):
-                generated = self.engine.generate(request)
         except EngineError as exc:
-            lifecycle.fail(url, job_id, self.worker_id, exc.kind, exc.message, exc.retryable)
-            log.info("job %s failed: %s: %s", job_id, exc.kind, exc.message)
-            return "failed"
-        except JobTimeLimitExceeded:
+            return self._fail(job_id, exc)
+        outcome = self._wait(job_id, self.jobs.submit(job_id, request))
+        if outcome.error is not None:
+            return self._fail(job_id, outcome.error)
+        if outcome.cancelled == "timeout":
             message = (f"the job ran past its {self.settings.soft_time_limit_s:.0f} s limit: lower max_new_tokens, "
                        "or raise BATCHD_JOB_TIME_LIMIT_S")
             lifecycle.fail(url, job_id, self.worker_id, "timeout", message, True)
             return "failed"
-        except (OperationalError, DBAPIError):
-            raise
-        except Exception as exc:  # a bug: keep the traceback in the log, fail this job, keep the worker
-            log.exception("job %s: internal error", job_id)
-            lifecycle.fail(url, job_id, self.worker_id, "internal",
-                           f"{type(exc).__name__}: {exc} (a bug; the worker log has the traceback)", False)
-            return "failed"
-        finished_at = utcnow()
-        row = result_row(generated, queue_wait_s=_seconds_between(job.queued_at, job.running_at),
+        if outcome.cancelled is not None:
+            log.info("job %s left the batch: %s", job_id, outcome.cancelled)
+            return "cancelled"
+        if outcome.requeue is not None:
+            self._release(job_id, outcome.requeue)
+            raise TransientJobError(f"job {job_id} handed back by the batch: {outcome.requeue}")
+        row = result_row(outcome.result, queue_wait_s=_seconds_between(job.queued_at, job.running_at),
                          worker_host=self.host, worker_id=self.worker_id, started_at=started_at,
-                         finished_at=finished_at)
-        if not lifecycle.complete(url, job_id, self.worker_id, row):
+                         finished_at=utcnow())
+        if not self._commit(job_id, row):
             lifecycle.add_event(url, job_id, "result_discarded", self.worker_id,
-                                       "the job was cancelled or taken over while it ran")
+                                "the job was cancelled or taken over while it ran")
             log.warning("job %s: no longer ours (cancelled or lease taken over); result discarded", job_id)
             return "discarded"
         return "succeeded"
+
+    def _wait(self, job_id: int, future):
+        """The loop's outcome for the job; past the soft time limit, the job is cancelled."""
+        try:
+            return future.result(timeout=self.settings.soft_time_limit_s)
+        except FutureTimeout:
+            self.jobs.cancel(job_id, "timeout")
+        # the loop answers within a step; if it does not, the lease keeper's hard limit ends the process
+        return future.result()
+
+    def _commit(self, job_id: int, row: dict[str, Any]) -> bool:
+        """result + succeeded in one transaction; database trouble is retried with backoff for up
+        to COMMIT_PATIENCE_S before the result is given up (the job then runs again elsewhere)."""
+        deadline, delay = time.monotonic() + COMMIT_PATIENCE_S, 0.5
+        while True:
+            try:
+                return lifecycle.complete(self.settings.database_url, job_id, self.worker_id, row)
+            except (OperationalError, DBAPIError) as exc:
+                if not isinstance(exc, OperationalError) or time.monotonic() + delay > deadline:
+                    raise
+                log.warning("job %s: database unavailable for its result (%s); retrying in %.1f s", job_id,
+                            type(exc).__name__, delay)
+                time.sleep(delay)
+                delay = min(delay * 2, 10.0)
+
+    def _fail(self, job_id: int, exc: EngineError) -> str:
+        lifecycle.fail(self.settings.database_url, job_id, self.worker_id, exc.kind, exc.message, exc.retryable)
+        log.info("job %s failed: %s: %s", job_id, exc.kind, exc.message)
+        return "failed"
 
     def _release(self, job_id: int, reason: str) -> None:
         try:
@@ -152,26 +186,6 @@ def result_row(generated: GenerationResult, *, queue_wait_s: Optional[float], wo
 
 def _seconds_between(start: Optional[datetime], end: Optional[datetime]) -> Optional[float]:
     return (end - start).total_seconds() if start and end else None
-
-
-@contextmanager
-def time_limit(seconds: float):
-    """Raise JobTimeLimitExceeded in the job after `seconds` (the solo pool runs tasks in the
-    main thread, where SIGALRM is delivered; Celery's own limits need prefork)."""
-    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "SIGALRM"):
-        yield
-        return
-
-    def on_alarm(_signum, _frame):
-        raise JobTimeLimitExceeded(seconds)
-
-    previous = signal.signal(signal.SIGALRM, on_alarm)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
 
 
 _current_runner: Optional[JobRunner] = None

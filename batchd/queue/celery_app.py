@@ -2,11 +2,13 @@
 
 - acks late and reject on worker lost: a job's message is acknowledged when the job is over,
   so a worker that dies mid-job leaves the message to be delivered again;
-- prefetch 1 with the solo pool (CUDA does not survive fork): a worker holds one message;
+- a threads pool of `max_jobs` threads with prefetch 1 (CUDA does not survive fork, and the
+  jobs share one engine): a worker holds one message per job in flight (batchd.worker);
 - the Redis visibility timeout is above the longest job, or Redis would hand a running job's
   message to a second worker;
 - JSON only: nothing on the wire is pickled, and messages carry a job id;
-- soft and hard time limits (the solo pool does not enforce Celery's; the job runner does);
+- time limits are the job runner's (soft: the job leaves the batch; hard: the worker exits):
+  Celery's threads pool cannot interrupt a thread;
 - one queue per model name.
 
 `celery --app batchd.queue.celery_app:app flower` works with BATCHD_BROKER_URL set. Workers do
@@ -24,7 +26,7 @@ from batchd.config import Settings
 app = Celery("batchd", include=["batchd.queue.tasks"])
 
 
-def celery_config(settings: Settings, broker_url: str) -> dict:
+def celery_config(settings: Settings, broker_url: str, concurrency: int = 1) -> dict:
     return {
         "broker_url": broker_url,
         "broker_connection_retry_on_startup": True,
@@ -37,10 +39,8 @@ def celery_config(settings: Settings, broker_url: str) -> dict:
         "task_acks_late": True,
         "task_reject_on_worker_lost": True,
         "worker_prefetch_multiplier": 1,
-        "worker_pool": "solo",
-        "worker_concurrency": 1,
-        "task_soft_time_limit": settings.soft_time_limit_s,
-        "task_time_limit": settings.job_time_limit_s,
+        "worker_pool": "threads",
+        "worker_concurrency": concurrency,
         "task_default_queue": settings.queue_name,
         "task_create_missing_queues": True,
         "worker_hijack_root_logger": False,
@@ -51,11 +51,11 @@ def celery_config(settings: Settings, broker_url: str) -> dict:
     }
 
 
-def configure(settings: Settings, broker_url: str) -> Celery:
+def configure(settings: Settings, broker_url: str, concurrency: int = 1) -> Celery:
     """Point the app at a broker; a different broker than before drops the pooled connections."""
     if app.conf.broker_url not in (None, broker_url):
         _drop_pooled_connections()
-    app.conf.update(celery_config(settings, broker_url))
+    app.conf.update(celery_config(settings, broker_url, concurrency))
     return app
 
 

@@ -1,14 +1,23 @@
 """Requests in, results out as each finishes: the text side of the batch engine.
 
-    for index, outcome in generate_many(engine, requests):
+    session = BatchSession(engine)
+    handle = session.add(request)            # raises EngineError for that request alone
+    while session.has_work:
+        for handle, result in session.step(): ...
+
+    for index, outcome in generate_many(engine, requests):   # the same, for a fixed list
         ...   # outcome: a GenerationResult, or the EngineError that failed that request alone
 
-Each request is encoded (and compressed by PFlash when it asks) before it joins the batch; a
-request that cannot run fails alone. Results carry the same fields as `Engine.generate`'s.
+A session takes requests while it runs (a worker's jobs join the batch as they arrive). Each
+request is encoded (and compressed by PFlash when it asks) before it joins the batch; a request
+that cannot run fails alone. Results carry the same fields as `Engine.generate`'s, plus the
+batch's own telemetry: mean batch size while the job ran, seconds waiting for a slot against
+seconds running, and preemptions.
 """
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 from typing import Iterable, Iterator, Union
 
 from batchd.engine.batch.sequence import Sequence
@@ -21,36 +30,101 @@ from batchd.engine.types import GenerationRequest, GenerationResult, Telemetry
 Outcome = Union[GenerationResult, EngineError]
 
 
+@dataclass(eq=False)
+class Handle:
+    """One request in a session: what the caller holds to cancel it or match its result."""
+
+    request: GenerationRequest
+    telemetry: Telemetry
+    prompt_tokens: int = 0
+    added_at: float = field(default_factory=time.perf_counter)
+    compress_drafter_sha256: str = ""   # the PFlash drafter's checkpoint hash, when compressed
+    seq: Sequence = None
+
+    @property
+    def finished(self) -> bool:
+        return self.seq.finish_reason is not None
+
+
+class BatchSession:
+    """The engine's batch over a stream of requests; one thread drives it (add, cancel, step)."""
+
+    def __init__(self, engine):
+        ensure_target_resident(engine)   # an earlier job's failed unpark is retried before these
+        self.engine = engine
+        self.batch = engine.batch_engine()
+        self.live: dict[int, Handle] = {}   # seq_id -> handle, until it finishes
+
+    @property
+    def has_work(self) -> bool:
+        return self.batch.has_work
+
+    def __len__(self) -> int:
+        return len(self.live)
+
+    def add(self, request: GenerationRequest) -> Handle:
+        """Encode, compress and queue one request; raises its EngineError (bad input, too long,
+        a drafter that failed) without touching the others."""
+        engine = self.engine
+        handle = Handle(request, Telemetry(device=str(engine.device), notes=list(engine.notes) + self.batch.notes))
+        prompt_ids = engine.codec.encode_request(request.prompt, request.messages, request.chat)
+        handle.prompt_tokens = len(prompt_ids)
+        effective = engine.compress(prompt_ids, request, handle.telemetry)
+        handle.compress_drafter_sha256 = engine.compress_drafter_sha256
+        handle.seq = self.batch.submit(effective, request)
+        self.live[handle.seq.seq_id] = handle
+        return handle
+
+    def cancel(self, handle: Handle) -> None:
+        """The request leaves within the next step (its blocks are freed); it yields no result."""
+        if handle.seq is not None and handle.seq.seq_id in self.live:
+            self.batch.cancel(handle.seq)
+
+    def step(self) -> list[tuple[Handle, GenerationResult | None]]:
+        """One engine step; (handle, result) for each request that finished in it (None: cancelled)."""
+        done = []
+        for seq in self.batch.step():
+            handle = self.live.pop(seq.seq_id)
+            result = None if seq.finish_reason == "cancelled" else build_result(self.engine, handle)
+            done.append((handle, result))
+        return done
+
+    def abandon(self) -> list[Handle]:
+        """Cancel everything in flight and run the steps that free it; the handles dropped."""
+        handles = list(self.live.values())
+        for handle in handles:
+            self.batch.cancel(handle.seq)
+        while self.live and self.batch.has_work:
+            self.step()
+        return handles
+
+
 def generate_many(engine, requests: Iterable[GenerationRequest], *, cancelled=None) -> Iterator[tuple[int, Outcome]]:
     """Yield (index of the request, its result or error) as each finishes. `cancelled(index)`, if
     given, is asked before every step: True removes that request within the step (no result)."""
-    ensure_target_resident(engine)   # an earlier job's failed unpark is retried before these
-    batch = engine.batch_engine()
-    live: dict[int, tuple[int, Sequence, Telemetry, int, GenerationRequest, float]] = {}
+    session = BatchSession(engine)
+    index_of: dict[int, int] = {}   # id(handle) -> index
+    handles = []
     for index, request in enumerate(requests):
-        started = time.perf_counter()
-        telemetry = Telemetry(device=str(engine.device), notes=list(engine.notes) + batch.notes)
         try:
-            prompt_ids = engine.codec.encode_request(request.prompt, request.messages, request.chat)
-            effective = engine.compress(prompt_ids, request, telemetry)
-            seq = batch.submit(effective, request)
+            handle = session.add(request)
         except EngineError as exc:
             yield index, exc
             continue
-        live[seq.seq_id] = (index, seq, telemetry, len(prompt_ids), request, started)
-    while batch.has_work:
+        index_of[id(handle)] = index
+        handles.append(handle)
+    while session.has_work:
         if cancelled is not None:
-            for index, seq, *_ in live.values():
-                if cancelled(index):
-                    batch.cancel(seq)
-        for seq in batch.step():
-            index, _, telemetry, prompt_tokens, request, started = live.pop(seq.seq_id)
-            if seq.finish_reason != "cancelled":
-                yield index, build_result(engine, seq, request, telemetry, prompt_tokens, started)
+            for handle in handles:
+                if not handle.finished and cancelled(index_of[id(handle)]):
+                    session.cancel(handle)
+        for handle, result in session.step():
+            if result is not None:
+                yield index_of[id(handle)], result
 
 
-def build_result(engine, seq: Sequence, request: GenerationRequest, telemetry: Telemetry, prompt_tokens: int,
-                 started: float) -> GenerationResult:
+def build_result(engine, handle: Handle) -> GenerationResult:
+    seq, request, telemetry = handle.seq, handle.request, handle.telemetry
     ids = list(seq.generated)
     text = cut_at_stop_string(engine.codec.decode(ids), request.sampling.stop)
     first, prompt_done, done = seq.first_scheduled_at, seq.prompt_done_at or seq.finished_at, seq.finished_at
@@ -58,7 +132,11 @@ def build_result(engine, seq: Sequence, request: GenerationRequest, telemetry: T
     telemetry.decode_s = done - prompt_done
     telemetry.prefill_tokens_per_s = seq.prompt_len / telemetry.prefill_s if telemetry.prefill_s else 0.0
     telemetry.decode_tokens_per_s = (len(ids) - 1) / telemetry.decode_s if telemetry.decode_s and len(ids) > 1 else 0.0
-    telemetry.total_s = done - started
+    telemetry.total_s = done - handle.added_at
+    telemetry.slot_wait_s = first - seq.arrived_at
+    telemetry.running_s = done - first
+    telemetry.preemptions = seq.preemptions
+    telemetry.batch_size_mean = sum(seq.batch_sizes) / len(seq.batch_sizes) if seq.batch_sizes else None
     if seq.spec_steps:
         telemetry.spec_method = request.speculation.method
         telemetry.spec_steps = seq.spec_steps
@@ -67,12 +145,10 @@ def build_result(engine, seq: Sequence, request: GenerationRequest, telemetry: T
         telemetry.acceptance_rate = seq.spec_accepted / seq.spec_offered
         telemetry.mean_accepted_length = (seq.spec_accepted + seq.spec_steps) / seq.spec_steps
         telemetry.acceptance_per_position = [a / o for a, o in zip(seq.spec_accepted_at, seq.spec_offered_at)]
-    if seq.batch_sizes:
-        telemetry.notes.append(f"batch: mean {sum(seq.batch_sizes) / len(seq.batch_sizes):.1f} sequences a decode "
-                               f"step, {seq.preemptions} preemptions, "
-                               f"{seq.first_scheduled_at - seq.arrived_at:.3f} s waiting for a slot")
+    fingerprint = {**engine.fingerprint(request), "batched": True,
+                   "compress_drafter_sha256": handle.compress_drafter_sha256 or None}
     return GenerationResult(
         text=text, token_ids=ids, output_sha256=sha256_hex(text.encode("utf-8")), token_ids_sha256=token_ids_sha256(ids),
-        prompt_tokens=prompt_tokens, effective_prompt_tokens=seq.prompt_len, generated_tokens=len(ids),
-        finish_reason=seq.finish_reason, telemetry=telemetry, fingerprint={**engine.fingerprint(request), "batched": True},
+        prompt_tokens=handle.prompt_tokens, effective_prompt_tokens=seq.prompt_len, generated_tokens=len(ids),
+        finish_reason=seq.finish_reason, telemetry=telemetry, fingerprint=fingerprint,
     )

@@ -8,6 +8,7 @@ in test_worker.py.
 from __future__ import annotations
 
 import threading
+from concurrent.futures import Future
 import time
 from datetime import timedelta
 
@@ -23,7 +24,8 @@ from batchd.jobs.inputs import JobInput
 from batchd.jobs.manage import cancel, retry
 from batchd.jobs.runner import JobRunner
 from batchd.jobs.submit import submit_jobs
-from batchd.engine.errors import DeviceOutOfMemoryError, PromptTooLongError
+from batchd.engine.errors import DeviceOutOfMemoryError, EngineError, InternalError, PromptTooLongError
+from batchd.jobs.engine_loop import LoopOutcome
 from batchd.engine.types import GenerationResult, Telemetry
 
 
@@ -46,6 +48,43 @@ def job(settings, job_id) -> Job:
 def result_count(settings, job_id) -> int:
     with session_scope(settings.database_url) as session:
         return session.scalar(select(sa.func.count()).select_from(Result).where(Result.job_id == job_id))
+
+
+class LoopDouble:
+    """Test double of batchd.jobs.engine_loop.EngineLoop over an EngineDouble: each job runs
+    `generate` in its own thread; a cancel resolves the job's future at once."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.futures: dict[int, Future] = {}
+
+    @property
+    def calls(self) -> int:
+        return self.engine.calls
+
+    def submit(self, job_id, request) -> Future:
+        future = self.futures[job_id] = Future()
+
+        def work():
+            try:
+                outcome = LoopOutcome(result=self.engine.generate(request))
+            except EngineError as exc:
+                outcome = LoopOutcome(error=exc)
+            except Exception as exc:  # a bug in the engine: what the loop reports
+                outcome = LoopOutcome(error=InternalError(f"{type(exc).__name__}: {exc}"))
+            if not future.done():
+                future.set_result(outcome)
+
+        threading.Thread(target=work, daemon=True).start()
+        return future
+
+    def cancel(self, job_id, reason="cancelled"):
+        if not self.futures[job_id].done():
+            self.futures[job_id].set_result(LoopOutcome(cancelled=reason))
+
+
+def runner_for(settings, engine) -> JobRunner:
+    return JobRunner(settings, LoopDouble(engine), "w1")
 
 
 class EngineDouble:
@@ -103,10 +142,10 @@ def test_concurrent_claims_one_winner(settings):
 def test_result_and_succeeded_commit_together_once(settings):
     [job_id] = submit(settings)
     make_queued(settings, [job_id])
-    runner = JobRunner(settings, EngineDouble(), "w1")
+    runner = runner_for(settings, EngineDouble())
     assert runner.run(job_id) == "succeeded"
     assert runner.run(job_id) == "ignored"  # redelivered message: nothing happens
-    assert runner.engine.calls == 1
+    assert runner.jobs.calls == 1
     done = job(settings, job_id)
     assert done.status == JobStatus.SUCCEEDED and done.succeeded_at is not None and done.lease_expires_at is None
     assert result_count(settings, job_id) == 1
@@ -181,7 +220,7 @@ def test_only_claims_and_lease_renewals_skip_the_wal_flush(settings):
 def test_engine_errors_fail_the_job_with_kind_message_retryable(settings, error, kind, retryable):
     [job_id] = submit(settings)
     make_queued(settings, [job_id])
-    assert JobRunner(settings, EngineDouble(raises=error), "w1").run(job_id) == "failed"
+    assert runner_for(settings, EngineDouble(raises=error)).run(job_id) == "failed"
     failed = job(settings, job_id)
     assert (failed.status, failed.error_kind, failed.retryable) == (JobStatus.FAILED, kind, retryable)
     assert str(error) in failed.error_message and failed.failed_at is not None
@@ -193,7 +232,7 @@ def test_a_job_past_its_time_limit_fails_as_timeout(settings):
     make_queued(settings, [job_id])
     limited = settings.replace(job_time_limit_s=1.0)  # soft limit: 1 s (at least)
     started = time.monotonic()
-    assert JobRunner(limited, EngineDouble(sleep_s=5), "w1").run(job_id) == "failed"
+    assert runner_for(limited, EngineDouble(sleep_s=5)).run(job_id) == "failed"
     assert time.monotonic() - started < 4
     timed_out = job(settings, job_id)
     assert timed_out.error_kind == "timeout" and timed_out.retryable and "BATCHD_JOB_TIME_LIMIT_S" in timed_out.error_message
@@ -205,7 +244,7 @@ def test_bad_params_written_by_sql_fail_in_the_worker(settings):
         session.execute(sa.update(Job).where(Job.id == job_id).values(params={"max_new_tokens": -1}))
     make_queued(settings, [job_id])
     engine = EngineDouble()
-    assert JobRunner(settings, engine, "w1").run(job_id) == "failed"
+    assert runner_for(settings, engine).run(job_id) == "failed"
     assert engine.calls == 0
     assert job(settings, job_id).error_kind == "bad_input"
 
@@ -213,7 +252,7 @@ def test_bad_params_written_by_sql_fail_in_the_worker(settings):
 def test_retry_puts_failed_jobs_back_to_pending(settings):
     [job_id] = submit(settings)
     make_queued(settings, [job_id])
-    JobRunner(settings, EngineDouble(raises=DeviceOutOfMemoryError("oom")), "w1").run(job_id)
+    runner_for(settings, EngineDouble(raises=DeviceOutOfMemoryError("oom"))).run(job_id)
     assert retry(settings.database_url, batch="b", error_kind="oom") == [job_id]
     again = job(settings, job_id)
     assert again.status == JobStatus.PENDING and again.error_kind is None and again.attempts == 0

@@ -59,6 +59,7 @@ def load_engine(settings: Settings):
     if engine.device.type == "cuda":
         log.info("warmed up (kernels compiled, decode graph captured) in %.1f s", engine.warm_up())
     pool = engine.batch_engine().cache
+    engine.compressor.residency.keep_resident = 1   # PFlash: a drafter that fits stays loaded between jobs
     log.info("KV pool: %d blocks of %d positions (%.1f GiB)", pool.blocks.num_blocks, pool.block_size,
              pool.nbytes / 2**30)
     return engine

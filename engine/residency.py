@@ -35,7 +35,9 @@ from __future__ import annotations
 import gc
 import logging
 import math
+import os
 import time
+from collections import OrderedDict
 import traceback
 import weakref
 from dataclasses import dataclass, field
@@ -129,15 +131,20 @@ def weight_bytes(model: Transformer) -> int:
 
 
 class Residency:
-    """Owns the drafter's visits to one engine's device. One per engine; not thread-safe (a
-    worker runs one job at a time)."""
+    """Owns the drafter's visits to one engine's device. One per engine; not thread-safe (one
+    thread drives an engine: a worker's engine loop).
+
+    `keep_resident` (the worker sets it): up to that many drafters that fitted beside the target
+    without parking it stay on the device after their job, so the next job that names the same
+    checkpoint (by file identity, however its path is spelled) scores with no load at all. A job
+    that needs a drafter that does not fit first drops the resident ones, then parks as before."""
 
     def __init__(self, *, park: ParkPolicy = "auto", strategy: ParkStrategy = DEFAULT_PARK_STRATEGY,
                  headroom_bytes: int = DEFAULT_HEADROOM_BYTES, activation_rows: int = 8192,
                  read_checkpoint: Callable[..., Checkpoint] = load_checkpoint,
                  synchronize: Callable[[torch.device], None] = synchronize_all_streams,
                  free_bytes: Callable[[torch.device], float] = free_device_bytes,
-                 step_hook: Optional[Callable[[str, object], None]] = None):
+                 step_hook: Optional[Callable[[str, object], None]] = None, keep_resident: int = 0):
         if park not in ("auto", "always", "never"):
             raise ValueError(f"park must be auto, always or never, got {park!r}")
         if strategy not in ("host", "reload"):
@@ -149,6 +156,8 @@ class Residency:
         self.host_weights: dict[str, torch.Tensor] = {}  # pinned copies, reused across jobs
         self.parked: Optional[_Parked] = None
         self.last_drafter: Optional[weakref.ref] = None  # for leak checks
+        self.keep_resident = keep_resident
+        self.resident: OrderedDict[tuple, Drafter] = OrderedDict()  # file identity -> drafter, oldest first
 
     # ---- the job ---------------------------------------------------------------------------
 
@@ -161,15 +170,23 @@ class Residency:
         device = engine.device
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
+        key = file_identity(drafter_path)
+        if key in self.resident:
+            return self._run_resident(key, drafter_path, work, telemetry)
         failure: Optional[EngineError] = None
-        result = None
+        result = drafter = None
         try:
             rows = activation_rows or self.activation_rows
-            result = self._load_and_run(engine, drafter_path, work, telemetry, prompt_tokens, rows)
+            result, drafter = self._load_and_run(engine, drafter_path, work, telemetry, prompt_tokens, rows)
         except Exception as exc:  # noqa: BLE001 - every drafter failure becomes the job's error
             failure = self._job_error(exc, drafter_path)
             forget_frames(exc)  # the traceback's frames would keep a half-built drafter alive
             del exc
+        if failure is None and self.parked is None and self.keep_resident > 0 and key is not None:
+            self._keep(key, drafter)   # it fitted beside the target: the next job uses it as it is
+            telemetry.notes.append("PFlash drafter loaded and kept resident beside the target")
+            return result
+        del drafter
         started = time.perf_counter()
         self._release_drafter(device)
         telemetry.unpark_s += time.perf_counter() - started  # release counts as part of restoring
@@ -188,6 +205,8 @@ class Residency:
         telemetry.drafter_load_s += time.perf_counter() - started
         # drafter tokens are not known before its tokenizer runs; twice the target's is ample
         needed = drafter_bytes_needed(ckpt, dtype, 2 * prompt_tokens, rows)
+        if self.resident and self.free_bytes(device) < needed + self.headroom_bytes:
+            self.drop_resident(telemetry)   # other drafters first, before the target is parked
         self.park_if_needed(engine, needed, telemetry)
         started = time.perf_counter()
         drafter = self._place(ckpt, device, dtype, engine.model.ops)
@@ -198,7 +217,39 @@ class Residency:
         self.step_hook("load", drafter)
         result = work(drafter)
         self.step_hook("score", drafter)
-        return result
+        return result, drafter
+
+    def _run_resident(self, key: tuple, path: str, work, telemetry: Telemetry):
+        self.resident.move_to_end(key)
+        drafter = self.resident[key]
+        try:
+            result = work(drafter)
+            self.step_hook("score", drafter)
+            return result
+        except Exception as exc:  # noqa: BLE001 - the job's error; out of memory also drops the residents
+            failure = self._job_error(exc, path)
+            forget_frames(exc)
+            del exc
+        if isinstance(failure, DeviceOutOfMemoryError):
+            self.drop_resident(telemetry)
+        raise failure
+
+    def _keep(self, key: tuple, drafter: Drafter) -> None:
+        while len(self.resident) >= self.keep_resident:
+            self.resident.popitem(last=False)
+        self.resident[key] = drafter
+
+    def drop_resident(self, telemetry: Optional[Telemetry] = None) -> None:
+        """Release every resident drafter (a job needs their memory)."""
+        if not self.resident:
+            return
+        started = time.perf_counter()
+        self.resident.clear()
+        gc.collect()   # module graphs can hold reference cycles
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        if telemetry is not None:
+            telemetry.park_s += time.perf_counter() - started
 
     def _place(self, ckpt: Checkpoint, device, dtype, ops) -> Drafter:
         # with the target's kernels (engine.fused.KernelChoice), as every model the engine runs
@@ -368,6 +419,16 @@ class Residency:
         """Give back the pinned host memory kept for parking (the next park pins again)."""
         if self.parked is None:
             self.host_weights.clear()
+
+
+def file_identity(path: str) -> Optional[tuple]:
+    """(device, inode) of the checkpoint a path names, however it is spelled ('/./', '//',
+    links); None when it does not exist (the load then fails with its own message)."""
+    try:
+        st = os.stat(os.path.realpath(path))
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino)
 
 
 def forget_frames(exc: BaseException) -> None:

@@ -76,6 +76,31 @@ def test_parking_is_skipped_when_both_fit(engine, drafter_path, original_weights
     assert_target_restored(engine, residency, original_weights)
 
 
+def test_a_drafter_that_fits_stays_resident_for_the_next_job_however_its_path_is_spelled(
+        engine, drafter_path, original_weights, tmp_path):
+    residency = use(engine, keep_resident=1)
+    first = engine.generate(compressing_job(drafter_path))
+    link = tmp_path / "same-drafter"
+    link.symlink_to(drafter_path)
+    respelled = str(Path(drafter_path).parent) + "/./" + Path(drafter_path).name
+    second = engine.generate(compressing_job(respelled))
+    third = engine.generate(compressing_job(str(link)))
+    assert first.telemetry.drafter_load_s > 0
+    assert any("kept resident" in n for n in first.telemetry.notes)
+    for later in (second, third):
+        assert later.telemetry.drafter_load_s == 0 and later.telemetry.scoring_s > 0
+        assert later.effective_prompt_tokens == first.effective_prompt_tokens
+        assert later.output_sha256 == first.output_sha256
+    assert len(residency.resident) == 1
+    # a job whose drafter does not fit drops the resident one before it parks the target
+    residency.free_bytes = lambda device: 0
+    other = str(tiny_drafter(tmp_path / "other", llama3_tokenizer_json()))
+    tel = engine.generate(compressing_job(other)).telemetry
+    assert tel.compressed and tel.park_s > 0 and not residency.resident
+    assert_target_restored(engine, residency, original_weights)
+    engine.compressor = PromptCompressor(Residency())
+
+
 @pytest.mark.parametrize("short_by", ["everything", "less than the cache"])
 def test_auto_parks_what_the_drafter_needs(engine, drafter_path, original_weights, short_by):
     job = compressing_job(drafter_path)

@@ -46,7 +46,7 @@ class BridgeInfo:
 def same_tokenizer(a: TextCodec, b: TextCodec) -> bool:
     if a is b or a.tokenizer is b.tokenizer:
         return True
-    return a.vocab_size == b.vocab_size and a.tokenizer.to_str() == b.tokenizer.to_str()
+    return a.vocab_size == b.vocab_size and a.fingerprint == b.fingerprint
 
 
 def drafter_view(target: TextCodec, drafter: TextCodec, target_ids: list[int], *,

@@ -8,7 +8,7 @@ from typing import Optional
 import click
 
 from batchd.cli.context import CliContext, pass_cli
-from batchd.jobs.progress import BatchProgress, all_batches, batch_progress
+from batchd.jobs.progress import BatchProgress, all_batches, batch_progress, workers_in_flight
 
 BAR_WIDTH = 30
 STATUS_ORDER = ("succeeded", "failed", "running", "queued", "pending", "cancelled", "expired")
@@ -31,6 +31,11 @@ def progress_line(p: BatchProgress) -> str:
             f"{'done in ' + format_duration(p.elapsed_s) if p.done else 'ETA ' + format_duration(p.eta_s)}")
 
 
+def worker_line(load) -> str:
+    return (f"worker {load.worker_id}: {load.in_flight} job{'s' if load.in_flight != 1 else ''} in flight"
+            + (f" from {load.batches} batches" if load.batches > 1 else ""))
+
+
 @click.command("status")
 @click.option("--batch", "batch_name", envvar="BATCHD_BATCH", help="Show this batch's progress.")
 @click.option("--watch/--no-watch", default=None, help="Redraw until the batch is done (default: on a terminal).")
@@ -45,6 +50,8 @@ def status(cli: CliContext, batch_name: Optional[str], watch: Optional[bool], in
             click.echo("no batches yet: `batchd submit FILES --batch NAME`")
         for p in batches:
             click.echo(progress_line(p))
+        for load in workers_in_flight(settings.database_url):
+            click.echo(worker_line(load))
         return
     watch = sys.stdout.isatty() if watch is None else watch
     while True:

@@ -76,6 +76,22 @@ def all_batches(url: str) -> list[BatchProgress]:
         return [_progress(session, b) for b in session.scalars(select(Batch).order_by(Batch.id))]
 
 
+@dataclass(frozen=True)
+class WorkerLoad:
+    worker_id: str
+    in_flight: int                 # jobs running under this worker now
+    batches: int                   # how many batches they come from
+
+
+def workers_in_flight(url: str) -> list[WorkerLoad]:
+    """Each worker holding running jobs, with how many (a batched worker holds many at once)."""
+    with read_scope(url) as session:
+        rows = session.execute(select(Job.worker_id, func.count(), func.count(func.distinct(Job.batch_id)))
+                               .where(Job.status == JobStatus.RUNNING, Job.worker_id.is_not(None))
+                               .group_by(Job.worker_id).order_by(Job.worker_id)).all()
+    return [WorkerLoad(worker, int(n), int(batches)) for worker, n, batches in rows]
+
+
 def _progress(session, batch: Batch) -> BatchProgress:
     progress = BatchProgress(name=batch.name, batch_id=batch.id, created_at=batch.created_at)
     for status, count in session.execute(select(Job.status, func.count()).where(Job.batch_id == batch.id)

@@ -14,6 +14,7 @@ import sqlalchemy as sa
 
 from batchd.db import migrate
 from batchd.db.session import db_engine, dispose_all
+from batchd.jobs.progress import workers_in_flight
 from tests.service.conftest import (REDIS_HOST, REDIS_PORT, WorkerProcess, batchd_cli, delete_queue_keys, service_env,
                                     wait_for)
 
@@ -103,6 +104,8 @@ def test_eight_in_flight_give_the_shas_of_one_at_a_time(database_url, tmp_path, 
 
     service.submit("together", JOBS)
     eight = service.worker("--max-jobs", "8")
+    wait_for(lambda: any(load.in_flight >= 4 for load in workers_in_flight(database_url)), 240,
+             "jobs in flight together", worker=eight)
     together = service.wait_done("together", eight)
     assert eight.stop() == 0, eight.output()[-3000:]
 
@@ -191,3 +194,17 @@ def test_cancel_takes_a_job_out_of_the_running_batch(database_url, tmp_path, req
     assert rows["doc-0"]["status"] == "cancelled" and rows["doc-0"]["output_sha256"] is None
     assert all(rows[f"doc-{i}"]["status"] == "succeeded" for i in (1, 2, 3))
     assert f"job {job_id} left the batch: cancelled" in worker.output()
+
+
+def test_status_shows_jobs_in_flight_per_worker(database_url, tmp_path, request):
+    service = Service(database_url, tmp_path, request)
+    service.submit("shown", JOBS[:5])
+    with db_engine(database_url).begin() as connection:
+        ids = connection.execute(sa.text("SELECT id FROM jobs ORDER BY id")).scalars().all()
+        for job_id, worker in zip(ids, ["gpu-a", "gpu-a", "gpu-a", "gpu-b"]):
+            connection.execute(sa.text("UPDATE jobs SET status = 'running', worker_id = :w WHERE id = :j"),
+                               {"w": worker, "j": job_id})
+    out = batchd_cli(["status"], service.env)
+    assert out.returncode == 0, out.stderr.decode()
+    lines = out.stdout.decode().splitlines()
+    assert "worker gpu-a: 3 jobs in flight" in lines and "worker gpu-b: 1 job in flight" in lines

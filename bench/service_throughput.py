@@ -156,6 +156,7 @@ def main() -> None:
     parser.add_argument("--keep", type=float, default=0.2)
     parser.add_argument("--drafter-shape", default="qwen2.5-0.5b")
     parser.add_argument("--max-jobs", type=int, default=None, help="the worker's --max-jobs (default: its own)")
+    parser.add_argument("--pflash-only", action="store_true", help="skip the rows without PFlash")
     args = parser.parse_args()
     tokenizer_dir = Path(args.tokenizer_dir)
     codec = load_codec(tokenizer_dir)
@@ -179,14 +180,15 @@ def main() -> None:
                                      device=args.device, relay_interval_s="0.2", max_jobs=args.max_jobs)
         migrate.upgrade(settings.database_url)
         engine_alone(engine, requests_for(warm, args, None))       # compile, autotune, capture
-        alone = engine_alone(engine, requests_for(texts, args, None))
-        rows.append(row("engine alone", args.docs, alone))
-        print(rows[-1], flush=True)
         params = {"max_new_tokens": args.new, "ignore_eos": True}
-        wall, worked, telemetry["service"] = through_service(engine, settings, broker_url, "plain", texts, params)
-        rows.append(row("service: submit to last commit", args.docs, wall, alone))
-        rows.append(row("service: first claim to last commit", args.docs, worked, alone))
-        print(rows[-2:], flush=True)
+        if not args.pflash_only:
+            alone = engine_alone(engine, requests_for(texts, args, None))
+            rows.append(row("engine alone", args.docs, alone))
+            print(rows[-1], flush=True)
+            wall, worked, telemetry["service"] = through_service(engine, settings, broker_url, "plain", texts, params)
+            rows.append(row("service: submit to last commit", args.docs, wall, alone))
+            rows.append(row("service: first claim to last commit", args.docs, worked, alone))
+            print(rows[-2:], flush=True)
         if args.pflash_docs:
             drafter = work / "drafter"
             write_checkpoint(args.drafter_shape, tokenizer_dir, drafter, args.device, seed=1)

@@ -85,6 +85,7 @@ class Drafter:
     path: str
     sha256: str
     architecture: str
+    scorer: Optional[object] = field(default=None, repr=False)   # engine.pflash.scoring.PaddedScorer (CUDA)
 
 
 @dataclass

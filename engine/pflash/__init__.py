@@ -30,11 +30,13 @@ from batchd.engine.capabilities import check_compression
 from batchd.engine.checkpoint.gguf_file import read_gguf
 from batchd.engine.errors import CheckpointError, UnsupportedFeatureError
 from batchd.engine.pflash.bridge import INSTRUCTION_TOKENS, MIN_INSTRUCTION_KEPT, DrafterView, drafter_view, target_ids_after
-from batchd.engine.pflash.scoring import TAIL_ROWS, score_prompt
+from batchd.engine.pflash.scoring import TAIL_ROWS, PaddedScorer, score_prompt
 from batchd.engine.pflash.selection import SelectionParams, Selection, select_chunks
 from batchd.engine.pflash.window import DEFAULT_SCORING_WINDOW, ScoringWindow
 from batchd.engine.residency import Drafter, Residency
 from batchd.engine.types import CompressionOptions, GenerationRequest, Telemetry
+
+PADDED_SCORING_MAX = 32768   # drafter tokens: longer prompts keep the chunked path (no graph per length)
 
 __all__ = ["PromptCompressor", "CompressionReport", "ScoringWindow", "DEFAULT_SCORING_WINDOW", "compress_for_request",
            "check_compression_options", "drafter_architecture",
@@ -85,8 +87,13 @@ class PromptCompressor:
             drafter_sha.append(drafter.sha256)
             view = drafter_view(engine.codec, drafter.codec, prompt_ids, instruction_tokens=self.instruction_tokens)
             began = time.perf_counter()
-            scores = score_prompt(drafter.model, view.ids, tail_rows=self.tail_rows, prefill_chunk=chunk,
-                                  window=self.scoring_window).cpu()
+            if self._graphed(drafter, len(view.ids)):
+                if drafter.scorer is None:
+                    drafter.scorer = PaddedScorer(drafter.model, tail_rows=self.tail_rows)
+                scores = drafter.scorer.score(view.ids).cpu()
+            else:
+                scores = score_prompt(drafter.model, view.ids, tail_rows=self.tail_rows, prefill_chunk=chunk,
+                                      window=self.scoring_window).cpu()
             telemetry.scoring_s += time.perf_counter() - began
             return view, scores
 
@@ -114,6 +121,14 @@ class PromptCompressor:
                                              info.instruction_reappended, seconds, selection, view,
                                              drafter_path, drafter_sha[0], windowed)
         return ids
+
+
+    def _graphed(self, drafter: Drafter, tokens: int) -> bool:
+        """CUDA prompts scored exactly in one padded forward (engine.pflash.scoring.PaddedScorer):
+        longer than the tail, shorter than the windowed scoring's threshold. The CPU keeps the
+        chunked path (no graphs to gain, and padding would cost it real work)."""
+        exact = self.scoring_window is None or not self.scoring_window.applies(tokens)
+        return drafter.model.device.type == "cuda" and exact and self.tail_rows < tokens <= PADDED_SCORING_MAX
 
 
 def default_scoring_chunk(device) -> int:

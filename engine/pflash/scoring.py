@@ -100,3 +100,90 @@ def score_tail(model: Transformer, tail: torch.Tensor, cache: KVCache,
 
     model(tail, cache, observer=observe, last_only=True)
     return scores
+
+
+SCORING_BUCKET = 512   # drafter tokens: prompts are padded on the right to a multiple of this
+
+
+class PaddedScorer:
+    """Scores prompts of one drafter in ONE forward each, padded on the right to a multiple of
+    `bucket` tokens: on CUDA through a graph captured once per padded length, so a job costs the
+    host a copy and a replay instead of two eager 24-layer forwards (measured on the H200 with a
+    0.5B drafter at 4K tokens: 85 ms of host time against 12 ms of GPU work a job).
+
+    Right padding changes nothing a score depends on: every row attends only to rows before it,
+    and the padding rows come after the last real one. The tail queries (the prompt's last
+    `tail_rows` rows, at device-side positions) are scored against the keys they see in every
+    layer, as `score_tail_queries_torch` does. A prompt's bits depend on its own length only (the
+    padded length follows from it), never on what was scored before it.
+
+        scorer = PaddedScorer(drafter_model)
+        scores = scorer.score(ids)          # [len(ids)] float32 on the model's device
+    """
+
+    def __init__(self, model: Transformer, *, tail_rows: int = TAIL_ROWS, bucket: int = SCORING_BUCKET,
+                 cuda_graphs: bool = True):
+        self.model, self.tail_rows, self.bucket = model, tail_rows, bucket
+        self.cuda_graphs = cuda_graphs and model.device.type == "cuda"
+        self._graphs: dict[int, tuple] = {}   # padded length -> (graph, tokens, positions, scores)
+        self._pool = None
+
+    def padded_length(self, n: int) -> int:
+        return -(-n // self.bucket) * self.bucket
+
+    @torch.inference_mode()
+    def score(self, ids: list[int]) -> torch.Tensor:
+        if not ids:
+            raise ValueError("cannot score an empty prompt")
+        S, L = len(ids), self.padded_length(len(ids))
+        if S <= self.tail_rows:
+            raise ValueError(f"a prompt of {S} tokens is all tail: score it with score_prompt")
+        host = torch.zeros((1, L), dtype=torch.long)
+        host[0, :S] = torch.tensor(ids, dtype=torch.long)
+        positions = torch.arange(S - self.tail_rows, S)   # [tail_rows], the rows whose attention scores
+        if not self.cuda_graphs:
+            tokens = host.to(self.model.device)
+            return self._forward(tokens, positions.to(self.model.device))[:S].clone()
+        graph, tokens, static_positions, scores = self._graphs.get(L) or self._capture(L)
+        tokens.copy_(host, non_blocking=True)
+        static_positions.copy_(positions, non_blocking=True)
+        graph.replay()
+        return scores[:S].clone()
+
+    def _forward(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """tokens [1, L], positions [tail_rows] (device) -> [L] float32 scores."""
+        model, L = self.model, tokens.shape[1]
+        cache = ContiguousKVCache(model.config, L, model.device, model.dtype)
+        scores = torch.zeros(L, dtype=torch.float32, device=model.device)
+        scale = model.layers[0].self_attn.scale
+        cols = torch.arange(L, device=model.device)
+
+        def observe(layer_idx: int, q, keys, values, start: int) -> None:
+            # q: [1, Hq, L, D] every row's query; keys: [1, Hkv, L, D]
+            Hq, D, Hkv = q.shape[1], q.shape[3], keys.shape[1]
+            group, rows = Hq // Hkv, positions.shape[0]
+            q_tail = q[0].index_select(1, positions).float().reshape(Hkv, group * rows, D)
+            logits = torch.matmul(q_tail, keys[0].float().transpose(1, 2)) * scale     # [Hkv, G*T, L]
+            hidden = cols[None, :] > positions.repeat(group)[:, None]                 # causal, padding out
+            probs = logits.masked_fill_(hidden, float("-inf")).softmax(dim=-1)
+            torch.maximum(scores, probs.view(Hq, rows, L).mean(dim=1).amax(dim=0), out=scores)
+
+        model.forward_at(tokens, cache, 0, observer=observe, last_only=True, head=False)
+        return scores
+
+    def _capture(self, L: int):
+        device = self.model.device
+        tokens = torch.zeros((1, L), dtype=torch.long, device=device)
+        positions = torch.arange(L - self.tail_rows, L, device=device)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):   # compile, autotune and allocate outside the capture
+            for _ in range(2):
+                self._forward(tokens, positions)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            scores = self._forward(tokens, positions)
+        self._pool = graph.pool()
+        self._graphs[L] = (graph, tokens, positions, scores)
+        return self._graphs[L]

@@ -157,6 +157,7 @@ def main() -> None:
     parser.add_argument("--drafter-shape", default="qwen2.5-0.5b")
     parser.add_argument("--max-jobs", type=int, default=None, help="the worker's --max-jobs (default: its own)")
     parser.add_argument("--pflash-only", action="store_true", help="skip the rows without PFlash")
+    parser.add_argument("--slab", type=int, default=None, help="rows of every decode projection (default: the engine's)")
     args = parser.parse_args()
     tokenizer_dir = Path(args.tokenizer_dir)
     codec = load_codec(tokenizer_dir)
@@ -168,6 +169,10 @@ def main() -> None:
     if engine.device.type == "cuda":
         engine.warm_up()
     engine.compressor.residency.keep_resident = 1   # as batchd.worker.load_engine sets it
+    if args.slab:
+        from dataclasses import replace
+
+        engine.batch_engine(replace(engine.batch_engine().options, slab_rows=args.slab))
     texts = documents(codec, args.docs, args.prompt, seed=1)
     warm = documents(codec, 3, args.prompt, seed=2)
     rows, telemetry = [], {}

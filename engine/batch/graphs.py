@@ -7,6 +7,7 @@ is sized for the whole context, so one graph serves every length.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from batchd.engine.batch.paged_cache import PagedKVCache
@@ -37,12 +38,18 @@ class RowRunner:
         n = len(tokens)
         width = self.max_blocks if self.cuda_graphs else max(map(len, tables))
         rows = self.bucket(n) if self.cuda_graphs else n
-        host_ids = torch.zeros((2, rows), dtype=torch.long)
-        host_ids[0, :n] = torch.tensor(tokens)
-        host_ids[1, :n] = torch.tensor(positions)
-        host_tables = torch.full((rows, width), self.cache.pad_block, dtype=torch.int32)
+        ids = np.zeros((2, rows), dtype=np.int64)
+        ids[0, :n], ids[1, :n] = tokens, positions
+        # rows of one sequence share its table (a verify's lanes): fill each table once, copy the rest
+        table_rows = np.full((rows, width), self.cache.pad_block, dtype=np.int32)
+        first_row: dict[int, int] = {}
         for i, table in enumerate(tables):
-            host_tables[i, : len(table)] = torch.tensor(table, dtype=torch.int32)
+            seen = first_row.setdefault(id(table), i)
+            if seen == i:
+                table_rows[i, : len(table)] = table
+            else:
+                table_rows[i] = table_rows[seen]
+        host_ids, host_tables = torch.from_numpy(ids), torch.from_numpy(table_rows)
         if not self.cuda_graphs:
             device = self.model.device
             ids, block_tables = host_ids.to(device), host_tables.to(device)

@@ -24,7 +24,7 @@ from batchd.engine.batch import BatchEngine, BatchOptions, generate_many
 from batchd.engine.capabilities import check_features
 from batchd.engine.checkpoint import load_checkpoint
 from batchd.engine.config import ModelConfig
-from batchd.engine.errors import BadInputError, DeviceOutOfMemoryError, PromptTooLongError
+from batchd.engine.errors import BadInputError, DeviceOutOfMemoryError, EngineError, PromptTooLongError
 from batchd.engine.fused import kernels_for
 from batchd.engine.generate import TokenOutput, generate_plain, synchronize
 from batchd.engine.hashes import sha256_hex, token_ids_sha256  # noqa: F401 (re-exported)
@@ -151,6 +151,25 @@ class Engine:
     # ---- the job ---------------------------------------------------------------------------
 
     def generate(self, request: GenerationRequest) -> GenerationResult:
+        """One request as a batch of one (engine.batch): its output is, bit for bit, what the same
+        job gives beside any others in `generate_many` or a worker's batch. Draft-model
+        speculation and sparse attention, which the batch engine does not run yet, take the
+        one-sequence path (`generate_one`) and say so in the result's notes."""
+        if self.codec is None:
+            raise BadInputError("this engine was built without a tokenizer; use generate_ids")
+        if request.speculation.method == "draft" or self.attention == "sparse":
+            result = self.generate_one(request)
+            why = "draft-model speculation" if request.speculation.method == "draft" else "attention=sparse"
+            result.telemetry.notes.append(f"{why}: ran on the one-sequence path, not the batch engine")
+            return result
+        [(_, outcome)] = list(self.generate_many([request]))
+        if isinstance(outcome, EngineError):
+            raise outcome
+        return outcome
+
+    def generate_one(self, request: GenerationRequest) -> GenerationResult:
+        """The one-sequence path (engine.generate, engine.speculative): the batch-1 kernels, whose
+        bits may differ from the batch engine's."""
         started = time.perf_counter()
         if self.codec is None:
             raise BadInputError("this engine was built without a tokenizer; use generate_ids")

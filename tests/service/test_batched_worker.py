@@ -1,6 +1,8 @@
-"""A worker with many jobs in flight (real SmolLM2 engine on the CPU, real Redis, SQLite and
-PostgreSQL): the same SHAs as one job at a time, nothing lost or duplicated under SIGKILL,
-SIGTERM drains, a cancel takes a job out of the running batch."""
+"""A worker with many jobs in flight (real SmolLM2 engine on the CPU, real Redis and PostgreSQL):
+the same SHAs as one job at a time, nothing lost or duplicated under SIGKILL, SIGTERM drains, a
+cancel takes a job out of the running batch. PostgreSQL only: the worker's code path is the same
+on SQLite (tests/service/test_worker.py and test_outages.py run it there), and each of these
+tests costs a minute of the suite on 2 cores."""
 from __future__ import annotations
 
 import json
@@ -15,8 +17,8 @@ import sqlalchemy as sa
 from batchd.db import migrate
 from batchd.db.session import db_engine, dispose_all
 from batchd.jobs.progress import workers_in_flight
-from tests.service.conftest import (REDIS_HOST, REDIS_PORT, WorkerProcess, batchd_cli, delete_queue_keys, service_env,
-                                    wait_for)
+from tests.service.conftest import (REDIS_HOST, REDIS_PORT, WorkerProcess, _make_database, batchd_cli,
+                                    delete_queue_keys, service_env, wait_for)
 
 pytestmark = pytest.mark.slow
 
@@ -39,6 +41,15 @@ JOBS = [
     {"custom_id": "digits", "prompt": "The year 1984 was followed by", "params": {"max_new_tokens": 12}},
     {"custom_id": "ignore-eos", "prompt": "Hello", "params": {"max_new_tokens": 14, "ignore_eos": True}},
 ]
+
+
+@pytest.fixture
+def database_url(request, tmp_path) -> str:
+    """A migrated PostgreSQL schema (this module's tests do not run on SQLite too)."""
+    url = _make_database("postgresql", tmp_path, request)
+    migrate.upgrade(url)
+    yield url
+    dispose_all()
 
 
 class Service:

@@ -6,9 +6,9 @@
         for done in batch.step(): ...
 
 Token ids only; text, stop-string cuts and hashing are the caller's (engine.runtime). Each step:
-the scheduler's plan (engine.batch.scheduler), every prompt chunk through the one-sequence prefill
-on the scratch cache, then all decode, verify and replay rows in one pass (engine.batch.rows), then
-one read-back of the chosen tokens.
+the scheduler's plan (engine.batch.scheduler), every prompt chunk in one pass over the paged pool
+(engine.batch.chunks), then all decode, verify and replay rows in one pass (engine.batch.rows),
+then one read-back of the chosen tokens.
 """
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from typing import Callable, Optional
 
 import torch
 
+from batchd.engine.batch.chunks import ChunkBatch, forward_chunks
 from batchd.engine.batch.graphs import RowRunner
 from batchd.engine.batch.paged_cache import PagedKVCache
 from batchd.engine.batch.scheduler import PromptChunk, Scheduler, StepPlan
@@ -139,8 +140,8 @@ class BatchEngine:
         for seq in [c.seq for c in plan.chunks] + [s for s, *_ in plan.replay] + [s for s, _ in plan.decode]:
             if seq.first_scheduled_at is None:
                 seq.first_scheduled_at = now
-        for chunk in plan.chunks:
-            self._prefill_chunk(chunk, finished)
+        if plan.chunks:
+            self._prefill_chunks(plan.chunks, finished)
         if plan.decode or plan.replay:
             self._run_rows(plan, finished)
             if not plan.chunks and not plan.replay:   # the rows' read-back synchronised the step
@@ -151,19 +152,21 @@ class BatchEngine:
             self._proposers.pop(seq.seq_id, None)
         return finished
 
-    def _prefill_chunk(self, chunk: PromptChunk, finished: list[Sequence]) -> None:
-        """The one-sequence prefill of the engine on the scratch cache, then its rows into the pool."""
-        seq, start, end = chunk.seq, chunk.start, chunk.end
-        self.cache.load_into_scratch(self.scratch, seq.blocks, start)
-        tokens = torch.tensor([seq.prompt_ids[start:end]], dtype=torch.long, device=self.device)
-        logits = self.model.forward_at(tokens, self.scratch, start, last_only=True)   # [1, 1, V]
-        self.cache.store_from_scratch(self.scratch, seq.blocks, start, end)
-        self.scheduler.chunk_done(seq, end)
-        if end == seq.prompt_len:
-            seq.prompt_done_at = time.perf_counter()
-            if not seq.generated:  # a recompute after preemption already has its tokens
-                first = seq.sampler.sample(logits[0, -1]).item()
-                self._accept(seq, [first], finished)
+    def _prefill_chunks(self, chunks: list[PromptChunk], finished: list[Sequence]) -> None:
+        """Every prompt chunk of the step in one pass over the pool (engine.batch.chunks); a
+        sequence whose prompt is done samples its first token from its last row's logits."""
+        batch = ChunkBatch.build([(c.seq.prompt_ids[c.start : c.end], c.start, c.seq.blocks) for c in chunks],
+                                 self.cache.block_size, self.cache.pad_block, self.device)
+        logits = forward_chunks(self.model, self.cache, batch, slab_rows=self.rows.slab_rows,
+                                max_context=self.max_context)                        # [C, V]
+        now = time.perf_counter()
+        for i, chunk in enumerate(chunks):
+            seq = chunk.seq
+            self.scheduler.chunk_done(seq, chunk.end)
+            if chunk.end == seq.prompt_len:
+                seq.prompt_done_at = now
+                if not seq.generated:  # a recompute after preemption already has its tokens
+                    self._accept(seq, [seq.sampler.sample(logits[i]).item()], finished)
 
     # ---- speculation in the batch ------------------------------------------------------------
     #

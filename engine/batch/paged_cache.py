@@ -3,9 +3,8 @@
     keys[layer], values[layer]: [num_blocks + 1, Hkv, block_size, D]   (the last: `pad_block`)
 
 A sequence owns a block table (engine.batch.sequence): position p lives in block
-table[p // block_size] at row p % block_size. Decode and verify rows read the pool directly
-(kernels.paged_attention); a prompt chunk runs the engine's one-sequence prefill on a contiguous
-scratch cache (engine.kv_cache.KVCache) and its new rows are copied in (`store_from_scratch`).
+table[p // block_size] at row p % block_size. Prompt chunks (kernels.paged_prefill) and decode
+and verify rows (kernels.paged_attention) write and read the pool directly.
 """
 from __future__ import annotations
 
@@ -13,7 +12,6 @@ import torch
 
 from batchd.engine.batch.block_pool import BlockPool
 from batchd.engine.config import ModelConfig
-from batchd.kernels.paged_attention.reference import gather_rows
 
 
 def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -62,22 +60,3 @@ class PagedKVCache:
         """k, v: [N, Hkv, D] rows for positions at (blocks[n], offsets[n]) ([N] long each)."""
         self.keys[layer][blocks, :, offsets] = k.to(self.dtype)
         self.values[layer][blocks, :, offsets] = v.to(self.dtype)
-
-    def load_into_scratch(self, scratch, table: list[int], length: int) -> None:
-        """Copy a sequence's positions [0, length) into the contiguous scratch cache (batch 1)."""
-        if length == 0:
-            return
-        index = torch.tensor(table, dtype=torch.int32, device=self.keys[0].device)
-        for layer in range(len(self.keys)):
-            scratch.keys[layer][0, :, :length] = gather_rows(self.keys[layer], index, length)
-            scratch.values[layer][0, :, :length] = gather_rows(self.values[layer], index, length)
-
-    def store_from_scratch(self, scratch, table: list[int], start: int, end: int) -> None:
-        """Copy positions [start, end) of the scratch cache into the sequence's blocks."""
-        positions = torch.arange(start, end, device=self.keys[0].device)
-        blocks = torch.tensor(table, dtype=torch.long, device=positions.device)[positions // self.block_size]
-        offsets = positions % self.block_size
-        for layer in range(len(self.keys)):
-            k = scratch.keys[layer][0, :, start:end].transpose(0, 1)          # [T, Hkv, D]
-            v = scratch.values[layer][0, :, start:end].transpose(0, 1)
-            self.write(layer, k, v, blocks, offsets)

@@ -116,3 +116,12 @@ def test_a_request_that_cannot_run_fails_alone(engine, alone):
     outcomes = dict(engine.generate_many([reqs[0], too_long, reqs[1]]))
     assert isinstance(outcomes[1], PromptTooLongError)
     assert outcomes[0].token_ids == alone[0] and outcomes[2].token_ids == alone[1]
+
+
+def test_greedy_ids_are_those_of_the_one_sequence_engine(engine, alone):
+    """The batch path (prompt chunks over the paged pool, decode rows in slabs) computes the same
+    model as the one-sequence path: on these float32 jobs every greedy token agrees."""
+    reqs = requests()
+    for i, request in enumerate(reqs):
+        if request.sampling.temperature == 0:
+            assert engine.generate_one(request).token_ids == alone[i], i

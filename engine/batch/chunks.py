@@ -1,0 +1,110 @@
+"""The forward of a step's prompt chunks: every chunk of every arriving sequence in one pass over
+the paged pool.
+
+    logits = forward_chunks(model, cache, chunks, slab_rows=64, max_context=...)   # [C, V] float32
+
+A chunk is a run of prompt positions [start, end) of one sequence, whose earlier positions are
+already in the pool. Each layer writes the chunks' keys and values into their blocks and runs
+kernels.paged_prefill over the pool, so nothing is copied through a contiguous scratch cache and a
+step with twenty short prompts costs one pass, not twenty.
+
+Batch invariance (docs/engine.md): a chunk's rows are computed the same way whatever else is in
+the step. Projections run per chunk (a chunk's GEMM shape is its own length, and chunk boundaries
+are fixed by the sequence: engine.batch.scheduler), norms one row at a time (kernels.rms_norm),
+rope and the MLP's gate elementwise, attention in tiles counted from each chunk's first row; the
+logits of each chunk's last row go through the fixed-shape slabs of the decode rows.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from batchd.engine import fused
+from batchd.engine.batch.rows import norm_rows, project_invariant
+from batchd.kernels.paged_prefill import paged_prefill_attention
+
+
+@dataclass
+class ChunkBatch:
+    """The packed rows of C chunks on the model's device, and their bounds on the host.
+
+    tokens, positions: [N] long; write_blocks, write_offsets: [N] long (where each row's key and
+    value go); block_tables: [C, max_blocks] int32; row_starts, chunk_rows, first_positions: [C]
+    int32; bounds: [(row start, row end)] per chunk (host)."""
+
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    write_blocks: torch.Tensor
+    write_offsets: torch.Tensor
+    block_tables: torch.Tensor
+    row_starts: torch.Tensor
+    chunk_rows: torch.Tensor
+    first_positions: torch.Tensor
+    bounds: list[tuple[int, int]]
+
+    @classmethod
+    def build(cls, chunks, block_size: int, pad_block: int, device) -> "ChunkBatch":
+        """chunks: (token ids, first position, block table) per chunk."""
+        tokens, positions, blocks, bounds, firsts = [], [], [], [], []
+        width = max(len(table) for _, _, table in chunks)
+        tables = torch.full((len(chunks), width), pad_block, dtype=torch.int32)
+        for c, (ids, first, table) in enumerate(chunks):
+            bounds.append((len(tokens), len(tokens) + len(ids)))
+            firsts.append(first)
+            tokens += ids
+            span = range(first, first + len(ids))
+            positions += span
+            blocks += [table[p // block_size] for p in span]
+            tables[c, : len(table)] = torch.tensor(table, dtype=torch.int32)
+        position_tensor = torch.tensor(positions, dtype=torch.long)
+        meta = torch.tensor([[a for a, _ in bounds], [b - a for a, b in bounds], firsts], dtype=torch.int32)
+        return cls(torch.tensor(tokens, dtype=torch.long).to(device), position_tensor.to(device),
+                   torch.tensor(blocks, dtype=torch.long).to(device), (position_tensor % block_size).to(device),
+                   tables.to(device), *meta.to(device), bounds)
+
+
+def project_chunks(x: torch.Tensor, bounds: list[tuple[int, int]], weight: torch.Tensor,
+                   bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """x: [N, K] -> [N, Nout], one GEMM per chunk (its rows' bits follow the chunk alone)."""
+    if len(bounds) == 1:
+        return F.linear(x, weight, bias)
+    return torch.cat([F.linear(x[a:b], weight, bias) for a, b in bounds])
+
+
+@torch.inference_mode()
+def forward_chunks(model, cache, batch: ChunkBatch, *, slab_rows: Optional[int], max_context: int) -> torch.Tensor:
+    """Write every chunk's keys and values into the pool; return the next-token logits of each
+    chunk's last row ([C, V] float32)."""
+    config = model.config
+    Hq, Hkv, D = config.num_heads, config.num_kv_heads, config.head_dim
+    model.setup_rope(max_context)
+    bounds = batch.bounds
+    host_rows = [b - a for a, b in bounds]
+    hidden = model.embed_tokens(batch.tokens)                                       # [N, H]
+    cos, sin = model.rope_cos[batch.positions][:, None], model.rope_sin[batch.positions][:, None]   # [N, 1, D]
+    for i, layer in enumerate(model.layers):
+        attn = layer.self_attn
+        x = norm_rows(hidden, layer.input_layernorm.weight, layer.input_layernorm.eps)
+        q, k, v = project_chunks(x, bounds, attn.qkv_proj.weight, attn.qkv_proj.bias).split(attn.split_sizes, dim=-1)
+        q, k, v = q.reshape(-1, Hq, D), k.reshape(-1, Hkv, D), v.reshape(-1, Hkv, D)
+        if attn.q_norm is not None:  # qwen3: per-head norms before rope
+            q = norm_rows(q.reshape(-1, D), attn.q_norm.weight, attn.q_norm.eps).view(-1, Hq, D)
+            k = norm_rows(k.reshape(-1, D), attn.k_norm.weight, attn.k_norm.eps).view(-1, Hkv, D)
+        q, k = fused.rotate(q, cos, sin), fused.rotate(k, cos, sin)
+        cache.write(i, k, v, batch.write_blocks, batch.write_offsets)
+        keys, values = cache.keys[i], cache.values[i]
+        out = paged_prefill_attention(q.to(keys.dtype), keys, values, batch.block_tables, batch.row_starts,
+                                      batch.chunk_rows, batch.first_positions, scale=attn.scale,
+                                      host_chunk_rows=host_rows).to(hidden.dtype)
+        hidden = hidden + project_chunks(out.reshape(-1, Hq * D), bounds, attn.o_proj.weight, None)
+        post = layer.post_attention_layernorm
+        x = norm_rows(hidden, post.weight, post.eps)
+        mlp = layer.mlp
+        gate, up = project_chunks(x, bounds, mlp.gate_up_proj.weight, None).chunk(2, dim=-1)
+        hidden = hidden + project_chunks(F.silu(gate) * up, bounds, mlp.down_proj.weight, None)
+    last = hidden[torch.tensor([b - 1 for _, b in bounds], device=hidden.device)]       # [C, H]
+    normed = norm_rows(last, model.norm.weight, model.norm.eps)
+    return project_invariant(normed, model.lm_head.weight, None, slab_rows, model.lm_head).float()

@@ -48,7 +48,8 @@ def test_kernel_matches_reference(dtype, shape):
 
 
 def test_reference_is_causal_attention_over_the_sequence():
-    q, k, v, tables, starts, rows, firsts = prefill_case([(24, 10)], Hq=4, Hkv=2, D=8, block_size=8)
+    case = prefill_case([(24, 10)], Hq=4, Hkv=2, D=8, block_size=8)
+    q, k, v, tables, starts, rows, firsts = (t.cpu() for t in case)   # float32 on the CPU: no TF32
     out = paged_prefill_attention_reference(q, k, v, tables, starts, rows, firsts, scale=8**-0.5)
     keys, values = gather_rows(k, tables[0], 34), gather_rows(v, tables[0], 34)     # [Hkv, 34, D]
     mask = torch.arange(34)[None, :] <= (24 + torch.arange(10))[:, None]            # [10, 34]

@@ -6,9 +6,9 @@
         for done in batch.step(): ...
 
 Token ids only; text, stop-string cuts and hashing are the caller's (engine.runtime). Each step:
-the scheduler's plan (engine.batch.scheduler), every prompt chunk in one pass over the paged pool
-(engine.batch.chunks), then all decode, verify and replay rows in one pass (engine.batch.rows),
-then one read-back of the chosen tokens.
+the scheduler's plan (engine.batch.scheduler); prompt chunks (a prompt's first through the
+one-sequence prefill, the continuing ones together over the paged pool: engine.batch.chunks); all
+decode, verify and replay rows in one pass (engine.batch.rows); one read-back of the chosen tokens.
 """
 from __future__ import annotations
 
@@ -153,20 +153,39 @@ class BatchEngine:
         return finished
 
     def _prefill_chunks(self, chunks: list[PromptChunk], finished: list[Sequence]) -> None:
-        """Every prompt chunk of the step in one pass over the pool (engine.batch.chunks); a
-        sequence whose prompt is done samples its first token from its last row's logits."""
-        batch = ChunkBatch.build([(c.seq.prompt_ids[c.start : c.end], c.start, c.seq.blocks) for c in chunks],
-                                 self.cache.block_size, self.cache.pad_block, self.device)
-        logits = forward_chunks(self.model, self.cache, batch, slab_rows=self.rows.slab_rows,
-                                max_context=self.max_context)                        # [C, V]
+        """The step's prompt chunks. A chunk that starts a prompt runs the engine's own prefill
+        (its fused kernels and flash attention over a contiguous scratch cache, measured faster
+        than any paged pass at 4K rows) and is copied into the pool; the chunks that continue a
+        prompt run together in one pass over the pool (engine.batch.chunks, kernels.paged_prefill).
+        The path follows from the chunk alone, so a row's bits never depend on the rest of the step."""
         now = time.perf_counter()
-        for i, chunk in enumerate(chunks):
+        logits: dict[int, torch.Tensor] = {}
+        continuing = [c for c in chunks if c.start > 0]
+        for chunk in chunks:
+            if chunk.start == 0:
+                logits[id(chunk)] = self._prefill_first_chunk(chunk)
+        if continuing:
+            batch = ChunkBatch.build([(c.seq.prompt_ids[c.start : c.end], c.start, c.seq.blocks) for c in continuing],
+                                     self.cache.block_size, self.cache.pad_block, self.device)
+            rows = forward_chunks(self.model, self.cache, batch, slab_rows=self.rows.slab_rows,
+                                  max_context=self.max_context)                      # [C, V]
+            logits.update({id(c): rows[i] for i, c in enumerate(continuing)})
+        for chunk in chunks:
             seq = chunk.seq
             self.scheduler.chunk_done(seq, chunk.end)
             if chunk.end == seq.prompt_len:
                 seq.prompt_done_at = now
                 if not seq.generated:  # a recompute after preemption already has its tokens
-                    self._accept(seq, [seq.sampler.sample(logits[i]).item()], finished)
+                    self._accept(seq, [seq.sampler.sample(logits[id(chunk)]).item()], finished)
+
+    def _prefill_first_chunk(self, chunk: PromptChunk) -> torch.Tensor:
+        """Positions [0, end) through the one-sequence prefill on the scratch cache, then into the
+        sequence's blocks; the last row's logits [V] float32."""
+        seq, end = chunk.seq, chunk.end
+        tokens = torch.tensor([seq.prompt_ids[:end]], dtype=torch.long, device=self.device)
+        logits = self.model.forward_at(tokens, self.scratch, 0, last_only=True)   # [1, 1, V]
+        self.cache.store_from_scratch(self.scratch, seq.blocks, 0, end)
+        return logits[0, -1]
 
     # ---- speculation in the batch ------------------------------------------------------------
     #

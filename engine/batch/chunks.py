@@ -1,12 +1,12 @@
-"""The forward of a step's prompt chunks: every chunk of every arriving sequence in one pass over
-the paged pool.
+"""The forward of a step's continuing prompt chunks (those past a prompt's first): all of them in
+one pass over the paged pool.
 
     logits = forward_chunks(model, cache, chunks, slab_rows=64, max_context=...)   # [C, V] float32
 
 A chunk is a run of prompt positions [start, end) of one sequence, whose earlier positions are
 already in the pool. Each layer writes the chunks' keys and values into their blocks and runs
-kernels.paged_prefill over the pool, so nothing is copied through a contiguous scratch cache and a
-step with twenty short prompts costs one pass, not twenty.
+kernels.paged_prefill over the pool: nothing is gathered into a contiguous cache, and the chunks
+of many long prompts cost one pass.
 
 Batch invariance (docs/engine.md): a chunk's rows are computed the same way whatever else is in
 the step. Projections run per chunk (a chunk's GEMM shape is its own length, and chunk boundaries
@@ -33,7 +33,7 @@ class ChunkBatch:
 
     tokens, positions: [N] long; write_blocks, write_offsets: [N] long (where each row's key and
     value go); block_tables: [C, max_blocks] int32; row_starts, chunk_rows, first_positions: [C]
-    int32; bounds: [(row start, row end)] and first_host: first positions, per chunk (host)."""
+    int32; bounds: [(row start, row end)] per chunk (host)."""
 
     tokens: torch.Tensor
     positions: torch.Tensor
@@ -44,7 +44,6 @@ class ChunkBatch:
     chunk_rows: torch.Tensor
     first_positions: torch.Tensor
     bounds: list[tuple[int, int]]
-    first_host: list[int]
 
     @classmethod
     def build(cls, chunks, block_size: int, pad_block: int, device) -> "ChunkBatch":
@@ -64,7 +63,7 @@ class ChunkBatch:
         meta = torch.tensor([[a for a, _ in bounds], [b - a for a, b in bounds], firsts], dtype=torch.int32)
         return cls(torch.tensor(tokens, dtype=torch.long).to(device), position_tensor.to(device),
                    torch.tensor(blocks, dtype=torch.long).to(device), (position_tensor % block_size).to(device),
-                   tables.to(device), *meta.to(device), bounds, firsts)
+                   tables.to(device), *meta.to(device), bounds)
 
 
 def project_chunks(x: torch.Tensor, bounds: list[tuple[int, int]], weight: torch.Tensor,
@@ -73,35 +72,6 @@ def project_chunks(x: torch.Tensor, bounds: list[tuple[int, int]], weight: torch
     if len(bounds) == 1:
         return F.linear(x, weight, bias)
     return torch.cat([F.linear(x[a:b], weight, bias) for a, b in bounds])
-
-
-def attend_chunks(q, k, v, cache, layer: int, batch: ChunkBatch, host_rows: list[int], scale: float) -> torch.Tensor:
-    """q [N, Hq, D], k, v [N, Hkv, D] (already in the pool) -> [N, Hq, D]. On CUDA a chunk that
-    starts a prompt attends to its own rows only: SDPA's flash kernel over them, per chunk (2.5x
-    the paged kernel's speed at 4K rows, bench/paged_prefill.py); the chunks that continue a
-    prompt go through kernels.paged_prefill in one launch. Which path a chunk takes follows from
-    the chunk alone, so a row's bits still do not depend on the rest of the step."""
-    keys, values = cache.keys[layer], cache.values[layer]
-    starting = [c for c in range(len(host_rows)) if batch.first_host[c] == 0] if q.is_cuda else []
-    if not starting:
-        return paged_prefill_attention(q.to(keys.dtype), keys, values, batch.block_tables, batch.row_starts,
-                                       batch.chunk_rows, batch.first_positions, scale=scale, host_chunk_rows=host_rows)
-    out = torch.empty_like(q)
-    for c in starting:
-        a, b = batch.bounds[c]
-        out[a:b] = F.scaled_dot_product_attention(q[a:b].transpose(0, 1)[None], k[a:b].transpose(0, 1)[None],
-                                                  v[a:b].transpose(0, 1)[None], is_causal=True, scale=scale,
-                                                  enable_gqa=True)[0].transpose(0, 1)
-    rest = sorted(set(range(len(host_rows))) - set(starting))
-    if rest:
-        pick = torch.tensor(rest, device=q.device)
-        rows = torch.cat([torch.arange(*batch.bounds[c], device=q.device) for c in rest])
-        sub_rows = [host_rows[c] for c in rest]
-        starts = torch.tensor([sum(sub_rows[:j]) for j in range(len(rest))], dtype=torch.int32, device=q.device)
-        out[rows] = paged_prefill_attention(q[rows].to(keys.dtype), keys, values, batch.block_tables[pick], starts,
-                                            batch.chunk_rows[pick], batch.first_positions[pick], scale=scale,
-                                            host_chunk_rows=sub_rows).to(q.dtype)
-    return out
 
 
 @torch.inference_mode()
@@ -125,7 +95,10 @@ def forward_chunks(model, cache, batch: ChunkBatch, *, slab_rows: Optional[int],
             k = norm_rows(k.reshape(-1, D), attn.k_norm.weight, attn.k_norm.eps).view(-1, Hkv, D)
         q, k = fused.rotate(q, cos, sin), fused.rotate(k, cos, sin)
         cache.write(i, k, v, batch.write_blocks, batch.write_offsets)
-        out = attend_chunks(q, k, v, cache, i, batch, host_rows, attn.scale).to(hidden.dtype)
+        keys, values = cache.keys[i], cache.values[i]
+        out = paged_prefill_attention(q.to(keys.dtype), keys, values, batch.block_tables, batch.row_starts,
+                                      batch.chunk_rows, batch.first_positions, scale=attn.scale,
+                                      host_chunk_rows=host_rows).to(hidden.dtype)
         hidden = hidden + project_chunks(out.reshape(-1, Hq * D), bounds, attn.o_proj.weight, None)
         post = layer.post_attention_layernorm
         x = norm_rows(hidden, post.weight, post.eps)

@@ -3,8 +3,9 @@
     keys[layer], values[layer]: [num_blocks + 1, Hkv, block_size, D]   (the last: `pad_block`)
 
 A sequence owns a block table (engine.batch.sequence): position p lives in block
-table[p // block_size] at row p % block_size. Prompt chunks (kernels.paged_prefill) and decode
-and verify rows (kernels.paged_attention) write and read the pool directly.
+table[p // block_size] at row p % block_size. Continuing prompt chunks (kernels.paged_prefill) and
+decode and verify rows (kernels.paged_attention) write and read the pool directly; a prompt's first
+chunk is computed on a contiguous scratch cache and copied in (`store_from_scratch`).
 """
 from __future__ import annotations
 
@@ -60,3 +61,14 @@ class PagedKVCache:
         """k, v: [N, Hkv, D] rows for positions at (blocks[n], offsets[n]) ([N] long each)."""
         self.keys[layer][blocks, :, offsets] = k.to(self.dtype)
         self.values[layer][blocks, :, offsets] = v.to(self.dtype)
+
+    def store_from_scratch(self, scratch, table: list[int], start: int, end: int) -> None:
+        """Copy positions [start, end) of a contiguous (batch 1) scratch cache into the sequence's
+        blocks (a prompt's first chunk, computed by the one-sequence prefill)."""
+        positions = torch.arange(start, end, device=self.keys[0].device)
+        blocks = torch.tensor(table, dtype=torch.long, device=positions.device)[positions // self.block_size]
+        offsets = positions % self.block_size
+        for layer in range(len(self.keys)):
+            k = scratch.keys[layer][0, :, start:end].transpose(0, 1)          # [T, Hkv, D]
+            v = scratch.values[layer][0, :, start:end].transpose(0, 1)
+            self.write(layer, k, v, blocks, offsets)

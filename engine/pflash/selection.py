@@ -4,13 +4,28 @@
     kept.spans  # [(start, end), ...] token ranges, in prompt order
 
 The rule (docs/design.md section 3, PFlash): smooth the per-token scores with an average pool
-(kernel 13), average them per 32-token chunk, and keep `max(1, chunks x keep_ratio)` chunks:
-  1. the first 8 and the last 24 chunks; when they would take more than `max_edge_share` (half)
-     of the budget, both shrink by the same factor ("scaled down to fit": at 8K tokens and keep
-     0.1 the budget is 25 chunks, and edges that took all of it would leave nothing to select),
-  2. the chunks holding a 4-gram that the question (the last 96 tokens) shares with the earlier
-     text, then their neighbours (`anchor_radius` chunks each side), best-scoring first in each tier,
-  3. then the best-scoring rest.
+(kernel 13), average them per 32-token chunk, and keep `max(1, chunks x keep_ratio)` chunks,
+filling the budget tier by tier (each tier best first, until the budget is spent):
+  1. the question: the chunks holding the last 96 tokens (at budget 1, the last chunk),
+  2. anchors: the chunks where n-grams (2 to 4 tokens) of the question recur in the earlier text,
+     by evidence (below; at least `min_anchor_evidence`: one n-gram of rare tokens found once),
+     then the chunks across the edge from such matches,
+  3. the edges: the first 8 and the last 24 chunks (the question's among them); they take at
+     most `max_edge_share` (half) of the budget and only what the anchors left, head and tail
+     shrinking by the same factor,
+  4. the anchors' neighbours (`anchor_radius` chunks each side), best-scoring first,
+  5. the best-scoring rest.
+So at small budgets the head and tail reservations shrink before what the question asks about
+does: at 8K tokens and keep 0.1 the budget is 25 chunks, less than the 32 edge chunks alone.
+
+Evidence: each distinct question n-gram found in a chunk adds 1 / (k x m), where k is how often
+the n-gram occurs in the text and m how often its rarest token does. A fact's rare phrase
+(several n-grams found once, of rare tokens) outranks a stray phrase of common words; n-grams
+found more than `max_ngram_occurrences` times are stock phrases and add nothing. An n-gram
+`anchor_context` (16) tokens or less from its chunk's edge adds half its weight to the chunk
+across that edge, ranked after every chunk that holds a match: a fact cut by a chunk boundary
+keeps the half that does not repeat the question's words (often the answer).
+
 Kept chunks are emitted in prompt order. Nothing here knows about models or devices; the ids
 are the drafter's, whose tokens the scores belong to.
 """
@@ -20,6 +35,7 @@ import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -29,26 +45,32 @@ class SelectionParams:
     keep_ratio: float = 0.1
     chunk_size: int = 32  # tokens per chunk
     smoothing_kernel: int = 13  # average-pool width over per-token scores (odd)
-    head_chunks: int = 8  # always kept from the start (instructions, title)
-    tail_chunks: int = 24  # always kept from the end (the question and the template's tail)
+    head_chunks: int = 8  # kept from the start (instructions, title) when the budget allows
+    tail_chunks: int = 24  # kept from the end (the question and the template's tail) when it allows
     max_edge_share: float = 0.5  # head + tail take at most this share of the budget
-    question_tokens: int = 96  # the last tokens taken as the question for n-gram anchors
-    ngram: int = 4
-    anchor_radius: int = 1  # chunks kept on each side of a chunk holding a question n-gram
+    question_tokens: int = 96  # the last tokens: the question, always kept, searched for n-grams
+    ngram: int = 4  # the longest question n-gram looked for in the text
+    min_ngram: int = 2  # the shortest
+    min_anchor_evidence: float = 1.0  # a chunk's evidence to count as an anchor
+    anchor_context: int = 16  # tokens: an n-gram this close to a chunk edge also anchors the next chunk
+    anchor_radius: int = 1  # chunks kept on each side of an anchor when the budget allows
     # a question n-gram found more often than this in the text is a stock phrase, not an anchor
     max_ngram_occurrences: int = 8
 
     def __post_init__(self):
         if not 0.0 < self.keep_ratio <= 1.0:
             raise ValueError(f"keep_ratio must be in (0, 1], got {self.keep_ratio}")
-        if self.chunk_size < 1 or self.ngram < 1 or self.smoothing_kernel < 1:
-            raise ValueError(f"chunk_size, ngram and smoothing_kernel must be >= 1: {self}")
+        if self.chunk_size < 1 or self.smoothing_kernel < 1:
+            raise ValueError(f"chunk_size and smoothing_kernel must be >= 1: {self}")
+        if not 2 <= self.min_ngram <= self.ngram:  # one shared token is no evidence
+            raise ValueError(f"need 2 <= min_ngram <= ngram, got min_ngram={self.min_ngram}, ngram={self.ngram}")
         if self.smoothing_kernel % 2 == 0:
             raise ValueError(f"smoothing_kernel must be odd (centred window), got {self.smoothing_kernel}")
         if not 0.0 <= self.max_edge_share <= 1.0:
             raise ValueError(f"max_edge_share must be in [0, 1], got {self.max_edge_share}")
-        if min(self.head_chunks, self.tail_chunks, self.question_tokens, self.anchor_radius) < 0:
-            raise ValueError(f"head_chunks, tail_chunks, question_tokens and anchor_radius must be >= 0: {self}")
+        if min(self.head_chunks, self.tail_chunks, self.question_tokens, self.anchor_radius, self.anchor_context) < 0:
+            raise ValueError("head_chunks, tail_chunks, question_tokens, anchor_radius and anchor_context must be "
+                             f">= 0: {self}")
 
 
 @dataclass
@@ -58,8 +80,9 @@ class Selection:
     num_chunks: int
     budget: int
     head: list[int] = field(default_factory=list)
-    tail: list[int] = field(default_factory=list)
+    tail: list[int] = field(default_factory=list)  # the kept end chunks, the question's included
     anchors: list[int] = field(default_factory=list)  # anchor chunks that were kept
+    question: list[int] = field(default_factory=list)  # the question's chunks (all kept)
 
     @property
     def kept_tokens(self) -> int:
@@ -91,43 +114,77 @@ def keep_budget(num_chunks: int, keep_ratio: float) -> int:
     return min(num_chunks, max(1, int(num_chunks * keep_ratio)))
 
 
-def head_and_tail(num_chunks: int, budget: int, head: int, tail: int,
-                  max_edge_share: float = 1.0) -> tuple[list[int], list[int]]:
-    """The always-kept chunks; when head + tail exceed `max_edge_share` of the budget both shrink
-    by the same factor (the tail gets the rounding, since it holds the question; at least one
-    chunk stays)."""
-    room = max(1, int(budget * max_edge_share))
+def question_chunks(num_tokens: int, budget: int, params: SelectionParams) -> list[int]:
+    """The chunks holding the last `question_tokens` tokens (the last one at least), at most
+    `budget` of them, counted from the end."""
+    num_chunks = math.ceil(num_tokens / params.chunk_size)
+    first = min(num_chunks - 1, max(0, num_tokens - params.question_tokens) // params.chunk_size)
+    return list(range(max(first, num_chunks - budget, 0), num_chunks)) if budget > 0 else []
+
+
+def head_and_tail(num_chunks: int, room: int, head: int, tail: int, min_tail: int = 1) -> tuple[list[int], list[int]]:
+    """The edge chunks in `room` chunks: when head + tail exceed it both shrink by the same factor;
+    the tail keeps at least `min_tail` chunks (the question's) and gets the rounding."""
+    min_tail = min(min_tail, num_chunks)
+    room = max(room, min_tail)
     if head + tail > room:
         head = head * room // (head + tail)
         tail = room - head
-    head_chunks = list(range(min(head, num_chunks)))
-    tail_chunks = [c for c in range(max(0, num_chunks - tail), num_chunks) if c >= len(head_chunks)]
+    tail = max(tail, min_tail)
+    head = min(head, room - tail)
+    tail_chunks = list(range(max(0, num_chunks - tail), num_chunks))
+    head_chunks = [c for c in range(min(head, num_chunks)) if c < num_chunks - tail]
     return head_chunks, tail_chunks
 
 
-def question_anchor_chunks(ids: list[int], params: SelectionParams) -> tuple[set[int], set[int]]:
-    """(chunks holding a question n-gram in the text before the question, their neighbours)."""
-    q, n = params.question_tokens, params.ngram
+def anchor_evidence(ids: list[int], params: SelectionParams) -> tuple[dict[int, float], dict[int, float]]:
+    """(chunk -> evidence that it holds what the question asks about, chunk -> evidence next door).
+
+    The question is the last `question_tokens` ids. A chunk's evidence is the sum over the
+    distinct question n-grams (min_ngram..ngram tokens) found in it of 1 / (k x m): k, the
+    n-gram's occurrences in the text before the question; m, its rarest token's. An n-gram within
+    `anchor_context` tokens of its chunk's edge gives the chunk across that edge half its weight,
+    as evidence next door."""
+    q = params.question_tokens
     if q == 0 or len(ids) <= q:
-        return set(), set()
-    question, text = ids[-q:], ids[:-q]
-    wanted = set(zip(*(question[i:] for i in range(n))))
-    positions: dict[tuple, list[int]] = defaultdict(list)
-    for i, gram in enumerate(zip(*(text[j:] for j in range(n)))):
-        if gram in wanted:
-            positions[gram].append(i)
-    num_chunks = math.ceil(len(ids) / params.chunk_size)
-    matches: set[int] = set()
-    neighbours: set[int] = set()
-    for starts in positions.values():
+        return {}, {}
+    question, text_length = ids[-q:], len(ids) - q
+    wanted = {n: set(zip(*(question[i:] for i in range(n)))) for n in range(params.min_ngram, params.ngram + 1)}
+    positions: dict[tuple, list[int]] = defaultdict(list)  # question n-gram -> its starts in the text
+    for i in shared_bigram_starts(ids, text_length, question):  # every shared n-gram starts with one
+        for n, grams in wanted.items():
+            gram = tuple(ids[i:i + n])
+            if i + n <= text_length and gram in grams:
+                positions[gram].append(i)
+    token_counts = np.bincount(np.asarray(ids[:text_length], dtype=np.int64))
+    size, context, last_chunk = params.chunk_size, params.anchor_context, (len(ids) - 1) // params.chunk_size
+    inside: dict[int, dict[tuple, float]] = defaultdict(dict)  # chunk -> n-gram -> weight
+    beside: dict[int, dict[tuple, float]] = defaultdict(dict)
+    for gram, starts in positions.items():
         if len(starts) > params.max_ngram_occurrences:
             continue
+        weight = 1.0 / (len(starts) * min(int(token_counts[t]) for t in gram))
         for i in starts:
-            first, last = i // params.chunk_size, (i + n - 1) // params.chunk_size
-            matches.update(range(first, last + 1))
-            lo, hi = max(0, first - params.anchor_radius), min(num_chunks - 1, last + params.anchor_radius)
-            neighbours.update(range(lo, hi + 1))
-    return matches, neighbours - matches
+            first, last = i // size, (i + len(gram) - 1) // size
+            for chunk in range(first, last + 1):
+                inside[chunk][gram] = weight
+            for chunk in {(i - context) // size, (i + len(gram) - 1 + context) // size} - {first, last}:
+                if 0 <= chunk <= last_chunk:
+                    beside[chunk][gram] = weight / 2
+    total = lambda grams: {chunk: sum(g.values()) for chunk, g in grams.items()}  # noqa: E731
+    return total(inside), total(beside)
+
+
+def shared_bigram_starts(ids: list[int], text_length: int, question: list[int]) -> list[int]:
+    """Starts i < text_length - 1 of the text's bigrams (ids[i], ids[i + 1]) that the question
+    holds too (numpy: a 128K-token prompt is scanned in milliseconds, not a Python loop)."""
+    if text_length < 2 or len(question) < 2:
+        return []
+    text = np.asarray(ids[:text_length], dtype=np.int64)
+    asked = np.asarray(question, dtype=np.int64)
+    keys = (text[:-1] << 32) | text[1:]  # exact: token ids are below 2**31
+    wanted = (asked[:-1] << 32) | asked[1:]
+    return np.flatnonzero(np.isin(keys, wanted)).tolist()
 
 
 def select_chunks(ids: list[int], token_scores: torch.Tensor, params: SelectionParams = SelectionParams()) -> Selection:
@@ -139,22 +196,29 @@ def select_chunks(ids: list[int], token_scores: torch.Tensor, params: SelectionP
     per_chunk = chunk_scores(smooth_scores(token_scores, params.smoothing_kernel), params.chunk_size).tolist()
     num_chunks = len(per_chunk)
     budget = keep_budget(num_chunks, params.keep_ratio)
-    head, tail = head_and_tail(num_chunks, budget, params.head_chunks, params.tail_chunks, params.max_edge_share)
-    kept = set(head) | set(tail)
+    kept: set[int] = set()
 
-    def by_score(chunks):
-        return sorted(chunks - kept, key=lambda c: (-per_chunk[c], c))
+    def keep(chunks, key=lambda c: (-per_chunk[c], c)) -> list[int]:
+        """Adds the best of `chunks` (not yet kept) while the budget lasts; returns them."""
+        taken = sorted(set(chunks) - kept, key=key)[: max(0, budget - len(kept))]
+        kept.update(taken)
+        return taken
 
-    matches, neighbours = question_anchor_chunks(ids, params)
+    question = sorted(keep(question_chunks(len(ids), budget, params)))
+    inside, beside = anchor_evidence(ids, params)
     anchors = []
-    for tier in (matches, neighbours):
-        for c in by_score(tier)[: max(0, budget - len(kept))]:
-            kept.add(c)
-            anchors.append(c)
-    kept.update(by_score(set(range(num_chunks)))[: max(0, budget - len(kept))])
+    for evidence in (inside, beside):  # the matches themselves, then the chunks across their edges
+        strong = [c for c, e in evidence.items() if e >= params.min_anchor_evidence]
+        anchors += keep(strong, key=lambda c: (-evidence[c], -per_chunk[c], c))
+    edge_room = min(max(len(question), int(budget * params.max_edge_share)), budget - len(anchors))
+    head, tail = head_and_tail(num_chunks, edge_room, params.head_chunks, params.tail_chunks, len(question))
+    keep(head + tail)
+    r = params.anchor_radius
+    keep({n for c in anchors for n in range(max(0, c - r), min(num_chunks, c + r + 1))})
+    keep(range(num_chunks))
     ordered = sorted(kept)
     return Selection(ordered, chunk_spans(ordered, len(ids), params.chunk_size), num_chunks, budget,
-                     head, tail, sorted(anchors))
+                     [c for c in head if c in kept], sorted(set(tail) & kept), sorted(anchors), question)
 
 
 def chunk_spans(chunks: list[int], num_tokens: int, chunk_size: int) -> list[tuple[int, int]]:

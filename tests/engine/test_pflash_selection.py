@@ -9,10 +9,10 @@ import torch
 from batchd.engine.pflash.scoring import score_prompt, score_tail_queries_torch
 from batchd.engine.pflash.selection import (
     SelectionParams,
+    anchor_evidence,
     chunk_scores,
     head_and_tail,
     keep_budget,
-    question_anchor_chunks,
     select_chunks,
     smooth_scores,
 )
@@ -49,11 +49,17 @@ def test_head_and_tail_always_kept_when_they_fit():
 
 
 def test_head_and_tail_scale_down_together_to_fit():
-    assert head_and_tail(1000, 400, 8, 24, 0.5) == (list(range(8)), list(range(976, 1000)))
-    head, tail = head_and_tail(256, 25, 8, 24, 0.5)  # 8K tokens at keep 0.1: room for 12 edge chunks
+    assert head_and_tail(1000, 400, 8, 24) == (list(range(8)), list(range(976, 1000)))
+    head, tail = head_and_tail(256, 12, 8, 24, min_tail=4)  # 8K tokens at keep 0.1: half the budget
     assert (len(head), len(tail)) == (3, 9)
-    head, tail = head_and_tail(40, 1, 8, 24, 0.5)
-    assert (head, tail) == ([], [39])  # the question's chunk outlives the head
+    assert head_and_tail(40, 1, 8, 24) == ([], [39])  # the question's chunk outlives the head
+    head, tail = head_and_tail(128, 4, 8, 24, min_tail=4)  # the question's chunks fill the room
+    assert (head, tail) == ([], [124, 125, 126, 127])
+
+
+def fact_tokens(k: int, length: int = 6) -> list[int]:
+    """A phrase no random_ids text holds (ids above its vocabulary)."""
+    return [8000 + 10 * k + j for j in range(length)]
 
 
 def test_question_ngrams_anchor_their_chunks_and_neighbours():
@@ -61,8 +67,8 @@ def test_question_ngrams_anchor_their_chunks_and_neighbours():
     fact = [7001, 7002, 7003, 7004, 7005]
     ids[1000:1005] = fact  # chunk 31
     ids[-40:-35] = fact  # inside the last 96 tokens: the question repeats it
-    matches, neighbours = question_anchor_chunks(ids, SelectionParams())
-    assert 31 in matches and {30, 32} <= neighbours
+    inside, _ = anchor_evidence(ids, SelectionParams())
+    assert max(inside, key=inside.get) == 31
     sel = select_chunks(ids, torch.zeros(4096), SelectionParams(keep_ratio=0.1))
     assert {30, 31, 32} <= set(sel.kept_chunks) and 31 in sel.anchors
 
@@ -73,8 +79,71 @@ def test_stock_phrases_are_not_anchors():
     for start in range(100, 3000, 200):  # 15 times in the text: a stock phrase
         ids[start:start + 4] = phrase
     ids[-20:-16] = phrase
-    matches, _ = question_anchor_chunks(ids, SelectionParams(max_ngram_occurrences=8))
-    assert not matches
+    inside, beside = anchor_evidence(ids, SelectionParams(max_ngram_occurrences=8))
+    assert not any(start // 32 in inside for start in range(100, 3000, 200))
+
+
+def test_question_matches_outrank_head_and_tail_at_small_budgets():
+    """4K tokens at keep 0.1: a budget of 12 chunks, less than the 8 + 24 edge chunks. The
+    question's 3 chunks and the 9 chunks holding what it asks about take all of it; the head,
+    though it scores best, and the rest of the tail give way (before this rule, the edges took
+    half the budget and 6 of the 9 facts were kept)."""
+    ids = random_ids(4096, seed=9)
+    facts_at = [330 + 416 * k for k in range(9)]  # 10 tokens into a chunk, away from its edges
+    question = []
+    for k, at in enumerate(facts_at):
+        ids[at:at + 6] = fact_tokens(k)
+        question += fact_tokens(k)
+    ids[-len(question) - 8:-8] = question  # 54 tokens inside the last 96
+    scores = torch.zeros(4096)
+    scores[:256] = 1.0  # the head scores best
+    sel = select_chunks(ids, scores, SelectionParams(keep_ratio=0.1))
+    assert sel.budget == 12 and len(sel.kept_chunks) == 12
+    assert sel.question == [125, 126, 127]  # the last 96 tokens
+    assert sel.kept_chunks == [at // 32 for at in facts_at] + sel.question
+    assert sel.head == [] and sel.tail == sel.question
+    wide = select_chunks(ids, scores, SelectionParams(keep_ratio=0.5))  # room again: the edges come back
+    assert wide.head == list(range(8)) and len(wide.tail) == 24
+
+
+def test_rare_phrases_outrank_stray_matches():
+    """A chunk holding a phrase of the question found once outranks chunks holding a bit of the
+    question found a few times (a stray phrase), whatever the drafter's scores say."""
+    ids = random_ids(4096, seed=10)
+    stray = [6001, 6002]
+    for start in (500, 1500, 2500):  # the question's last two tokens, three times in the text
+        ids[start:start + 2] = stray
+    ids[2000:2006] = fact_tokens(0)
+    ids[-20:-14] = fact_tokens(0)
+    ids[-8:-6] = stray
+    inside, _ = anchor_evidence(ids, SelectionParams())
+    assert inside[2000 // 32] > 5 * max(inside[s // 32] for s in (500, 1500, 2500))
+    scores = torch.zeros(4096)
+    for start in (500, 1500, 2500):
+        scores[start:start + 32] = 1.0
+    sel = select_chunks(ids, scores, SelectionParams(keep_ratio=0.1, question_tokens=32))
+    assert sel.anchors[0] == 2000 // 32
+
+
+def test_a_fact_cut_by_a_chunk_boundary_keeps_its_other_half():
+    """The question's words end a chunk; the rest of the fact (the answer, which the question does
+    not hold) opens the next one: that chunk is kept too, before the edges."""
+    ids = random_ids(4096, seed=11)
+    ids[1018:1024] = fact_tokens(0)  # the end of chunk 31; 1024.. (chunk 32) holds the answer
+    ids[-30:-24] = fact_tokens(0)
+    sel = select_chunks(ids, torch.zeros(4096), SelectionParams(keep_ratio=0.05, anchor_radius=0))
+    assert {31, 32} <= set(sel.anchors)
+    far = select_chunks(ids, torch.zeros(4096), SelectionParams(keep_ratio=0.05, anchor_radius=0, anchor_context=0))
+    assert 31 in far.anchors and 32 not in far.kept_chunks
+
+
+@pytest.mark.parametrize("keep_ratio, kept", [(0.008, [127]), (0.016, [126, 127]), (0.05, [125, 126, 127])])
+def test_the_question_is_kept_at_every_budget(keep_ratio, kept):
+    ids = random_ids(4096, seed=12)
+    scores = torch.zeros(4096)
+    scores[:2000] = 1.0
+    sel = select_chunks(ids, scores, SelectionParams(keep_ratio=keep_ratio))
+    assert sel.question == kept and set(kept) <= set(sel.kept_chunks)
 
 
 def test_anchor_matches_come_before_neighbours_when_the_budget_is_short():
@@ -105,7 +174,8 @@ def test_smoothing_and_chunk_means():
 
 
 @pytest.mark.parametrize("bad", [dict(keep_ratio=0.0), dict(keep_ratio=1.5), dict(smoothing_kernel=12),
-                                 dict(chunk_size=0), dict(max_edge_share=2.0)])
+                                 dict(chunk_size=0), dict(max_edge_share=2.0),
+                                 dict(min_ngram=1), dict(min_ngram=5)])
 def test_bad_parameters_are_refused(bad):
     with pytest.raises(ValueError):
         SelectionParams(**bad)

@@ -21,7 +21,7 @@ from typing import Callable, Optional
 import torch
 
 from batchd.engine.batch.chunks import ChunkBatch, forward_chunks
-from batchd.engine.batch.drafting import MAX_TAIL_ROWS, DraftState, PooledDrafter
+from batchd.engine.batch.drafting import DraftState, PooledDrafter
 from batchd.engine.batch.graphs import RowRunner
 from batchd.engine.batch.paged_cache import PagedKVCache, bytes_per_block
 from batchd.engine.batch.scheduler import PromptChunk, Scheduler, StepPlan
@@ -123,6 +123,7 @@ class BatchEngine:
         # the draft rows this step may still take
         self._bucket_seconds: dict[int, float] = {}
         self._draft_rows = 0
+        self._draft_share = 0   # the most draft rows one sequence takes this step
         self.last_plan: Optional[StepPlan] = None
 
     @property
@@ -279,8 +280,11 @@ class BatchEngine:
     # cost little, and a lane that opens a new bucket costs what the measured step times of the
     # two buckets say. Drafts are offered only within the rows that pay: at a large batch, where
     # the decode rows fill their buckets and a bigger bucket measured slower than the tokens its
-    # lanes are expected to add, speculation turns itself off. Each sequence's width follows its
-    # own acceptance (engine.speculative.adaptive.best_width).
+    # lanes are expected to add, speculation turns itself off. The rows that pay are shared evenly
+    # among the speculating sequences, and each one's width follows its own acceptance
+    # (engine.speculative.adaptive.best_width). With a draft model, each draft also costs a row
+    # pass of the drafter, measured against the target's plain step at the current batch size:
+    # where no width gains over plain decoding, that sequence does not speculate.
 
     def _row_step(self) -> int:
         return (self.options.slab_rows if self.device.type == "cuda" else 17) or 64
@@ -290,6 +294,12 @@ class BatchEngine:
         speculating = [s for s in running if s.seq_id in self._proposers or s.seq_id in self._draft_states]
         if not speculating:
             return 0
+        budget = self._free_draft_rows(running, speculating)
+        # an even share each: a sequence early in the running list must not take every row
+        self._draft_share = max(1, budget // len(speculating))
+        return budget
+
+    def _free_draft_rows(self, running: list[Sequence], speculating: list[Sequence]) -> int:
         plain, step = len(running), self._row_step()
         bucket = -(-plain // step) * step
         budget = bucket - plain
@@ -320,12 +330,13 @@ class BatchEngine:
         room = seq.request.sampling.max_new_tokens - len(seq.generated) - 1
         fixed = seq.request.speculation.width
         if state is not None:
-            if state.lag(seq) > MAX_TAIL_ROWS:   # its drafter is still catching up
+            if not state.drafter.ready(seq, state):   # its drafter is still catching up
                 return []
             width = fixed if fixed is not None else self._drafter_width(seq, state.drafter)
         else:
             width = fixed if fixed is not None else best_width(seq.spec_alpha, 0.05)
-        width = min(width, room, self._draft_rows, MAX_DRAFTS, self.options.max_lookup_width if fixed is None else MAX_DRAFTS)
+        width = min(width, room, self._draft_rows, self._draft_share, MAX_DRAFTS,
+                    self.options.max_lookup_width if fixed is None else MAX_DRAFTS)
         if width < 1:
             return []
         drafts = [PENDING_DRAFT] * width if state is not None else proposer.propose(seq.tokens(), width).tokens.tolist()
@@ -359,8 +370,6 @@ class BatchEngine:
             if state is None or seq.cancelled:
                 continue
             state.sync(seq)
-            if state.lag(seq) <= MAX_TAIL_ROWS:
-                continue
             for start, end in state.drafter.pieces(seq, state):
                 if end - start > budget and waiting:
                     break

@@ -10,16 +10,18 @@ addresses both pools: position p lives in block table[p // block_size] of either
 copied between them and the scheduler allocates for both at once.
 
 Per step of the batch engine (engine.batch.batch_engine):
-1. catch-up, before the plan: a sequence whose drafter lags what the target computed by more than
-   `MAX_TAIL_ROWS` positions (its prompt, a replay after preemption) runs those positions through
-   the drafter as prompt chunks (engine.batch.chunks), cut at multiples of the prefill chunk;
+1. catch-up, before the plan: positions the target computed and the drafter has not, computed
+   the way the target computed them: prompt positions as prompt chunks cut at multiples of the
+   prefill chunk (engine.batch.chunks), generated ones (a replay after preemption) as rows, when
+   more than `MAX_TAIL_ROWS` of them lag;
 2. proposal, after the plan reserved blocks for the drafts: pass 0 feeds each sequence's few unseen
    positions and its last token as rows (engine.batch.rows), pass i feeds draft i; greedy drafts
    are the drafter's argmax, sampled ones are drawn from its distribution, which rejection
    sampling needs (engine.speculative.verify);
 3. after verification (`DraftState.verified`): the drafter keeps its rows of the accepted drafts.
 
-A rejected draft needs no rollback: the drafter's rows past `DraftState.computed` are never read
+So a drafter that is the target itself holds, bit for bit, the target's rows, and every draft
+it makes is accepted (the test of this machinery). A rejected draft needs no rollback: the drafter's rows past `DraftState.computed` are never read
 before the next write to their position overwrites them, exactly as in the target's pool. The
 drafter's pool holds a block's rows only where a sequence with this drafter computed them, so a
 prompt head shared by hash (engine.batch.block_pool) is computed again by each drafter that
@@ -39,7 +41,7 @@ from batchd.engine.batch.graphs import RowRunner
 from batchd.engine.batch.paged_cache import PagedKVCache
 from batchd.engine.batch.sequence import Sequence
 
-MAX_TAIL_ROWS = 16   # unseen positions fed as rows of the first pass; a longer lag catches up as chunks
+MAX_TAIL_ROWS = 16   # generated positions a drafter may lag and still draft: pass 0 feeds them as rows
 
 
 @dataclass
@@ -87,22 +89,39 @@ class PooledDrafter:
     def checkpoint_sha256(self) -> str:
         return self.draft_model.checkpoint_sha256
 
-    def catch_up(self, pieces: list[tuple[Sequence, int, int]]) -> None:
-        """Write the drafter's rows of positions [start, end) of each sequence (their earlier
-        positions are in the pool), all pieces in one pass."""
-        batch = ChunkBatch.build([(seq.tokens()[start:end], start, seq.blocks) for seq, start, end in pieces],
-                                 self.cache.block_size, self.cache.pad_block, self.model.device)
-        forward_chunks(self.model, self.cache, batch, slab_rows=self.slab_rows, max_context=self.max_context)
+    def ready(self, seq: Sequence, state: DraftState) -> bool:
+        """Whether the first pass can take what the drafter lags (a few generated positions)."""
+        return state.computed >= seq.prompt_len and state.lag(seq) <= MAX_TAIL_ROWS
 
     def pieces(self, seq: Sequence, state: DraftState) -> list[tuple[int, int]]:
-        """The chunks that bring the drafter to what the target computed, cut at multiples of
-        the prefill chunk (as the target's prompt chunks are)."""
+        """What brings the drafter to what the target computed, as the target computed it:
+        prompt chunks cut at multiples of the prefill chunk, then the generated positions (rows),
+        if more than MAX_TAIL_ROWS of them lag."""
         out, start = [], state.computed
-        while start < seq.computed:
-            end = min(seq.computed, (start // self.chunk + 1) * self.chunk)
+        prompt_end = min(seq.prompt_len, seq.computed)
+        while start < prompt_end:
+            end = min(prompt_end, (start // self.chunk + 1) * self.chunk)
             out.append((start, end))
             start = end
+        if start >= seq.prompt_len and seq.computed - start > MAX_TAIL_ROWS:
+            out.append((start, seq.computed))
         return out
+
+    def catch_up(self, pieces: list[tuple[Sequence, int, int]]) -> None:
+        """Write the drafter's rows of positions [start, end) of each sequence (their earlier
+        positions are in the pool, or earlier in `pieces`): prompt pieces in one pass of chunks,
+        generated ones in one pass of rows."""
+        chunks = [(seq.tokens()[start:end], start, seq.blocks) for seq, start, end in pieces if end <= seq.prompt_len]
+        if chunks:
+            batch = ChunkBatch.build(chunks, self.cache.block_size, self.cache.pad_block, self.model.device)
+            forward_chunks(self.model, self.cache, batch, slab_rows=self.slab_rows, max_context=self.max_context)
+        tokens, positions, tables = [], [], []
+        for seq, start, end in pieces:
+            if start >= seq.prompt_len:
+                for position in range(start, end):
+                    tokens.append(seq.token(position)), positions.append(position), tables.append(seq.blocks)
+        if tokens:
+            self.rows.run(tokens, positions, tables)
 
     @torch.inference_mode()
     def propose(self, entries: list[tuple[Sequence, DraftState, int]]) -> list[list[int]]:
@@ -115,7 +134,7 @@ class PooledDrafter:
         probs: list[list[torch.Tensor]] = [[] for _ in entries]
         tokens, positions, tables, read = [], [], [], []
         for seq, state, _ in entries:   # pass 0: the unseen tail, then the last token
-            assert 0 <= state.lag(seq) <= MAX_TAIL_ROWS, "a drafter that lags is caught up before the plan"
+            assert self.ready(seq, state), "a drafter that lags is caught up before the plan"
             for position in range(state.computed, seq.computed + 1):
                 tokens.append(seq.token(position)), positions.append(position), tables.append(seq.blocks)
             read.append(len(tokens) - 1)

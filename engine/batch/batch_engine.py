@@ -362,7 +362,7 @@ class BatchEngine:
         if not self._draft_states:
             return
         started = time.perf_counter()
-        waiting: dict[PooledDrafter, list[tuple[Sequence, int, int]]] = {}
+        waiting: dict[PooledDrafter, list[tuple[Sequence, DraftState, int, int]]] = {}
         budget = self.scheduler.max_step_tokens
         running = sorted(self.scheduler.running, key=lambda s: not s.decoding)
         for seq in running:
@@ -373,7 +373,7 @@ class BatchEngine:
             for start, end in state.drafter.pieces(seq, state):
                 if end - start > budget and waiting:
                     break
-                waiting.setdefault(state.drafter, []).append((seq, start, end))
+                waiting.setdefault(state.drafter, []).append((seq, state, start, end))
                 budget -= end - start
                 state.computed = end
         for drafter, pieces in waiting.items():

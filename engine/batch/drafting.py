@@ -22,11 +22,13 @@ Per step of the batch engine (engine.batch.batch_engine):
 
 So a drafter that is the target itself holds, bit for bit, the target's rows, and every draft
 it makes is accepted (the test of this machinery). A rejected draft needs no rollback: the drafter's rows past `DraftState.computed` are never read
-before the next write to their position overwrites them, exactly as in the target's pool. The
-drafter's pool holds a block's rows only where a sequence with this drafter computed them, so a
-prompt head shared by hash (engine.batch.block_pool) is computed again by each drafter that
-needs it; the rows it writes are those already there whenever they were (a chunk's rows depend on
-its tokens and position alone), so a neighbour reading the block sees no change.
+before the next write to their position overwrites them, exactly as in the target's pool. 
+A prompt head shared by hash (engine.batch.block_pool) is in the drafter's pool only where a
+sequence with this drafter computed it: each drafter remembers which whole prompt chunk each of
+its blocks holds (by the same chained hash) and forgets it when it writes anything else there.
+A shared chunk it holds is skipped; one it does not is computed into the shared blocks, writing
+the rows any other sequence with this drafter would (a chunk's rows depend on its tokens and
+position alone), so a neighbour reading those blocks sees no change.
 """
 from __future__ import annotations
 
@@ -36,6 +38,7 @@ from typing import Optional
 
 import torch
 
+from batchd.engine.batch.block_pool import chunk_hashes
 from batchd.engine.batch.chunks import ChunkBatch, forward_chunks
 from batchd.engine.batch.graphs import RowRunner
 from batchd.engine.batch.paged_cache import PagedKVCache
@@ -54,6 +57,7 @@ class DraftState:
     last_position: int = 0     # the position of the last token at the latest proposal
     width: int = 0             # drafts of the latest proposal
     probs: Optional[torch.Tensor] = None   # [width, V] the distributions they were drawn from (sampling)
+    hashes: Optional[list[bytes]] = None   # chained hashes of the prompt's whole chunks (block_pool)
 
     def sync(self, seq: Sequence) -> None:
         """A preemption freed the sequence's blocks: its drafter rows went with them."""
@@ -84,6 +88,8 @@ class PooledDrafter:
                               cuda_graphs=cuda_graphs)
         self.max_context, self.chunk, self.slab_rows = max_context, chunk, slab_rows
         self.pass_s: Optional[float] = None   # seconds of one row pass (moving average, measured)
+        self.held: dict[int, tuple[bytes, int]] = {}   # block -> (chunk hash, index in chunk) its rows are
+        self.prompt_positions = 0   # prompt positions computed (a shared chunk held is not computed again)
 
     @property
     def checkpoint_sha256(self) -> str:
@@ -95,10 +101,11 @@ class PooledDrafter:
 
     def pieces(self, seq: Sequence, state: DraftState) -> list[tuple[int, int]]:
         """What brings the drafter to what the target computed, as the target computed it:
-        prompt chunks cut at multiples of the prefill chunk, then the generated positions (rows),
-        if more than MAX_TAIL_ROWS of them lag."""
-        out, start = [], state.computed
+        prompt chunks cut at multiples of the prefill chunk (those it holds already skipped),
+        then the generated positions (rows), if more than MAX_TAIL_ROWS of them lag."""
         prompt_end = min(seq.prompt_len, seq.computed)
+        self._skip_held_chunks(seq, state, prompt_end)
+        out, start = [], state.computed
         while start < prompt_end:
             end = min(prompt_end, (start // self.chunk + 1) * self.chunk)
             out.append((start, end))
@@ -107,21 +114,54 @@ class PooledDrafter:
             out.append((start, seq.computed))
         return out
 
-    def catch_up(self, pieces: list[tuple[Sequence, int, int]]) -> None:
+    def _skip_held_chunks(self, seq: Sequence, state: DraftState, end: int) -> None:
+        """Move `state.computed` past the whole prompt chunks whose rows the pool holds already
+        in this sequence's blocks (a shared head another sequence with this drafter computed)."""
+        if state.hashes is None:
+            state.hashes = chunk_hashes(seq.prompt_ids, self.chunk, seq.prompt_len - 1)
+        per_chunk = self.chunk // self.cache.block_size
+        while state.computed % self.chunk == 0 and state.computed + self.chunk <= end:
+            k = state.computed // self.chunk
+            if k >= len(state.hashes) or any(self.held.get(seq.blocks[k * per_chunk + i]) != (state.hashes[k], i)
+                                             for i in range(per_chunk)):
+                return
+            state.computed += self.chunk
+
+    def catch_up(self, pieces: list[tuple[Sequence, DraftState, int, int]]) -> None:
         """Write the drafter's rows of positions [start, end) of each sequence (their earlier
         positions are in the pool, or earlier in `pieces`): prompt pieces in one pass of chunks,
         generated ones in one pass of rows."""
-        chunks = [(seq.tokens()[start:end], start, seq.blocks) for seq, start, end in pieces if end <= seq.prompt_len]
+        chunks = [(seq.tokens()[start:end], start, seq.blocks) for seq, _, start, end in pieces if end <= seq.prompt_len]
         if chunks:
             batch = ChunkBatch.build(chunks, self.cache.block_size, self.cache.pad_block, self.model.device)
             forward_chunks(self.model, self.cache, batch, slab_rows=self.slab_rows, max_context=self.max_context)
         tokens, positions, tables = [], [], []
-        for seq, start, end in pieces:
-            if start >= seq.prompt_len:
+        for seq, state, start, end in pieces:
+            if end <= seq.prompt_len:
+                self.prompt_positions += end - start
+                self._note_chunk(seq, state, start, end)
+            else:
                 for position in range(start, end):
                     tokens.append(seq.token(position)), positions.append(position), tables.append(seq.blocks)
         if tokens:
+            self._forget(positions, tables)
             self.rows.run(tokens, positions, tables)
+
+    def _note_chunk(self, seq: Sequence, state: DraftState, start: int, end: int) -> None:
+        """The blocks of a whole prompt chunk now hold it; any other write makes them hold nothing."""
+        per_chunk, k = self.chunk // self.cache.block_size, start // self.chunk
+        blocks = seq.blocks[start // self.cache.block_size : -(-end // self.cache.block_size)]
+        whole = start % self.chunk == 0 and end - start == self.chunk and k < len(state.hashes or ())
+        for i, block in enumerate(blocks):
+            if whole:
+                self.held[block] = (state.hashes[k], i)
+            else:
+                self.held.pop(block, None)
+        assert not whole or len(blocks) == per_chunk
+
+    def _forget(self, positions: list[int], tables: list[list[int]]) -> None:
+        for position, table in zip(positions, tables):
+            self.held.pop(table[position // self.cache.block_size], None)
 
     @torch.inference_mode()
     def propose(self, entries: list[tuple[Sequence, DraftState, int]]) -> list[list[int]]:
@@ -141,6 +181,7 @@ class PooledDrafter:
         active = list(range(len(entries)))
         for lane in range(max(widths)):
             started = time.perf_counter()
+            self._forget(positions, tables)
             logits = self.rows.run(tokens, positions, tables)[read]          # [len(active), V]
             self._choose(entries, active, logits, drafts, probs)
             self._time_pass(time.perf_counter() - started)

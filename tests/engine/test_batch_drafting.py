@@ -135,16 +135,18 @@ def test_preemption_drops_the_drafters_rows_and_changes_no_id(alone):
     assert batch.cache.blocks.num_free == 20
 
 
-def test_a_shared_prompt_head_is_computed_by_the_drafter_too(engine):
+def test_a_shared_prompt_head_is_computed_once_by_the_drafter_too(engine):
     head = prompts()[4][:48]   # three whole chunks, shared by hash
-    jobs = [(head + tail, request(i)) for i, tail in enumerate(([1, 2, 3], [4, 5, 6, 7], [8]))]
+    jobs = [(head + tail, request(i)) for i, tail in enumerate(([1, 2, 3], [4, 5, 6, 7], [8], [9, 10]))]
     reference = [run(batch_of(engine), [job])[0][0] for job in jobs]
     batch = batch_of(engine)
     jobs = [(p, request(i, draft("self", 4))) for i, (p, _) in enumerate(jobs)]
     ids, seqs = run(batch, jobs, assert_pool_holds_the_targets_rows)
     assert ids == reference
-    assert any(s.shared_chunks > 0 for s in seqs)
-    assert all(s.spec_accepted == s.spec_offered > 0 for s in seqs)
+    shared = sum(s.shared_chunks for s in seqs) * 16
+    assert shared > 0 and all(s.spec_accepted == s.spec_offered > 0 for s in seqs)
+    # what the target took from the prefix cache, the drafter did not compute again either
+    assert batch._pooled["self"].prompt_positions == sum(len(p) for p, _ in jobs) - shared
 
 
 def test_a_seeded_sampling_job_drafts_with_its_own_distribution(engine):

@@ -12,8 +12,9 @@ copied between them and the scheduler allocates for both at once.
 Per step of the batch engine (engine.batch.batch_engine):
 1. catch-up, before the plan: positions the target computed and the drafter has not, computed
    the way the target computed them: prompt positions as prompt chunks cut at multiples of the
-   prefill chunk (engine.batch.chunks), generated ones (a replay after preemption) as rows, when
-   more than `MAX_TAIL_ROWS` of them lag;
+   prefill chunk (the first through the one-sequence prefill on the drafter's own contiguous
+   cache, the others over the pool: engine.batch.chunks), generated ones (a replay after
+   preemption) as rows, when more than `MAX_TAIL_ROWS` of them lag;
 2. proposal, after the plan reserved blocks for the drafts: pass 0 feeds each sequence's few unseen
    positions and its last token as rows (engine.batch.rows), pass i feeds draft i; greedy drafts
    are the drafter's argmax, sampled ones are drawn from its distribution, which rejection
@@ -131,7 +132,11 @@ class PooledDrafter:
         """Write the drafter's rows of positions [start, end) of each sequence (their earlier
         positions are in the pool, or earlier in `pieces`): prompt pieces in one pass of chunks,
         generated ones in one pass of rows."""
-        chunks = [(seq.tokens()[start:end], start, seq.blocks) for seq, _, start, end in pieces if end <= seq.prompt_len]
+        for seq, _, start, end in pieces:
+            if start == 0:   # a prompt's first chunk: the one-sequence prefill, as the target's
+                self._prefill_first_chunk(seq, end)
+        chunks = [(seq.tokens()[start:end], start, seq.blocks) for seq, _, start, end in pieces
+                  if 0 < start and end <= seq.prompt_len]
         if chunks:
             batch = ChunkBatch.build(chunks, self.cache.block_size, self.cache.pad_block, self.model.device)
             forward_chunks(self.model, self.cache, batch, slab_rows=self.slab_rows, max_context=self.max_context)
@@ -146,6 +151,14 @@ class PooledDrafter:
         if tokens:
             self._forget(positions, tables)
             self.rows.run(tokens, positions, tables)
+
+    def _prefill_first_chunk(self, seq: Sequence, end: int) -> None:
+        """Positions [0, end) through the drafter's one-sequence prefill on its own contiguous
+        cache (the DraftModel's), then into the sequence's blocks of the drafter's pool."""
+        scratch = self.draft_model.cache
+        tokens = torch.tensor([seq.prompt_ids[:end]], dtype=torch.long, device=self.model.device)
+        self.model.forward_at(tokens, scratch, 0, last_only=True, head=False)   # its keys and values only
+        self.cache.store_from_scratch(scratch, seq.blocks, 0, end)
 
     def _note_chunk(self, seq: Sequence, state: DraftState, start: int, end: int) -> None:
         """The blocks of a whole prompt chunk now hold it; any other write makes them hold nothing."""

@@ -66,6 +66,9 @@ class EngineConfig:
     prefill_chunk: rows per prefill forward.
     attention: "dense", or "sparse" (top-k block sparse decode attention).
     sparse_top_k_blocks: blocks each decode step attends to with sparse attention.
+    drafters: `drafter_path`s of draft models whose KV pools the batch engine sizes with its own
+      (`BatchOptions.drafters`): on CUDA the target's pool takes most of the free memory, so a
+      drafter not named here gets a pool only if there is room left when a job first asks for it.
     """
 
     device: str = "cpu"
@@ -75,6 +78,7 @@ class EngineConfig:
     prefill_chunk: int = 2048
     attention: Literal["dense", "sparse"] = "dense"
     sparse_top_k_blocks: int = 64
+    drafters: tuple[str, ...] = ()
 
 
 class Engine:
@@ -300,7 +304,10 @@ class Engine:
 
     def _default_batch_options(self) -> BatchOptions:
         # CUDA: 4K-token chunks keep a 4K document's prefill in one flash call
-        return BatchOptions(block_size=64, prefill_chunk=4096) if self.device.type == "cuda" else BatchOptions(block_size=16)
+        drafters = self.engine_config.drafters
+        if self.device.type == "cuda":
+            return BatchOptions(block_size=64, prefill_chunk=4096, drafters=drafters)
+        return BatchOptions(block_size=16, drafters=drafters)
 
     def _size_batch_for_drafter(self, drafter_path: str) -> None:
         """On CUDA the batch engine's pool takes most of the free memory, so a drafter's pool

@@ -448,7 +448,7 @@ def _drop_step_graphs(engine) -> None:
     engine.runner = StepRunner(engine.model, engine.cache, cuda_graphs=runner.cuda_graphs)
     batch = getattr(engine, "batch", None)   # the batch engine's row graphs read the weights too
     if batch is not None:
-        batch.rows.drop_graphs()
+        batch.drop_graphs()   # the drafters' rows too
 
 
 def checkpoint_stamp(folder: str) -> list[tuple[str, int, int]]:

@@ -66,6 +66,9 @@ class EngineConfig:
     prefill_chunk: rows per prefill forward.
     attention: "dense", or "sparse" (top-k block sparse decode attention).
     sparse_top_k_blocks: blocks each decode step attends to with sparse attention.
+    drafters: `drafter_path`s of draft models whose KV pools the batch engine sizes with its own
+      (`BatchOptions.drafters`): on CUDA the target's pool takes most of the free memory, so a
+      drafter not named here gets a pool only if there is room left when a job first asks for it.
     """
 
     device: str = "cpu"
@@ -75,6 +78,7 @@ class EngineConfig:
     prefill_chunk: int = 2048
     attention: Literal["dense", "sparse"] = "dense"
     sparse_top_k_blocks: int = 64
+    drafters: tuple[str, ...] = ()
 
 
 class Engine:
@@ -152,16 +156,18 @@ class Engine:
 
     def generate(self, request: GenerationRequest) -> GenerationResult:
         """One request as a batch of one (engine.batch): its output is, bit for bit, what the same
-        job gives beside any others in `generate_many` or a worker's batch. Draft-model
-        speculation and sparse attention, which the batch engine does not run yet, take the
-        one-sequence path (`generate_one`) and say so in the result's notes."""
+        job gives beside any others in `generate_many` or a worker's batch, with or without
+        speculation. Sparse attention, which the batch engine does not run, takes the
+        one-sequence path (`generate_one`) and says so in the result's notes."""
         if self.codec is None:
             raise BadInputError("this engine was built without a tokenizer; use generate_ids")
-        if request.speculation.method == "draft" or self.attention == "sparse":
+        if self.attention == "sparse":
             result = self.generate_one(request)
-            why = "draft-model speculation" if request.speculation.method == "draft" else "attention=sparse"
-            result.telemetry.notes.append(f"{why}: ran on the one-sequence path, not the batch engine")
+            result.telemetry.notes.append("attention=sparse: ran on the one-sequence path, not the batch engine")
             return result
+        spec = request.speculation
+        if spec.method == "draft" and spec.drafter_path:
+            self._size_batch_for_drafter(spec.drafter_path)
         [(_, outcome)] = list(self.generate_many([request]))
         if isinstance(outcome, EngineError):
             raise outcome
@@ -169,7 +175,8 @@ class Engine:
 
     def generate_one(self, request: GenerationRequest) -> GenerationResult:
         """The one-sequence path (engine.generate, engine.speculative): the batch-1 kernels, whose
-        bits may differ from the batch engine's."""
+        bits may differ from the batch engine's. What still needs it: sparse attention, and the
+        batch-1 decode measurement (bench/decode.py, through `generate_ids`)."""
         started = time.perf_counter()
         if self.codec is None:
             raise BadInputError("this engine was built without a tokenizer; use generate_ids")
@@ -284,17 +291,35 @@ class Engine:
         """The batch engine over this engine's model (built at first use: its KV pool takes
         `kv_memory_fraction` of the device memory free then)."""
         if self._batch is None or options is not None:
-            if options is None:   # CUDA: 4K-token chunks keep a 4K document's prefill in one flash call
-                options = (BatchOptions(block_size=64, prefill_chunk=4096) if self.device.type == "cuda"
-                           else BatchOptions(block_size=16))
+            options = options or self._default_batch_options()
             self.release_batch_engine()   # the old pool goes before the new one is sized
             self._batch = BatchEngine(self.model, self.cache, max_context=self.max_context,
                                       prefill_chunk=self.prefill_chunk, eos_ids=self.eos_ids,
-                                      decode_text=self.codec.decode if self.codec else None, options=options)
+                                      decode_text=self.codec.decode if self.codec else None, options=options,
+                                      drafters=self.drafters)
             if self.attention == "sparse":   # accepted, but it has no effect there: say so
                 self._batch.notes.append("attention=sparse has no effect in the batch engine: its decode rows "
                                          "attend densely over the paged cache (kernels.paged_attention)")
         return self._batch
+
+    def _default_batch_options(self) -> BatchOptions:
+        # CUDA: 4K-token chunks keep a 4K document's prefill in one flash call
+        drafters = self.engine_config.drafters
+        if self.device.type == "cuda":
+            return BatchOptions(block_size=64, prefill_chunk=4096, drafters=drafters)
+        return BatchOptions(block_size=16, drafters=drafters)
+
+    def _size_batch_for_drafter(self, drafter_path: str) -> None:
+        """On CUDA the batch engine's pool takes most of the free memory, so a drafter's pool
+        must be sized with it: an idle batch engine built without this drafter is built again
+        with it (`BatchOptions.drafters`). A busy one is left alone: the job then gets a pool
+        only if the device has room for it."""
+        batch = self._batch
+        if self.device.type != "cuda" or (batch is not None and (batch.has_drafter(drafter_path) or batch.has_work)):
+            return
+        options = self._default_batch_options() if batch is None else batch.options
+        if drafter_path not in options.drafters:
+            self.batch_engine(replace(options, drafters=options.drafters + (drafter_path,)))
 
     @property
     def batch(self):

@@ -9,6 +9,8 @@ Token ids only; text, stop-string cuts and hashing are the caller's (engine.runt
 the scheduler's plan (engine.batch.scheduler); prompt chunks (a prompt's first through the
 one-sequence prefill, the continuing ones together over the paged pool: engine.batch.chunks); all
 decode, verify and replay rows in one pass (engine.batch.rows); one read-back of the chosen tokens.
+Sequences that speculate with a draft model get their drafts from its own paged pool first
+(engine.batch.drafting), verified as rows of the same pass.
 """
 from __future__ import annotations
 
@@ -19,19 +21,36 @@ from typing import Callable, Optional
 import torch
 
 from batchd.engine.batch.chunks import ChunkBatch, forward_chunks
+from batchd.engine.batch.drafting import DraftState, PooledDrafter
 from batchd.engine.batch.graphs import RowRunner
-from batchd.engine.batch.paged_cache import PagedKVCache
+from batchd.engine.batch.paged_cache import PagedKVCache, bytes_per_block
 from batchd.engine.batch.scheduler import PromptChunk, Scheduler, StepPlan
 from batchd.engine.batch.sequence import Sequence, SequenceStatus
-from batchd.engine.errors import BadInputError, PromptTooLongError
+from batchd.engine.errors import BadInputError, PromptTooLongError, UnsupportedFeatureError
+from batchd.engine.generate import synchronize
 from batchd.engine.sampling import Sampler
-from batchd.engine.speculative.adaptive import best_width
+from batchd.engine.speculative.adaptive import best_width, check_width
 from batchd.engine.speculative.proposers import PromptLookupProposer
 from batchd.engine.speculative.verify import rejection_sample
 from batchd.engine.stopping import StopChecker
-from batchd.engine.types import GenerationRequest
+from batchd.engine.types import GenerationRequest, Telemetry
 
 MAX_DRAFTS = 16
+PENDING_DRAFT = -1   # a draft row reserved in the plan, whose token the drafter proposes after it
+
+
+def step_reserve_bytes(config, chunk: int) -> int:
+    """Device memory a step's activations take beside the pools: a chunk's logits row, its MLP
+    and attention tensors, with headroom."""
+    return 4 * chunk * (config.intermediate_size * 2 + config.hidden_size * 4) * 4 + (1 << 30)
+
+
+def drafter_size_ratio(drafter_model, target_model) -> float:
+    """A drafter row pass's cost relative to a target step, before either is measured: the ratio
+    of their weights."""
+    def weights(model) -> int:
+        return sum(p.numel() for p in model.parameters())
+    return weights(drafter_model) / weights(target_model)
 
 
 @dataclass(frozen=True)
@@ -41,7 +60,10 @@ class BatchOptions:
     fixed row count of every CUDA projection of decode rows (batch_invariant=False: one GEMM of
     however many rows the step has, which is faster and batch-dependent); kv_memory_fraction: the share of free
     device memory the pool takes; max_blocks: a cap on the pool (the CPU's size: None gives room
-    for eight sequences of the whole context); prefix_sharing: share identical prompt chunks."""
+    for eight sequences of the whole context); prefix_sharing: share identical prompt chunks;
+    drafters: `drafter_path`s whose paged pools are sized with the target's (each has the target's
+    block count, so the memory fraction is shared among them); other drafters get a pool when a
+    job first asks for them, if the device has room for it then."""
 
     block_size: int = 16
     max_step_tokens: Optional[int] = None
@@ -54,12 +76,17 @@ class BatchOptions:
     prefill_chunk: Optional[int] = None   # prompt tokens a chunk (a multiple of block_size); None: the engine's
     batch_invariant: bool = True   # False: one GEMM over every decode row (benchmarks measure the difference)
     cuda_graphs: bool = True
+    drafters: tuple[str, ...] = ()
 
 
 class BatchEngine:
     def __init__(self, model, scratch, *, max_context: int, prefill_chunk: int, eos_ids: set[int],
-                 decode_text: Optional[Callable[[list[int]], str]] = None, options: BatchOptions = BatchOptions()):
+                 decode_text: Optional[Callable[[list[int]], str]] = None, options: BatchOptions = BatchOptions(),
+                 drafters=None):
+        """`drafters`: the target engine's registry (engine.speculative.Drafters), where jobs
+        that speculate with a draft model find it by `drafter_path` (None: such jobs are refused)."""
         self.model, self.scratch, self.options = model, scratch, options
+        self.drafters = drafters
         self.device = model.device
         self.max_context, self.eos_ids, self.decode_text = max_context, eos_ids, decode_text
         chunk = options.prefill_chunk or prefill_chunk
@@ -67,12 +94,14 @@ class BatchEngine:
         max_blocks = options.max_blocks
         if max_blocks is None and self.device.type != "cuda":
             max_blocks = 8 * -(-max_context // options.block_size)
-        # activations of a step: a chunk's logits row, its MLP and attention tensors, with headroom
         config = model.config
-        reserve = 4 * chunk * (config.intermediate_size * 2 + config.hidden_size * 4) * 4 + (1 << 30)
+        declared = [(path, self._load_drafter(path, None)) for path in options.drafters]
+        reserve = step_reserve_bytes(config, chunk) + sum(step_reserve_bytes(d.config, chunk) for _, d in declared)
         self.cache = PagedKVCache.sized(config, self.device, scratch.dtype, block_size=options.block_size,
                                         memory_fraction=options.kv_memory_fraction, reserve_bytes=reserve,
-                                        max_blocks=max_blocks)
+                                        max_blocks=max_blocks, extra_bytes_per_block=sum(
+                                            bytes_per_block(d.config, options.block_size, scratch.dtype)
+                                            for _, d in declared))
         step_tokens = options.max_step_tokens or (4 * chunk if self.device.type == "cuda" else chunk)
         self.scheduler = Scheduler(self.cache.blocks, chunk=chunk, max_step_tokens=step_tokens,
                                    max_running=options.max_running, prefix_sharing=options.prefix_sharing)
@@ -81,12 +110,20 @@ class BatchEngine:
         self.rows = RowRunner(model, self.cache, max_context=max_context, slab_rows=slab, cuda_graphs=options.cuda_graphs)
         self._next_id = 0
         self._proposers: dict[int, PromptLookupProposer] = {}
+        # draft-model speculation: a pool per drafter (by drafter_path), a state per sequence
+        self._pooled: dict[str, PooledDrafter] = {}
+        self._draft_states: dict[int, DraftState] = {}
+        self._drafting_s = 0.0   # drafter seconds of the current step (not the target's step time)
+        self._plain_step_s: Optional[float] = None
+        for path, drafter in declared:
+            self._pooled[path] = self._pool_for(path, drafter)
         self.steps = 0
         self.notes: list[str] = []   # feature-gate notes every result of this engine carries
         # speculation's budget: seconds of decode-only steps per row bucket (moving averages), and
         # the draft rows this step may still take
         self._bucket_seconds: dict[int, float] = {}
         self._draft_rows = 0
+        self._draft_share = 0   # the most draft rows one sequence takes this step
         self.last_plan: Optional[StepPlan] = None
 
     @property
@@ -95,10 +132,11 @@ class BatchEngine:
 
     # ---- requests --------------------------------------------------------------------------
 
-    def submit(self, prompt_ids: list[int], request: GenerationRequest) -> Sequence:
-        """Queue one request. Raises BadInputError (bad params, empty prompt, an unsupported
-        option) or PromptTooLongError, for this request only."""
-        sampling = request.sampling
+    def submit(self, prompt_ids: list[int], request: GenerationRequest, telemetry: Optional[Telemetry] = None) -> Sequence:
+        """Queue one request. Raises BadInputError (bad params, empty prompt, a drafter that
+        cannot draft for this target), UnsupportedFeatureError (no room for a drafter's pool) or
+        PromptTooLongError, for this request only. `telemetry` gets the drafter's load time."""
+        sampling, spec = request.sampling, request.speculation
         if not prompt_ids:
             raise BadInputError("the prompt is empty: give it some text")
         sampler = Sampler(sampling, self.device)
@@ -107,9 +145,10 @@ class BatchEngine:
                 f"the prompt has {len(prompt_ids)} tokens and max_new_tokens is {sampling.max_new_tokens}: "
                 f"{len(prompt_ids) + sampling.max_new_tokens} > the {self.max_context}-token context; shorten the "
                 "document, lower max_new_tokens or submit with --compress auto")
-        if request.speculation.method == "draft":
-            raise BadInputError("draft-model speculation does not run in the batch engine yet; use spec 'lookup' "
-                                "or 'none'")
+        check_width(spec.width)
+        drafter = self._drafter_for(spec.drafter_path, telemetry) if spec.method == "draft" else None
+        if spec.method == "lookup" and spec.drafter_path and telemetry is not None:
+            telemetry.notes.append("--drafter has no effect with --spec lookup")
         stopper = StopChecker(self.eos_ids, sampling.max_new_tokens, sampling.stop, decode=self.decode_text,
                               ignore_eos=sampling.ignore_eos)
         seq = Sequence(self._next_id, request, list(prompt_ids), sampler, stopper)
@@ -119,9 +158,51 @@ class BatchEngine:
         except ValueError as exc:
             raise PromptTooLongError(f"the request does not fit the KV pool ({exc}); lower max_new_tokens "
                                      "or raise kv_memory_fraction") from None
-        if request.speculation.method == "lookup":
+        if spec.method == "lookup":
             self._proposers[seq.seq_id] = PromptLookupProposer(self.device)
+        elif drafter is not None:
+            self._draft_states[seq.seq_id] = DraftState(drafter)
         return seq
+
+    def _drafter_for(self, drafter_path: Optional[str], telemetry: Optional[Telemetry]) -> PooledDrafter:
+        """The pooled drafter of `drafter_path`, loaded and given its pool on first use."""
+        if not drafter_path:
+            raise BadInputError("--spec draft needs --drafter PATH (a small model with the target's tokenizer)")
+        pooled = self._pooled.get(drafter_path)
+        if pooled is None:
+            pooled = self._pooled[drafter_path] = self._pool_for(drafter_path, self._load_drafter(drafter_path, telemetry))
+        return pooled
+
+    def _load_drafter(self, drafter_path: str, telemetry: Optional[Telemetry]):
+        if self.drafters is None:
+            raise UnsupportedFeatureError("this batch engine was built without the target's drafters; build it "
+                                          "through Engine.batch_engine, or use --spec lookup")
+        return self.drafters.get(drafter_path, telemetry)
+
+    def _pool_for(self, drafter_path: str, drafter) -> PooledDrafter:
+        """A pool with the target's block count for `drafter`: the block tables serve both."""
+        blocks, dtype = self.cache.blocks, self.cache.dtype
+        if self.device.type == "cuda":
+            need = bytes_per_block(drafter.config, blocks.block_size, dtype) * (blocks.num_blocks + 1)
+            free, _ = torch.cuda.mem_get_info(self.device)
+            if need + step_reserve_bytes(drafter.config, self.chunk) > free:
+                raise UnsupportedFeatureError(
+                    f"drafter {drafter_path}'s KV pool needs {need / 2**30:.1f} GiB for the target's "
+                    f"{blocks.num_blocks} blocks and {free / 2**30:.1f} GiB are free: name it in "
+                    "BatchOptions.drafters so the pools are sized together, or use --spec lookup")
+        return PooledDrafter(drafter_path, drafter, num_blocks=blocks.num_blocks, block_size=blocks.block_size,
+                             dtype=dtype, max_context=self.max_context, chunk=self.chunk,
+                             slab_rows=self.rows.slab_rows, cuda_graphs=self.rows.cuda_graphs)
+
+    def has_drafter(self, drafter_path: str) -> bool:
+        """Whether `drafter_path` has its pool here already."""
+        return drafter_path in self._pooled
+
+    def drop_graphs(self) -> None:
+        """Forget every captured row graph, the drafters' too (parking moved the weights they read)."""
+        self.rows.drop_graphs()
+        for pooled in self._pooled.values():
+            pooled.drop_graphs()
 
     def cancel(self, seq: Sequence) -> None:
         """`seq` leaves at the next step and its blocks are freed."""
@@ -134,6 +215,8 @@ class BatchEngine:
         """Run one step; return the sequences that finished in it (cancelled ones included)."""
         self._draft_rows = self._draft_row_budget()
         began = time.perf_counter()
+        self._drafting_s = 0.0
+        self._catch_up_drafters()
         plan = self.last_plan = self.scheduler.plan(self._drafts_for)
         finished = list(plan.finished)
         now = time.perf_counter()
@@ -143,13 +226,16 @@ class BatchEngine:
         if plan.chunks:
             self._prefill_chunks(plan.chunks, finished)
         if plan.decode or plan.replay:
+            self._propose_drafts(plan)
             self._run_rows(plan, finished)
             if not plan.chunks and not plan.replay:   # the rows' read-back synchronised the step
-                self._time_bucket(sum(1 + len(d) for _, d in plan.decode), time.perf_counter() - began)
+                self._time_bucket(sum(1 + len(d) for _, d in plan.decode),
+                                  time.perf_counter() - began - self._drafting_s)
         self.steps += 1
         for seq in finished:
             seq.finished_at = time.perf_counter()
             self._proposers.pop(seq.seq_id, None)
+            self._draft_states.pop(seq.seq_id, None)
         return finished
 
     def _prefill_chunks(self, chunks: list[PromptChunk], finished: list[Sequence]) -> None:
@@ -194,21 +280,31 @@ class BatchEngine:
     # cost little, and a lane that opens a new bucket costs what the measured step times of the
     # two buckets say. Drafts are offered only within the rows that pay: at a large batch, where
     # the decode rows fill their buckets and a bigger bucket measured slower than the tokens its
-    # lanes are expected to add, speculation turns itself off. Each sequence's width follows its
-    # own acceptance (engine.speculative.adaptive.best_width).
+    # lanes are expected to add, speculation turns itself off. The rows that pay are shared evenly
+    # among the speculating sequences, and each one's width follows its own acceptance
+    # (engine.speculative.adaptive.best_width). With a draft model, each draft also costs a row
+    # pass of the drafter, measured against the target's plain step at the current batch size:
+    # where no width gains over plain decoding, that sequence does not speculate.
 
     def _row_step(self) -> int:
         return (self.options.slab_rows if self.device.type == "cuda" else 17) or 64
 
     def _draft_row_budget(self) -> int:
         running = [s for s in self.scheduler.running if s.decoding]
-        speculating = [s for s in running if s.seq_id in self._proposers]
+        speculating = [s for s in running if s.seq_id in self._proposers or s.seq_id in self._draft_states]
         if not speculating:
             return 0
+        budget = self._free_draft_rows(running, speculating)
+        # an even share each: a sequence early in the running list must not take every row
+        self._draft_share = max(1, budget // len(speculating))
+        return budget
+
+    def _free_draft_rows(self, running: list[Sequence], speculating: list[Sequence]) -> int:
         plain, step = len(running), self._row_step()
         bucket = -(-plain // step) * step
         budget = bucket - plain
         t_now, t_next = self._bucket_seconds.get(bucket), self._bucket_seconds.get(bucket + step)
+        self._plain_step_s = t_now
         alpha = sum(s.spec_alpha for s in speculating) / len(speculating)
         if t_next is None or t_now is None:
             # not measured yet: try the next bucket once, so that its cost gets measured
@@ -225,18 +321,81 @@ class BatchEngine:
         self._bucket_seconds[bucket] = seconds if old is None else 0.8 * old + 0.2 * seconds
 
     def _drafts_for(self, seq: Sequence) -> list[int]:
-        proposer = self._proposers.get(seq.seq_id)
-        if proposer is None or self._draft_rows <= 0:
+        """The drafts `seq` offers this step. A sequence with a draft model gets placeholders,
+        which reserve its rows and blocks in the plan; its drafter fills them after the plan
+        (`_propose_drafts`), once every draft row has a block."""
+        proposer, state = self._proposers.get(seq.seq_id), self._draft_states.get(seq.seq_id)
+        if (proposer is None and state is None) or self._draft_rows <= 0:
             return []
         room = seq.request.sampling.max_new_tokens - len(seq.generated) - 1
         fixed = seq.request.speculation.width
-        width = fixed if fixed is not None else best_width(seq.spec_alpha, 0.05)
-        width = min(width, room, self._draft_rows, MAX_DRAFTS, self.options.max_lookup_width if fixed is None else MAX_DRAFTS)
+        if state is not None:
+            if not state.drafter.ready(seq, state):   # its drafter is still catching up
+                return []
+            width = fixed if fixed is not None else self._drafter_width(seq, state.drafter)
+        else:
+            width = fixed if fixed is not None else best_width(seq.spec_alpha, 0.05)
+        width = min(width, room, self._draft_rows, self._draft_share, MAX_DRAFTS,
+                    self.options.max_lookup_width if fixed is None else MAX_DRAFTS)
         if width < 1:
             return []
-        drafts = proposer.propose(seq.tokens(), width).tokens.tolist()
+        drafts = [PENDING_DRAFT] * width if state is not None else proposer.propose(seq.tokens(), width).tokens.tolist()
         self._draft_rows -= len(drafts)
         return drafts
+
+    def _drafter_width(self, seq: Sequence, drafter: PooledDrafter) -> int:
+        """Adaptive width with a draft model: each draft costs a drafter row pass, measured
+        against the target's plain step at this batch size; 0 where no width yields more tokens
+        per unit of time than plain decoding (speculation off for this step)."""
+        if drafter.pass_s is None or self._plain_step_s is None:
+            cost = 0.05 + drafter_size_ratio(drafter.model, self.model)   # a prior until both are measured
+        else:
+            cost = 0.05 + drafter.pass_s / self._plain_step_s
+        width = best_width(seq.spec_alpha, cost)
+        gain = sum(seq.spec_alpha**i for i in range(width + 1)) / (1 + cost * width)
+        return width if gain > 1 else 0
+
+    def _catch_up_drafters(self) -> None:
+        """Bring each lagging drafter to what the target computed (prompt chunks, replays after a
+        preemption), up to `max_step_tokens` positions a step (at least one chunk), decoding
+        sequences first: they speculate as soon as their drafter is there."""
+        if not self._draft_states:
+            return
+        started = time.perf_counter()
+        waiting: dict[PooledDrafter, list[tuple[Sequence, DraftState, int, int]]] = {}
+        budget = self.scheduler.max_step_tokens
+        running = sorted(self.scheduler.running, key=lambda s: not s.decoding)
+        for seq in running:
+            state = self._draft_states.get(seq.seq_id)
+            if state is None or seq.cancelled:
+                continue
+            state.sync(seq)
+            for start, end in state.drafter.pieces(seq, state):
+                if end - start > budget and waiting:
+                    break
+                waiting.setdefault(state.drafter, []).append((seq, state, start, end))
+                budget -= end - start
+                state.computed = end
+        for drafter, pieces in waiting.items():
+            drafter.catch_up(pieces)
+        if waiting:
+            synchronize(self.device)
+            self._drafting_s += time.perf_counter() - started
+
+    def _propose_drafts(self, plan: StepPlan) -> None:
+        """Replace each draft-model sequence's placeholders in `plan.decode` with its drafter's
+        proposal: the drafters run their row passes, one batch per drafter."""
+        groups: dict[PooledDrafter, list[tuple[int, Sequence, DraftState, int]]] = {}
+        for i, (seq, drafts) in enumerate(plan.decode):
+            state = self._draft_states.get(seq.seq_id)
+            if state is not None and drafts:
+                groups.setdefault(state.drafter, []).append((i, seq, state, len(drafts)))
+        started = time.perf_counter()
+        for drafter, entries in groups.items():
+            proposals = drafter.propose([(seq, state, width) for _, seq, state, width in entries])
+            for (i, seq, _, _), drafts in zip(entries, proposals):
+                plan.decode[i] = (seq, drafts)
+        self._drafting_s += time.perf_counter() - started
 
     def _run_rows(self, plan: StepPlan, finished: list[Sequence]) -> None:
         tokens, positions, tables = [], [], []
@@ -263,14 +422,17 @@ class BatchEngine:
                     accepted += 1
                 new = target[: accepted + 1]
             elif drafts:
+                state = self._draft_states.get(seq.seq_id)   # a draft model's distributions; lookup's are one-hot
                 verdict = rejection_sample(seq.sampler.probabilities(lanes), torch.tensor(drafts, device=self.device),
-                                           None, seq.sampler)
+                                           state.probs if state is not None else None, seq.sampler)
                 accepted, new = verdict.accepted, verdict.tokens
             else:
                 accepted, new = 0, [seq.sampler.sample(lanes[0]).item()]
             if drafts:
                 self._record_spec(seq, len(drafts), accepted)
             seq.computed += 1 + accepted
+            if drafts and seq.seq_id in self._draft_states:
+                self._draft_states[seq.seq_id].verified(seq)
             self._accept(seq, new, finished)
 
     def _record_spec(self, seq: Sequence, offered: int, accepted: int) -> None:

@@ -71,7 +71,7 @@ class BatchSession:
         handle.prompt_tokens = len(prompt_ids)
         effective = engine.compress(prompt_ids, request, handle.telemetry)
         handle.compress_drafter_sha256 = engine.compress_drafter_sha256
-        handle.seq = self.batch.submit(effective, request)
+        handle.seq = self.batch.submit(effective, request, handle.telemetry)
         self.live[handle.seq.seq_id] = handle
         return handle
 

@@ -32,13 +32,16 @@ class PagedKVCache:
 
     @classmethod
     def sized(cls, config: ModelConfig, device, dtype: torch.dtype, *, block_size: int,
-              memory_fraction: float, reserve_bytes: int, max_blocks: int | None = None) -> "PagedKVCache":
+              memory_fraction: float, reserve_bytes: int, max_blocks: int | None = None,
+              extra_bytes_per_block: int = 0) -> "PagedKVCache":
         """A pool of `memory_fraction` of the device memory free now, less `reserve_bytes` for the
-        step's activations (CUDA), or `max_blocks` blocks (CPU, where memory is not asked)."""
+        step's activations (CUDA), or `max_blocks` blocks (CPU, where memory is not asked).
+        `extra_bytes_per_block`: what other pools with the same block count (drafters') take a
+        block, left free beside this one."""
         per_block = bytes_per_block(config, block_size, dtype)
         if torch.device(device).type == "cuda":
             free, _ = torch.cuda.mem_get_info(torch.device(device))
-            num_blocks = int((free * memory_fraction - reserve_bytes) // per_block)
+            num_blocks = int((free * memory_fraction - reserve_bytes) // (per_block + extra_bytes_per_block))
             if max_blocks is not None:
                 num_blocks = min(num_blocks, max_blocks)
         else:

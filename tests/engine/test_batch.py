@@ -1,13 +1,15 @@
 """The batch engine on SmolLM2's real weights (CPU): a job's tokens do not depend on what runs
-beside it, in what order it arrived, on speculation, on preemption, or on a cancelled neighbour."""
+beside it, in what order it arrived, on speculation (prompt lookup, draft models), on preemption,
+or on a cancelled neighbour."""
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 
 from batchd.engine.batch import BatchOptions
-from batchd.engine.errors import PromptTooLongError
+from batchd.engine.errors import BadInputError, PromptTooLongError
 from batchd.engine.runtime import Engine, EngineConfig
 from batchd.engine.types import GenerationRequest, SamplingParams, SpeculationOptions
 
@@ -63,12 +65,52 @@ def test_prompt_lookup_verified_in_the_batch_changes_no_greedy_id(engine, alone)
     assert sum(r.telemetry.spec_draft_tokens_accepted for r in results.values()) > 0   # it did speculate
 
 
+def with_drafters(engine: Engine, reqs: list[GenerationRequest]) -> list[GenerationRequest]:
+    """Two drafters in one batch: SmolLM2 drafting for itself (even jobs) and its first 6 layers
+    with the final norm and head (odd jobs, a poor drafter: most drafts are rejected)."""
+    itself, first_layers = engine.checkpoint_path, engine.checkpoint_path + "#layers=6"
+    return [replace(r, speculation=SpeculationOptions("draft", drafter_path=first_layers if i % 2 else itself,
+                                                      width=3 if i % 2 else 4)) for i, r in enumerate(reqs)]
+
+
+def test_draft_models_verified_in_the_batch_change_no_greedy_id(engine, alone):
+    """Job 5 samples (with the first layers' distributions); SmolLM2 drafting for itself in the
+    batch holds the target's very rows, so each of its drafts is accepted."""
+    results = dict(engine.generate_many(with_drafters(engine, requests())))
+    got = {i: r.token_ids for i, r in results.items()}
+    assert {i: ids for i, ids in got.items() if i != 5} == {i: ids for i, ids in alone.items() if i != 5}
+    for i, result in results.items():
+        t = result.telemetry
+        assert t.spec_method == "draft" and t.spec_draft_tokens_offered > 0, i
+        if i % 2 == 0:
+            assert t.acceptance_rate == 1.0 and set(t.acceptance_per_position) == {1.0}, i
+    assert results[1].fingerprint["drafter_sha256"] == engine.checkpoint_sha256   # the GGUF's, layers cut
+
+
+def test_generate_runs_a_draft_job_as_a_batch_of_one(engine, alone):
+    """`Engine.generate` and `generate_many` give a job the same ids and SHA, drafter or not."""
+    request = with_drafters(engine, requests())[1]
+    result = engine.generate(request)
+    assert result.token_ids == alone[1]
+    assert result.fingerprint["batched"] and result.telemetry.spec_draft_tokens_offered > 0
+    assert not any("one-sequence" in note for note in result.telemetry.notes)
+
+
 def test_a_pool_too_small_for_all_preempts_and_changes_no_id(smollm2_gguf, alone):
     small = Engine.load(str(smollm2_gguf), EngineConfig(max_context=1024, prefill_chunk=64))
     batch = small.batch_engine(BatchOptions(block_size=16, max_step_tokens=128, max_blocks=40))
     assert run(small, requests()) == alone
     assert batch.scheduler.preemptions > 0
     assert batch.cache.blocks.num_free == 40
+
+
+def test_a_pool_too_small_for_all_preempts_drafters_too_and_changes_no_id(smollm2_gguf, alone):
+    small = Engine.load(str(smollm2_gguf), EngineConfig(max_context=1024, prefill_chunk=64))
+    batch = small.batch_engine(BatchOptions(block_size=16, max_step_tokens=128, max_blocks=40))
+    results = dict(small.generate_many(with_drafters(small, requests())))
+    assert {i: r.token_ids for i, r in results.items() if i != 5} == {i: ids for i, ids in alone.items() if i != 5}
+    assert batch.scheduler.preemptions > 0
+    assert all(results[i].telemetry.acceptance_rate == 1.0 for i in (0, 2, 4, 6))
 
 
 def test_a_cancelled_job_frees_its_blocks_and_the_others_do_not_change(engine, alone):
@@ -116,6 +158,10 @@ def test_a_request_that_cannot_run_fails_alone(engine, alone):
     outcomes = dict(engine.generate_many([reqs[0], too_long, reqs[1]]))
     assert isinstance(outcomes[1], PromptTooLongError)
     assert outcomes[0].token_ids == alone[0] and outcomes[2].token_ids == alone[1]
+    no_drafter = replace(reqs[0], speculation=SpeculationOptions("draft", drafter_path="/nonexistent/drafter.gguf"))
+    outcomes = dict(engine.generate_many([no_drafter, reqs[1]]))
+    assert isinstance(outcomes[0], BadInputError) and "does not exist" in outcomes[0].message
+    assert outcomes[1].token_ids == alone[1]
 
 
 def test_greedy_ids_are_those_of_the_one_sequence_engine(engine, alone):

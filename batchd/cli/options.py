@@ -5,6 +5,7 @@ from typing import Any, Callable
 
 import click
 
+from batchd.config import MODEL_NAME_PATTERN
 from batchd.jobs.params import COMPRESS_MODES, SPEC_METHODS
 
 GENERATION_OPTIONS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop", "ignore_eos", "chat",
@@ -89,4 +90,22 @@ def submit_options(func: Callable) -> Callable:
                      help="auto: *.jsonl files and stdin starting with '{' are JSONL; the rest are documents."),
         click.option("--expires-in", type=float, help="Seconds a job may wait to start before it expires."),
         click.option("--job-model", help="Model name for these jobs (default: the configured model name)."),
+        click.option("--replace", is_flag=True,
+                     help="A custom_id the batch holds with another input gets the new input (jobs that have not "
+                          "succeeded run again; succeeded ones are kept and listed)."),
+        click.option("--model-alias", "model_aliases", multiple=True, callback=_parse_model_aliases,
+                     metavar="API_MODEL=NAME",
+                     help="Run OpenAI batch lines whose body.model is API_MODEL on batchd model NAME (repeatable; "
+                          "unmapped body.model names are ignored with a note)."),
     )(func)
+
+
+def _parse_model_aliases(ctx, param, values) -> dict[str, str]:
+    aliases = {}
+    for value in values:
+        api_model, sep, name = value.partition("=")
+        if not sep or not api_model or not MODEL_NAME_PATTERN.match(name):
+            raise click.BadParameter(f"{value!r}: write API_MODEL=NAME, NAME a batchd model name "
+                                     "(letters, digits, '.', '_', '-')", ctx=ctx, param=param)
+        aliases[api_model] = name
+    return aliases

@@ -22,26 +22,39 @@ def _stack(*decorators: Callable) -> Callable:
 
 
 def generation_options(func: Callable) -> Callable:
-    """Sampling, speculation and compression; unset ones keep the engine's defaults."""
-    return _stack(
-        click.option("--max-new-tokens", type=int, envvar="BATCHD_MAX_NEW_TOKENS", help="Tokens to generate at most."),
-        click.option("--temperature", type=float, envvar="BATCHD_TEMPERATURE", help="0 is greedy."),
+    """Sampling, speculation and compression; unset ones keep the engine's defaults. Each also
+    reads its BATCHD_* variable where it has one."""
+    return _stack(*_generation_options(with_env=True))(func)
+
+
+def override_options(func: Callable) -> Callable:
+    """The generation options as overrides of jobs' own params (`retry`): only what is given on
+    the command line, never an environment variable."""
+    return _stack(*_generation_options(with_env=False))(func)
+
+
+def _generation_options(with_env: bool) -> list[Callable]:
+    def env(name: str) -> dict[str, str]:
+        return {"envvar": name} if with_env else {}
+    return [
+        click.option("--max-new-tokens", type=int, **env("BATCHD_MAX_NEW_TOKENS"), help="Tokens to generate at most."),
+        click.option("--temperature", type=float, **env("BATCHD_TEMPERATURE"), help="0 is greedy."),
         click.option("--top-k", type=int, help="Keep the k most likely tokens (0: off)."),
         click.option("--top-p", type=float, help="Nucleus sampling mass in (0, 1]."),
         click.option("--seed", type=int, help="Sampling seed."),
         click.option("--stop", multiple=True, help="Stop string (repeatable)."),
         click.option("--ignore-eos", is_flag=True, default=None, help="Keep going past end-of-sequence."),
         click.option("--chat/--no-chat", default=None, help="Apply the model's chat template."),
-        click.option("--spec", type=click.Choice(SPEC_METHODS), envvar="BATCHD_SPEC", help="Speculative decoding."),
-        click.option("--drafter", type=click.Path(), envvar="BATCHD_DRAFTER", help="Drafter checkpoint for --spec draft."),
+        click.option("--spec", type=click.Choice(SPEC_METHODS), **env("BATCHD_SPEC"), help="Speculative decoding."),
+        click.option("--drafter", type=click.Path(), **env("BATCHD_DRAFTER"), help="Drafter checkpoint for --spec draft."),
         click.option("--spec-width", type=int, help="Draft tokens per step (default: adaptive)."),
-        click.option("--compress", type=click.Choice(COMPRESS_MODES), envvar="BATCHD_COMPRESS",
+        click.option("--compress", type=click.Choice(COMPRESS_MODES), **env("BATCHD_COMPRESS"),
                      help="PFlash prompt compression."),
         click.option("--compress-threshold", type=int, help="Compress prompts of at least this many tokens."),
         click.option("--keep-ratio", type=float, help="Share of the prompt PFlash keeps."),
-        click.option("--compress-drafter", type=click.Path(), envvar="BATCHD_COMPRESS_DRAFTER",
+        click.option("--compress-drafter", type=click.Path(), **env("BATCHD_COMPRESS_DRAFTER"),
                      help="Drafter checkpoint that scores the prompt."),
-    )(func)
+    ]
 
 
 def params_from_options(options: dict[str, Any]) -> dict[str, Any]:

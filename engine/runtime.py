@@ -182,7 +182,8 @@ class Engine:
             raise BadInputError("this engine was built without a tokenizer; use generate_ids")
         telemetry = Telemetry(device=str(self.device), notes=list(self.notes))
         ensure_target_resident(self)  # an earlier job's failed unpark is retried before this one
-        prompt_ids = self.codec.encode_request(request.prompt, request.messages, request.chat)
+        prompt_ids = self.codec.encode_request(request.prompt, request.messages, request.chat,
+                                               request.continue_final_message)
         prompt_tokens = len(prompt_ids)
         effective_ids = self.compress(prompt_ids, request, telemetry)
         out = self.generate_ids(effective_ids, request, telemetry)

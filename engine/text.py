@@ -45,22 +45,30 @@ class TextCodec:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    continue_final_message: bool = False) -> str:
+        """The chat template over `messages`. `continue_final_message`: the text ends inside the
+        last message, right after its content (no end-of-turn, no new turn), so generation
+        continues it."""
         if self._template is None:
             raise BadInputError("this checkpoint has no chat template; submit a plain prompt (no --chat)")
         for m in messages:
             if not isinstance(m, dict) or "role" not in m or not isinstance(m.get("content"), str):
                 raise BadInputError('each chat message must be {"role": ..., "content": "<text>"}')
-        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+        text = self._template.render(messages=messages,
+                                     add_generation_prompt=add_generation_prompt and not continue_final_message,
                                      bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+        return _cut_after_final_message(text, messages[-1]["content"]) if continue_final_message else text
 
-    def encode_request(self, prompt: Optional[str], messages: Optional[list[dict]], chat: bool) -> list[int]:
+    def encode_request(self, prompt: Optional[str], messages: Optional[list[dict]], chat: bool,
+                       continue_final_message: bool = False) -> list[int]:
         """Prompt ids for a job: a plain prompt, or the chat template over messages (a plain
         prompt with chat=True becomes one user message)."""
         if (prompt is None) == (messages is None):
             raise BadInputError("give exactly one of prompt and messages")
         if messages is not None or chat:
-            text = self.render_chat(messages if messages is not None else [{"role": "user", "content": prompt}])
+            text = self.render_chat(messages if messages is not None else [{"role": "user", "content": prompt}],
+                                    continue_final_message=continue_final_message)
             # the template already wrote any BOS token; do not add another
             ids = self.encode(text, add_special_tokens=False)
         else:
@@ -68,6 +76,18 @@ class TextCodec:
         if not ids:
             raise BadInputError("the prompt is empty; give some text to generate from")
         return ids
+
+
+def _cut_after_final_message(text: str, final: str) -> str:
+    """The rendered chat up to the end of the last message's content: transformers'
+    `continue_final_message` rule, including its care for whitespace a template trims."""
+    if not final.strip() or final.strip() not in text:
+        raise BadInputError("continue_final_message: the chat template does not reproduce the last message's text, "
+                            "so it cannot be continued; submit it without continue_final_message")
+    at = text.rindex(final.strip())
+    if text[at:at + len(final.lstrip())] == final:
+        return text[:at + len(final.lstrip())]
+    return text[:at + len(final.strip())]   # the template trimmed the message's trailing spaces
 
 
 def _compile_template(source: str) -> jinja2.Template:

@@ -49,11 +49,14 @@ class CompressionOptions:
 @dataclass(frozen=True)
 class GenerationRequest:
     """One job. Exactly one of `prompt` and `messages` is set; `chat` applies the model's
-    chat template to `prompt` (as one user message) or to `messages`."""
+    chat template to `prompt` (as one user message) or to `messages`. `continue_final_message`:
+    the output continues the last message (a prefilled assistant answer) instead of opening a
+    new assistant turn, as transformers' `apply_chat_template(continue_final_message=True)`."""
 
     prompt: Optional[str] = None
     messages: Optional[list[dict]] = None
     chat: bool = False
+    continue_final_message: bool = False
     sampling: SamplingParams = field(default_factory=SamplingParams)
     speculation: SpeculationOptions = field(default_factory=SpeculationOptions)
     compression: CompressionOptions = field(default_factory=CompressionOptions)

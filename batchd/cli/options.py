@@ -5,6 +5,7 @@ from typing import Any, Callable
 
 import click
 
+from batchd.config import MODEL_NAME_PATTERN
 from batchd.jobs.params import COMPRESS_MODES, SPEC_METHODS
 
 GENERATION_OPTIONS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop", "ignore_eos", "chat",
@@ -21,26 +22,39 @@ def _stack(*decorators: Callable) -> Callable:
 
 
 def generation_options(func: Callable) -> Callable:
-    """Sampling, speculation and compression; unset ones keep the engine's defaults."""
-    return _stack(
-        click.option("--max-new-tokens", type=int, envvar="BATCHD_MAX_NEW_TOKENS", help="Tokens to generate at most."),
-        click.option("--temperature", type=float, envvar="BATCHD_TEMPERATURE", help="0 is greedy."),
+    """Sampling, speculation and compression; unset ones keep the engine's defaults. Each also
+    reads its BATCHD_* variable where it has one."""
+    return _stack(*_generation_options(with_env=True))(func)
+
+
+def override_options(func: Callable) -> Callable:
+    """The generation options as overrides of jobs' own params (`retry`): only what is given on
+    the command line, never an environment variable."""
+    return _stack(*_generation_options(with_env=False))(func)
+
+
+def _generation_options(with_env: bool) -> list[Callable]:
+    def env(name: str) -> dict[str, str]:
+        return {"envvar": name} if with_env else {}
+    return [
+        click.option("--max-new-tokens", type=int, **env("BATCHD_MAX_NEW_TOKENS"), help="Tokens to generate at most."),
+        click.option("--temperature", type=float, **env("BATCHD_TEMPERATURE"), help="0 is greedy."),
         click.option("--top-k", type=int, help="Keep the k most likely tokens (0: off)."),
         click.option("--top-p", type=float, help="Nucleus sampling mass in (0, 1]."),
         click.option("--seed", type=int, help="Sampling seed."),
         click.option("--stop", multiple=True, help="Stop string (repeatable)."),
         click.option("--ignore-eos", is_flag=True, default=None, help="Keep going past end-of-sequence."),
         click.option("--chat/--no-chat", default=None, help="Apply the model's chat template."),
-        click.option("--spec", type=click.Choice(SPEC_METHODS), envvar="BATCHD_SPEC", help="Speculative decoding."),
-        click.option("--drafter", type=click.Path(), envvar="BATCHD_DRAFTER", help="Drafter checkpoint for --spec draft."),
+        click.option("--spec", type=click.Choice(SPEC_METHODS), **env("BATCHD_SPEC"), help="Speculative decoding."),
+        click.option("--drafter", type=click.Path(), **env("BATCHD_DRAFTER"), help="Drafter checkpoint for --spec draft."),
         click.option("--spec-width", type=int, help="Draft tokens per step (default: adaptive)."),
-        click.option("--compress", type=click.Choice(COMPRESS_MODES), envvar="BATCHD_COMPRESS",
+        click.option("--compress", type=click.Choice(COMPRESS_MODES), **env("BATCHD_COMPRESS"),
                      help="PFlash prompt compression."),
         click.option("--compress-threshold", type=int, help="Compress prompts of at least this many tokens."),
         click.option("--keep-ratio", type=float, help="Share of the prompt PFlash keeps."),
-        click.option("--compress-drafter", type=click.Path(), envvar="BATCHD_COMPRESS_DRAFTER",
+        click.option("--compress-drafter", type=click.Path(), **env("BATCHD_COMPRESS_DRAFTER"),
                      help="Drafter checkpoint that scores the prompt."),
-    )(func)
+    ]
 
 
 def params_from_options(options: dict[str, Any]) -> dict[str, Any]:
@@ -89,4 +103,22 @@ def submit_options(func: Callable) -> Callable:
                      help="auto: *.jsonl files and stdin starting with '{' are JSONL; the rest are documents."),
         click.option("--expires-in", type=float, help="Seconds a job may wait to start before it expires."),
         click.option("--job-model", help="Model name for these jobs (default: the configured model name)."),
+        click.option("--replace", is_flag=True,
+                     help="A custom_id the batch holds with another input gets the new input (jobs that have not "
+                          "succeeded run again; succeeded ones are kept and listed)."),
+        click.option("--model-alias", "model_aliases", multiple=True, callback=_parse_model_aliases,
+                     metavar="API_MODEL=NAME",
+                     help="Run OpenAI batch lines whose body.model is API_MODEL on batchd model NAME (repeatable; "
+                          "unmapped body.model names are ignored with a note)."),
     )(func)
+
+
+def _parse_model_aliases(ctx, param, values) -> dict[str, str]:
+    aliases = {}
+    for value in values:
+        api_model, sep, name = value.partition("=")
+        if not sep or not api_model or not MODEL_NAME_PATTERN.match(name):
+            raise click.BadParameter(f"{value!r}: write API_MODEL=NAME, NAME a batchd model name "
+                                     "(letters, digits, '.', '_', '-')", ctx=ctx, param=param)
+        aliases[api_model] = name
+    return aliases

@@ -6,8 +6,9 @@ from typing import Optional
 
 import click
 
-from batchd.cli.context import CliContext, pass_cli
+from batchd.cli.context import CliContext, echo_err, pass_cli
 from batchd.jobs.export import result_rows, write_csv, write_jsonl
+from batchd.jobs.openai_export import write_openai
 from batchd.jobs.progress import batch_progress
 
 STATUSES = ("pending", "queued", "running", "succeeded", "failed", "cancelled", "expired")
@@ -54,12 +55,14 @@ def results(cli: CliContext, batch_name: str, fmt: str, statuses, output: Option
 
 @click.command("export")
 @click.option("--batch", "batch_name", envvar="BATCHD_BATCH", required=True)
-@click.option("--format", "fmt", type=click.Choice(["jsonl", "csv"]), default="jsonl", show_default=True)
+@click.option("--format", "fmt", type=click.Choice(["jsonl", "csv", "openai"]), default="jsonl", show_default=True,
+              help="openai: the OpenAI Batch API's output file, one line per finished job.")
 @click.option("--status", "statuses", type=click.Choice(STATUSES), multiple=True, help="Only jobs in this status.")
 @click.option("--output", "-o", type=click.Path(dir_okay=False, writable=True), help="Write here (default stdout).")
 @pass_cli
 def export(cli: CliContext, batch_name: str, fmt: str, statuses, output: Optional[str]) -> None:
-    """Every job of a batch with every result and telemetry column, as JSONL or CSV."""
+    """Every job of a batch with its input, result and telemetry columns, as JSONL or CSV; or
+    the OpenAI Batch API's output lines (--format openai)."""
     write(cli, batch_name, fmt, list(statuses), output)
 
 
@@ -73,6 +76,11 @@ def write(cli: CliContext, batch_name: str, fmt: str, statuses: list[str], outpu
             click.echo(results_table(list(rows)), file=out)
         elif fmt == "jsonl":
             write_jsonl(rows, out)
+        elif fmt == "openai":
+            _, left_out = write_openai(rows, out)
+            if left_out:
+                echo_err(f"{left_out} job(s) not finished yet are not in the file (the API's file holds finished "
+                         "requests); export again when `batchd status` shows the batch done")
         else:
             write_csv(rows, out)
     finally:

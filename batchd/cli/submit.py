@@ -21,13 +21,15 @@ def do_submit(settings: Settings, options: dict, *, publish: bool = True) -> Sub
     template = options["template_file"].read() if options.get("template_file") else (options.get("template")
                                                                                      or DEFAULT_TEMPLATE)
     batch_name = options.get("batch_name") or datetime.now(timezone.utc).strftime("batch-%Y%m%d-%H%M%S")
-    inputs = read_inputs(list(options["inputs"]), template=template, fmt=options.get("fmt") or "auto")
+    inputs = read_inputs(list(options["inputs"]), template=template, fmt=options.get("fmt") or "auto",
+                         model_aliases=options.get("model_aliases") or {})
     publisher = None
     with broker_url_for(settings, start=False) as broker_url:
         if publish and broker_url:
             publisher = Publisher(settings, configure(settings, broker_url))
         report = submit_jobs(settings, batch_name, inputs, defaults=params, model=options.get("job_model"),
-                             expires_in_s=options.get("expires_in"), publisher=publisher)
+                             expires_in_s=options.get("expires_in"), publisher=publisher,
+                             replace=bool(options.get("replace")))
     print_report(report, publisher is not None)
     return report
 
@@ -37,9 +39,20 @@ def print_report(report: SubmitReport, published: bool) -> None:
         echo_err(f"skipped {source}: {message}")
     for custom_id, message in report.rejected:
         echo_err(f"rejected {custom_id}: {message}")
+    for custom_id, status in report.replaced:
+        echo_err(f"replaced {custom_id}: its input is the new one (the job was {status}; it runs again)")
     for custom_id in report.changed_inputs:
-        echo_err(f"kept {custom_id}: the batch already holds this custom_id with a different input")
-    parts = [f"{len(report.job_ids)} new job(s)"]
+        echo_err(f"kept {custom_id}: the batch already holds this custom_id with a different input; "
+                 "submit with --replace to run the new one")
+    for custom_id in report.kept_succeeded:
+        echo_err(f"kept {custom_id}: it already succeeded with its earlier input, which --replace does not change; "
+                 "give the new input another custom_id to run it")
+    for api_model, lines in sorted(report.ignored_models.items()):
+        echo_err(f"note: body.model {api_model!r} on {lines} line(s) is not a batchd model name; those jobs run on "
+                 f"{report.model} (map it with --model-alias {api_model}=NAME)")
+    parts = [f"{report.new_jobs} new job(s)"]
+    if report.replaced:
+        parts.append(f"{len(report.replaced)} replaced")
     if report.rejected:
         parts.append(f"{len(report.rejected)} rejected (failed: bad_input)")
     if report.already_present:
@@ -59,7 +72,7 @@ def submit(cli: CliContext, publish: bool, **options) -> None:
     """Submit INPUTS (files, folders, globs, '-' for stdin; *.jsonl lines are jobs) as a batch."""
     settings = cli.database(cli.settings())
     report = do_submit(settings, options, publish=publish)
-    if not report.job_ids and report.rejected and not report.already_present:
+    if not report.job_ids and report.rejected and not report.already_present and not report.replaced:
         raise click.ClickException("every input was rejected; nothing to run")
 
 

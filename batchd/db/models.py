@@ -87,7 +87,7 @@ class Job(Base):
     prompt: Mapped[Optional[str]] = mapped_column(Text)
     messages: Mapped[Optional[list[Any]]]
     params: Mapped[dict[str, Any]] = mapped_column(server_default=text("'{}'"))
-    input_sha256: Mapped[Optional[str]] = mapped_column(String(64))
+    input_sha256: Mapped[Optional[str]] = mapped_column(String(64))  # of the input as submitted (retry keeps it)
 
     status: Mapped[JobStatus] = mapped_column(job_status_type, server_default=JobStatus.PENDING.value)
     created_at: Mapped[datetime] = mapped_column(server_default=func.current_timestamp())
@@ -141,6 +141,7 @@ class Result(Base):
     compress_mode: Mapped[Optional[str]] = mapped_column(String(16))
     keep_ratio: Mapped[Optional[float]]
     compression_ratio: Mapped[Optional[float]]  # effective_prompt_tokens / prompt_tokens
+    decode_mlp: Mapped[Optional[str]] = mapped_column(String(16))  # the MLP kernel that decoded: fused or chain
     fingerprint: Mapped[dict[str, Any]]  # the engine's whole fingerprint dict
     # telemetry: every field of engine.types.Telemetry
     park_s: Mapped[float]

@@ -13,6 +13,7 @@ from sqlalchemy import text
 from batchd.db.session import read_scope
 
 EXPORT_COLUMNS_FIRST = ("custom_id", "status", "output_text", "output_sha256", "error_kind", "error_message")
+JSON_COLUMNS = ("messages", "params", "acceptance_per_position", "notes")
 
 
 def result_rows(url: str, batch: str, statuses: Optional[list[str]] = None) -> Iterator[dict]:
@@ -36,7 +37,7 @@ def _plain(row: dict) -> dict:
     for key, value in row.items():
         if isinstance(value, datetime):
             row[key] = value.isoformat()
-        elif isinstance(value, str) and key in ("acceptance_per_position", "notes") and value[:1] in "[{":
+        elif isinstance(value, str) and key in JSON_COLUMNS and value[:1] in "[{":
             row[key] = json.loads(value)  # SQLite hands JSON back as text through a view
     return row
 

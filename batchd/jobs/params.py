@@ -11,6 +11,7 @@ from typing import Any, Optional
 
 from batchd.engine.errors import BadInputError
 from batchd.engine.types import CompressionOptions, GenerationRequest, SamplingParams, SpeculationOptions
+from batchd.jobs.storable import json_problem, text_problem
 
 # name -> (python types accepted, what a person should write)
 PARAM_TYPES: dict[str, tuple[tuple[type, ...], str]] = {
@@ -22,6 +23,7 @@ PARAM_TYPES: dict[str, tuple[tuple[type, ...], str]] = {
     "stop": ((list, str), "a string or a list of strings"),
     "ignore_eos": ((bool,), "true or false"),
     "chat": ((bool,), "true or false"),
+    "continue_final_message": ((bool,), "true or false (continue the last message instead of opening a new turn)"),
     "spec": ((str,), "none, lookup or draft"),
     "drafter": ((str,), "a checkpoint path"),
     "spec_width": ((int,), "an integer from 1 to 16"),
@@ -30,6 +32,7 @@ PARAM_TYPES: dict[str, tuple[tuple[type, ...], str]] = {
     "keep_ratio": ((int, float), "a number in (0, 1]"),
     "compress_drafter": ((str,), "a checkpoint path"),
 }
+CHAT_ROLES = ("system", "user", "assistant")
 SPEC_METHODS = ("none", "lookup", "draft")
 COMPRESS_MODES = ("off", "auto", "always")
 MAX_SEED = 2**63 - 1
@@ -41,6 +44,9 @@ def validate_params(params: Any) -> dict[str, Any]:
         return {}
     if not isinstance(params, dict):
         raise BadInputError(f"params must be a JSON object, got {type(params).__name__}")
+    problem = json_problem(params, "params")
+    if problem:
+        raise BadInputError(problem)
     unknown = sorted(set(params) - set(PARAM_TYPES))
     if unknown:
         raise BadInputError(f"unknown param {', '.join(map(repr, unknown))}; known: {', '.join(PARAM_TYPES)}")
@@ -91,8 +97,9 @@ def _check_ranges(p: dict[str, Any]) -> None:
             raise BadInputError(f"param {key}: no checkpoint at {p[key]!r}")
 
 
-def validate_input(prompt: Any, messages: Any) -> None:
-    """Exactly one of a non-empty prompt string and a list of chat messages."""
+def validate_input(prompt: Any, messages: Any, params: Optional[dict[str, Any]] = None) -> None:
+    """Exactly one of a non-empty prompt string and a list of chat messages, each with a known
+    role and text content; `params` (validated) for what depends on the input."""
     if (prompt is None) == (messages is None):
         raise BadInputError('give exactly one of "prompt" and "messages"')
     if prompt is not None:
@@ -100,22 +107,32 @@ def validate_input(prompt: Any, messages: Any) -> None:
             raise BadInputError(f'"prompt" must be a string, got {type(prompt).__name__}')
         if not prompt.strip():
             raise BadInputError("the prompt is empty")
-        if "\x00" in prompt:
-            raise BadInputError("the prompt contains NUL bytes: binary data, not text")
+        if text_problem(prompt):
+            raise BadInputError(f"the prompt {text_problem(prompt)}")
+        if (params or {}).get("continue_final_message"):
+            raise BadInputError("continue_final_message needs messages: it continues the last one")
         return
     if not isinstance(messages, list) or not messages:
         raise BadInputError('"messages" must be a non-empty list of {"role": ..., "content": ...}')
+    problem = json_problem(messages, "messages")
+    if problem:
+        raise BadInputError(problem)
     for i, message in enumerate(messages):
         if (not isinstance(message, dict) or not isinstance(message.get("role"), str)
                 or not isinstance(message.get("content"), str)):
             raise BadInputError(f'messages[{i}] must be {{"role": "<role>", "content": "<text>"}}')
+        if message["role"] not in CHAT_ROLES:
+            raise BadInputError(f"messages[{i}].role {message['role']!r} is not a chat role: "
+                                f"use {', '.join(CHAT_ROLES[:-1])} or {CHAT_ROLES[-1]}")
     if not any(m["content"].strip() for m in messages):
         raise BadInputError("every message is empty")
+    if (params or {}).get("continue_final_message") and not messages[-1]["content"].strip():
+        raise BadInputError("continue_final_message: the last message is empty; give the text to continue")
 
 
 def build_request(prompt: Optional[str], messages: Optional[list[dict]], params: dict[str, Any]) -> GenerationRequest:
-    validate_input(prompt, messages)
     p = validate_params(params)
+    validate_input(prompt, messages, p)
     defaults = SamplingParams()
     sampling = SamplingParams(
         max_new_tokens=p.get("max_new_tokens", defaults.max_new_tokens),
@@ -135,5 +152,6 @@ def build_request(prompt: Optional[str], messages: Optional[list[dict]], params:
         keep_ratio=float(p.get("keep_ratio", compress_defaults.keep_ratio)),
         drafter_path=p.get("compress_drafter"),
     )
-    return GenerationRequest(prompt=prompt, messages=messages, chat=p.get("chat", False), sampling=sampling,
+    return GenerationRequest(prompt=prompt, messages=messages, chat=p.get("chat", False),
+                             continue_final_message=p.get("continue_final_message", False), sampling=sampling,
                              speculation=speculation, compression=compression)

@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 
 TELEMETRY_FIELDS = tuple(f.name for f in dataclasses.fields(Telemetry))
 FINGERPRINT_COLUMNS = ("target_sha256", "drafter_sha256", "drafter_path", "dtype", "kv_dtype", "temperature",
-                       "top_k", "top_p", "seed", "max_new_tokens", "spec_width", "keep_ratio")
+                       "top_k", "top_p", "seed", "max_new_tokens", "spec_width", "keep_ratio", "decode_mlp")
 COMMIT_PATIENCE_S = 120.0   # how long a finished result waits for the database before it is given up
 
 

@@ -67,7 +67,8 @@ class BatchSession:
         a drafter that failed) without touching the others."""
         engine = self.engine
         handle = Handle(request, Telemetry(device=str(engine.device), notes=list(engine.notes) + self.batch.notes))
-        prompt_ids = engine.codec.encode_request(request.prompt, request.messages, request.chat)
+        prompt_ids = engine.codec.encode_request(request.prompt, request.messages, request.chat,
+                                                 request.continue_final_message)
         handle.prompt_tokens = len(prompt_ids)
         effective = engine.compress(prompt_ids, request, handle.telemetry)
         handle.compress_drafter_sha256 = engine.compress_drafter_sha256

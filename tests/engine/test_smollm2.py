@@ -62,3 +62,15 @@ def test_greedy_generation_matches_transformers(engine, reference):
         eos = engine.eos_ids
         theirs = theirs[: next((i for i, t in enumerate(theirs) if t in eos), len(theirs))]
         assert ours == theirs
+
+
+def test_a_prefilled_answer_is_continued_not_answered_again(engine):
+    """continue_final_message: the prompt ends inside the assistant's message, so the model
+    completes that sentence instead of opening a new turn."""
+    start = "The capital of France is"
+    messages = [{"role": "user", "content": QUESTIONS[0]}, {"role": "assistant", "content": start}]
+    ids = engine.codec.encode_request(None, messages, True, continue_final_message=True)
+    assert engine.codec.decode(ids, skip_special_tokens=False).endswith(f"<|im_start|>assistant\n{start}")
+    result = engine.generate(GenerationRequest(messages=messages, chat=True, continue_final_message=True,
+                                               sampling=SamplingParams(max_new_tokens=8)))
+    assert result.text.lstrip().startswith("Paris"), result.text

@@ -63,8 +63,9 @@ def test_submit_folder_glob_and_stdin_then_status_and_export(env, tmp_path, redi
     (["worker", "--model", "/models/missing.gguf"], "no checkpoint at /models/missing.gguf"),
     (["run", "-", "--model", "/models/missing.gguf"], "no checkpoint at /models/missing.gguf"),
     (["generate", "--model", "/models/missing.gguf", "--prompt", "hi"], "no checkpoint"),
+    (["submit", "-", "--batch", "b" * 300], "the batch name has 300 characters; give one of at most 255"),
 ], ids=["missing-file", "empty-glob", "negative-tokens", "template", "status", "results", "worker-model",
-        "run-model", "generate-model"])
+        "run-model", "generate-model", "batch-name-300"])
 def test_person_errors_are_one_line(env, args, words):
     assert words in one_line_error(batchd_cli(args, env, input=b"some text"))
 
@@ -80,3 +81,20 @@ def test_every_input_rejected_exits_non_zero(env, tmp_path):
     assert out.returncode == 1 and "Traceback" not in out.stderr.decode()
     assert out.stderr.decode().splitlines() == [f"rejected {tmp_path / 'empty.txt'}: empty file: nothing to generate from",
                                                 "Error: every input was rejected; nothing to run"]
+
+
+def test_lines_no_database_stores_are_rejected_one_by_one(env, tmp_path):
+    """Issue 38: each of these lines used to end `submit` with a traceback and insert nothing."""
+    bad = ['{"custom_id": "nan", "prompt": "x", "params": {"temperature": NaN}}',
+           '{"custom_id": "inf", "prompt": "x", "params": {"temperature": Infinity}}',
+           '{"custom_id": "nul", "prompt": "x\\u0000"}',
+           '{"custom_id": "surrogate", "prompt": "\\ud800"}',
+           '{"custom_id": "deep", "prompt": "x", "params": ' + "[" * 100_000 + "]" * 100_000 + "}"]
+    path = tmp_path / "jobs.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + "\n".join(['{"custom_id": "good", "prompt": "fine"}', *bad]).encode())
+    out = batchd_cli(["submit", str(path), "--batch", "hostile", "--no-publish"], env)
+    assert out.returncode == 0 and "Traceback" not in out.stderr.decode(), out.stderr.decode()
+    assert out.stdout.decode().startswith("batch hostile: 1 new job(s), 5 rejected (failed: bad_input)")
+    rejected = out.stderr.decode().splitlines()
+    assert len(rejected) == 5   # each under its line, not under the custom_id it named
+    assert all(line.startswith(f"rejected {path}:{n}: line {n}: ") for n, line in enumerate(rejected, start=2))

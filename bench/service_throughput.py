@@ -202,8 +202,10 @@ def main() -> None:
             engine_alone(engine, requests_for(warm, args, compression))   # loads the drafter, warms its shapes
             p_alone = engine_alone(engine, requests_for(p_texts, args, compression))
             rows.append(row(f"PFlash keep {args.keep}: engine alone", args.pflash_docs, p_alone))
-            p_params = {**params, "compress": "always", "keep_ratio": args.keep, "compress_drafter": str(drafter)}
-            wall, worked, telemetry["service + PFlash"] = through_service(engine, settings, broker_url, "pflash",
+            # jobs name drafters the worker serves (batchd.jobs.job_request), never a path
+            p_settings = settings.replace(drafters=(("pflash-drafter", str(drafter)),))
+            p_params = {**params, "compress": "always", "keep_ratio": args.keep, "compress_drafter": "pflash-drafter"}
+            wall, worked, telemetry["service + PFlash"] = through_service(engine, p_settings, broker_url, "pflash",
                                                                           p_texts, p_params)
             rows.append(row(f"PFlash keep {args.keep}: service, submit to last commit", args.pflash_docs, wall, p_alone))
             rows.append(row(f"PFlash keep {args.keep}: service, first claim to last commit", args.pflash_docs, worked,

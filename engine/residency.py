@@ -35,7 +35,6 @@ from __future__ import annotations
 import gc
 import logging
 import math
-import os
 import time
 from collections import OrderedDict
 import traceback
@@ -50,6 +49,7 @@ from safetensors import safe_open
 from batchd.engine.checkpoint import Checkpoint, load_checkpoint
 from batchd.engine.checkpoint.hf import _weight_files
 from batchd.engine.checkpoint.validate import IGNORED_SUFFIXES
+from batchd.engine.drafter_names import file_identity
 from batchd.engine.errors import DeviceOutOfMemoryError, EngineError
 from batchd.engine.model import Transformer, build_model, init_random
 from batchd.engine.step import StepRunner
@@ -420,16 +420,6 @@ class Residency:
         """Give back the pinned host memory kept for parking (the next park pins again)."""
         if self.parked is None:
             self.host_weights.clear()
-
-
-def file_identity(path: str) -> Optional[tuple]:
-    """(device, inode) of the checkpoint a path names, however it is spelled ('/./', '//',
-    links); None when it does not exist (the load then fails with its own message)."""
-    try:
-        st = os.stat(os.path.realpath(path))
-    except OSError:
-        return None
-    return (st.st_dev, st.st_ino)
 
 
 def forget_frames(exc: BaseException) -> None:

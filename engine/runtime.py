@@ -35,7 +35,8 @@ from batchd.engine.residency import Residency
 from batchd.engine.sampling import Sampler
 from batchd.engine.speculative import Drafters, DraftTarget, generate_speculative
 from batchd.engine.step import StepRunner
-from batchd.engine.stopping import StopChecker, cut_at_stop_string
+from batchd.engine.stopping import StopChecker
+from batchd.engine.whole_chars import output_text
 from batchd.engine.text import TextCodec
 from batchd.engine.types import GenerationRequest, GenerationResult, SamplingParams, Telemetry
 
@@ -187,7 +188,7 @@ class Engine:
         prompt_tokens = len(prompt_ids)
         effective_ids = self.compress(prompt_ids, request, telemetry)
         out = self.generate_ids(effective_ids, request, telemetry)
-        text = cut_at_stop_string(self.codec.decode(out.token_ids), request.sampling.stop)
+        text, telemetry.output_dropped_bytes = output_text(self.codec, out.token_ids, request.sampling.stop)
         telemetry.total_s = time.perf_counter() - started
         return GenerationResult(
             text=text, token_ids=out.token_ids, output_sha256=sha256_hex(text.encode("utf-8")),

@@ -16,6 +16,7 @@ import jinja2.sandbox
 from tokenizers import Tokenizer
 
 from batchd.engine.errors import BadInputError
+from batchd.engine.whole_chars import TokenBytes, decode_whole_chars
 
 
 class TextCodec:
@@ -44,6 +45,15 @@ class TextCodec:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def decode_whole_chars(self, ids: list[int]) -> tuple[str, int]:
+        """`decode` up to the last whole character, and the bytes of an unfinished one held back
+        after it (engine.whole_chars)."""
+        return decode_whole_chars(ids, self.decode, self._token_bytes)
+
+    @functools.cached_property
+    def _token_bytes(self) -> TokenBytes:
+        return TokenBytes(self.tokenizer)
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
                     continue_final_message: bool = False) -> str:

@@ -100,6 +100,8 @@ class Telemetry:
     running_s: float = 0.0
     batch_size_mean: Optional[float] = None
     preemptions: int = 0
+    # bytes of an unfinished UTF-8 character held back from the end of the text (engine.whole_chars)
+    output_dropped_bytes: int = 0
     # device
     peak_device_memory_bytes: Optional[int] = None
     device: str = "cpu"

@@ -8,7 +8,9 @@ from typing import Optional
 import click
 
 from batchd.cli.options import generation_options, params_from_options
+from batchd.engine.drafter_names import DrafterCatalog, parse_drafter_path
 from batchd.jobs.inputs import decode_text
+from batchd.jobs.job_request import resolve_drafters
 from batchd.jobs.params import build_request
 
 
@@ -39,7 +41,8 @@ def generate(model_path: str, prompt: Optional[str], prompt_file: Optional[str],
             raise click.ClickException(f"{prompt_file}: {error}")
     if not Path(model_path).exists():
         raise click.ClickException(f"no checkpoint at {model_path}: give --model PATH (a GGUF file or a HF folder)")
-    request = build_request(prompt, None, params_from_options(options))
+    params = params_from_options(options)
+    request = resolve_drafters(build_request(prompt, None, params), local_drafters(params))
     from batchd.engine.runtime import Engine, EngineConfig
 
     engine = Engine.load(model_path, EngineConfig(device=device, dtype=dtype, max_context=max_context,
@@ -52,6 +55,21 @@ def generate(model_path: str, prompt: Optional[str], prompt_file: Optional[str],
     t = result.telemetry
     click.echo(f"[{result.prompt_tokens} prompt tokens, {result.generated_tokens} generated, "
                f"{t.decode_tokens_per_s:.1f} tok/s, sha256 {result.output_sha256}]", err=True)
+
+
+def local_drafters(params: dict) -> DrafterCatalog:
+    """`generate` runs on the person's own host, so its --drafter and --compress-drafter are
+    paths: each is named in `params` (as a job names one) and put in the catalog under it."""
+    named = {}
+    for key in ("drafter", "compress_drafter"):
+        if key in params:
+            path, layers = parse_drafter_path(params[key])
+            if not Path(path).exists():
+                raise click.ClickException(f"--{key.replace('_', '-')}: no checkpoint at {path}")
+            name = key.replace("_", "-")
+            named[name] = path
+            params[key] = name if layers is None else f"{name}#layers={layers}"
+    return DrafterCatalog(named)
 
 
 COMMANDS = [generate]

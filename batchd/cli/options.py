@@ -46,14 +46,16 @@ def _generation_options(with_env: bool) -> list[Callable]:
         click.option("--ignore-eos", is_flag=True, default=None, help="Keep going past end-of-sequence."),
         click.option("--chat/--no-chat", default=None, help="Apply the model's chat template."),
         click.option("--spec", type=click.Choice(SPEC_METHODS), **env("BATCHD_SPEC"), help="Speculative decoding."),
-        click.option("--drafter", type=click.Path(), **env("BATCHD_DRAFTER"), help="Drafter checkpoint for --spec draft."),
+        click.option("--drafter", **env("BATCHD_DRAFTER"),
+                     help="Drafter for --spec draft: a name the workers serve (--drafter-checkpoint NAME=PATH, or "
+                          "their model name), '#layers=N' for its first N layers (`generate`: a path)."),
         click.option("--spec-width", type=int, help="Draft tokens per step (default: adaptive)."),
         click.option("--compress", type=click.Choice(COMPRESS_MODES), **env("BATCHD_COMPRESS"),
                      help="PFlash prompt compression."),
         click.option("--compress-threshold", type=int, help="Compress prompts of at least this many tokens."),
         click.option("--keep-ratio", type=float, help="Share of the prompt PFlash keeps."),
-        click.option("--compress-drafter", type=click.Path(), **env("BATCHD_COMPRESS_DRAFTER"),
-                     help="Drafter checkpoint that scores the prompt."),
+        click.option("--compress-drafter", **env("BATCHD_COMPRESS_DRAFTER"),
+                     help="Drafter that scores the prompt for PFlash: a name the workers serve (`generate`: a path)."),
     ]
 
 
@@ -69,7 +71,7 @@ def params_from_options(options: dict[str, Any]) -> dict[str, Any]:
 
 
 MODEL_OPTIONS = ("model_path", "model_name", "device", "dtype", "max_context", "attention", "sparse_top_k_blocks",
-                 "max_jobs")
+                 "max_jobs", "drafters")
 
 
 def model_options(func: Callable) -> Callable:
@@ -89,6 +91,9 @@ def model_options(func: Callable) -> Callable:
                           "2 x budget rows (faster at 128K, may change outputs)."),
         click.option("--sparse-top-k-blocks", type=int, envvar="BATCHD_SPARSE_TOP_K_BLOCKS",
                      help="Sparse budget: 64-row key blocks kept per lane (default 64)."),
+        click.option("--drafter-checkpoint", "drafters", multiple=True, metavar="NAME=PATH",
+                     help="A drafter jobs may name (repeatable; BATCHD_DRAFTERS='a=PATH,b=PATH'); the model itself "
+                          "is one under its --model-name. Jobs never name paths."),
     )(func)
 
 

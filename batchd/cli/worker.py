@@ -23,6 +23,10 @@ def checked_model_path(settings: Settings) -> Settings:
     if not Path(settings.model_path).exists():
         raise click.ClickException(f"no checkpoint at {settings.model_path}: give --model PATH "
                                    "(a GGUF file or a Hugging Face folder)")
+    for name, path in settings.drafters:
+        if not Path(path).exists():
+            raise click.ClickException(f"drafter {name}: no checkpoint at {path}: give --drafter-checkpoint "
+                                       f"{name}=PATH (a GGUF file or a Hugging Face folder)")
     return settings
 
 

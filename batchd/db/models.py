@@ -172,6 +172,7 @@ class Result(Base):
     running_s: Mapped[float] = mapped_column(server_default="0")  # first step -> finished
     batch_size_mean: Mapped[Optional[float]]  # sequences per decode step while it decoded
     preemptions: Mapped[int] = mapped_column(server_default="0")
+    output_dropped_bytes: Mapped[int] = mapped_column(server_default="0")  # an unfinished last character
     peak_device_memory_bytes: Mapped[Optional[int]] = mapped_column(BigInteger)
     device: Mapped[str] = mapped_column(String(64))
     notes: Mapped[list[Any]]

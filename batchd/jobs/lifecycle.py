@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Optional
 
-from sqlalchemy import Boolean, Row, String, Text, bindparam, insert, literal, select, update
+from sqlalchemy import Boolean, Row, String, Text, bindparam, cast, insert, literal, select, update
 from sqlalchemy.sql import Select, Update
 
 from batchd.db.models import Job, JobEvent, JobStatus, Result
@@ -32,8 +32,12 @@ from batchd.db.types import UTCDateTime, utcnow
 
 JOBS, EVENTS, RESULTS = Job.__table__, JobEvent.__table__, Result.__table__
 
-# What the worker needs from a claimed job (and the tests read): no second query for it
-CLAIMED_COLUMNS = (JOBS.c.id, JOBS.c.prompt, JOBS.c.messages, JOBS.c.params, JOBS.c.status, JOBS.c.attempts,
+# What the worker needs from a claimed job (and the tests read): no second query for it. The
+# JSON columns come back as text, parsed by the worker (batchd.jobs.job_request): SQLite keeps
+# any text a person INSERTs there, and a parse error inside the claim would undo the claim on
+# every delivery instead of failing the job.
+CLAIMED_COLUMNS = (JOBS.c.id, JOBS.c.prompt, cast(JOBS.c.messages, Text).label("messages"),
+                   cast(JOBS.c.params, Text).label("params"), JOBS.c.status, JOBS.c.attempts,
                    JOBS.c.queued_at, JOBS.c.running_at)
 RESULT_COLUMNS = tuple(c for c in RESULTS.columns if c.name != "job_id")
 EVENT_COLUMNS = ("job_id", "event", "worker_id", "detail", "at")

@@ -6,12 +6,13 @@ never passed through submit), then turned into an `engine.types.GenerationReques
 from __future__ import annotations
 
 import math
-from pathlib import Path
 from typing import Any, Optional
 
 from batchd.engine.errors import BadInputError
+from batchd.engine.drafter_names import check_drafter_name
 from batchd.engine.types import CompressionOptions, GenerationRequest, SamplingParams, SpeculationOptions
 from batchd.jobs.storable import json_problem, text_problem
+from batchd.jobs.limits import check_integer_limits
 
 # name -> (python types accepted, what a person should write)
 PARAM_TYPES: dict[str, tuple[tuple[type, ...], str]] = {
@@ -25,12 +26,12 @@ PARAM_TYPES: dict[str, tuple[tuple[type, ...], str]] = {
     "chat": ((bool,), "true or false"),
     "continue_final_message": ((bool,), "true or false (continue the last message instead of opening a new turn)"),
     "spec": ((str,), "none, lookup or draft"),
-    "drafter": ((str,), "a checkpoint path"),
+    "drafter": ((str,), "a drafter name its workers serve ('#layers=N' for its first N layers)"),
     "spec_width": ((int,), "an integer from 1 to 16"),
     "compress": ((str,), "off, auto or always"),
     "compress_threshold": ((int,), "a positive integer (target tokens)"),
     "keep_ratio": ((int, float), "a number in (0, 1]"),
-    "compress_drafter": ((str,), "a checkpoint path"),
+    "compress_drafter": ((str,), "a drafter name its workers serve"),
 }
 CHAT_ROLES = ("system", "user", "assistant")
 SPEC_METHODS = ("none", "lookup", "draft")
@@ -59,6 +60,7 @@ def validate_params(params: Any) -> dict[str, Any]:
             raise BadInputError(f"param {key}={value!r}: expected {expected}")
         clean[key] = value
     _check_ranges(clean)
+    check_integer_limits(clean)
     if isinstance(clean.get("stop"), str):
         clean["stop"] = [clean["stop"]]
     return clean
@@ -92,9 +94,11 @@ def _check_ranges(p: dict[str, Any]) -> None:
         raise bad("keep_ratio")
     if p.get("spec") == "draft" and not p.get("drafter"):
         raise BadInputError("param spec='draft' needs a drafter checkpoint: set params.drafter")
-    for key in ("drafter", "compress_drafter"):
-        if key in p and not Path(p[key]).exists():
-            raise BadInputError(f"param {key}: no checkpoint at {p[key]!r}")
+    # names, never paths: the worker maps them to its own checkpoints (batchd.jobs.job_request)
+    if "drafter" in p:
+        check_drafter_name(p["drafter"], param="drafter")
+    if "compress_drafter" in p:
+        check_drafter_name(p["compress_drafter"], param="compress_drafter", layers_allowed=False)
 
 
 def validate_input(prompt: Any, messages: Any, params: Optional[dict[str, Any]] = None) -> None:

@@ -10,7 +10,9 @@ job as `internal`, and the worker goes on. Past the soft time limit the job is t
 batch and fails as `timeout`. Database or broker trouble is transient: a finished result is
 kept and its commit retried for up to `COMMIT_PATIENCE_S`; otherwise the claim is released
 and the task retried with backoff. A job the loop hands back (out of memory, shutdown) is
-released to the queue and retried.
+released to the queue and retried. batchd.jobs.settle bounds both: a permanent error (a
+value its column cannot hold, a bug) fails the job at once, and the `max_attempts`-th
+delivery that ends transiently fails it for good.
 """
 from __future__ import annotations
 
@@ -28,8 +30,9 @@ from sqlalchemy.exc import DBAPIError, OperationalError
 
 from batchd.config import Settings
 from batchd.db.types import utcnow
-from batchd.jobs import lifecycle
-from batchd.jobs.params import build_request
+from batchd.db.errors import is_transient, one_line
+from batchd.jobs import lifecycle, settle
+from batchd.jobs.job_request import request_for_job
 from batchd.engine.errors import EngineError
 from batchd.engine.types import GenerationResult, Telemetry
 
@@ -76,15 +79,20 @@ class JobRunner:
                 status = lifecycle.ignored_delivery(url, job_id, self.worker_id)
                 log.info("job %s: delivery ignored (status %s)", job_id, status)
                 return "ignored"
-        except (OperationalError, DBAPIError) as exc:
-            raise TransientJobError(f"database unavailable while claiming job {job_id}: {exc}") from exc
+        except Exception as exc:
+            if not is_transient(exc):   # the row itself: fail it rather than meet this on every delivery
+                return "failed" if settle.fail_unclaimable(self.settings, job_id, exc) else "ignored"
+            raise TransientJobError(f"database unavailable while claiming job {job_id}: {one_line(exc)}") from exc
         with self._lock:
             self._in_flight[job_id] = RunningJob(job_id, time.monotonic())
         try:
             return self._run_claimed(job)
-        except (OperationalError, DBAPIError) as exc:
-            self._release(job_id, f"database error: {type(exc).__name__}")
-            raise TransientJobError(f"database unavailable while running job {job_id}: {exc}") from exc
+        except TransientJobError:
+            raise
+        except Exception as exc:   # batchd.jobs.settle: back to the queue, or failed for good
+            if settle.settle_exception(self.settings, job_id, self.worker_id, job.attempts, exc):
+                raise TransientJobError(f"job {job_id}: {one_line(exc)}") from exc
+            return "failed"
         finally:
             with self._lock:
                 self._in_flight.pop(job_id, None)
@@ -93,7 +101,7 @@ class JobRunner:
         url, job_id = self.settings.database_url, job.id
         started_at = utcnow()
         try:
-            request = build_request(job.prompt, job.messages, job.params)
+            request = request_for_job(self.settings, job)
         except EngineError as exc:
             return self._fail(job_id, exc)
         outcome = self._wait(job_id, self.jobs.submit(job_id, request))
@@ -108,7 +116,8 @@ class JobRunner:
             log.info("job %s left the batch: %s", job_id, outcome.cancelled)
             return "cancelled"
         if outcome.requeue is not None:
-            self._release(job_id, outcome.requeue)
+            if not settle.hand_back(self.settings, job_id, self.worker_id, job.attempts, outcome.requeue):
+                return "failed"
             raise TransientJobError(f"job {job_id} handed back by the batch: {outcome.requeue}")
         row = result_row(outcome.result, queue_wait_s=_seconds_between(job.queued_at, job.running_at),
                          worker_host=self.host, worker_id=self.worker_id, started_at=started_at,
@@ -137,7 +146,7 @@ class JobRunner:
             try:
                 return lifecycle.complete(self.settings.database_url, job_id, self.worker_id, row)
             except (OperationalError, DBAPIError) as exc:
-                if not isinstance(exc, OperationalError) or time.monotonic() + delay > deadline:
+                if not is_transient(exc) or time.monotonic() + delay > deadline:
                     raise
                 log.warning("job %s: database unavailable for its result (%s); retrying in %.1f s", job_id,
                             type(exc).__name__, delay)
@@ -148,12 +157,6 @@ class JobRunner:
         lifecycle.fail(self.settings.database_url, job_id, self.worker_id, exc.kind, exc.message, exc.retryable)
         log.info("job %s failed: %s: %s", job_id, exc.kind, exc.message)
         return "failed"
-
-    def _release(self, job_id: int, reason: str) -> None:
-        try:
-            lifecycle.release(self.settings.database_url, job_id, self.worker_id, reason, self.settings.queue_lease_s)
-        except (OperationalError, DBAPIError):
-            log.warning("job %s: could not release it; the relay requeues it when its lease expires", job_id)
 
 
 def result_row(generated: GenerationResult, *, queue_wait_s: Optional[float], worker_host: str, worker_id: str,

@@ -24,7 +24,7 @@ from batchd.engine.batch.sequence import Sequence
 from batchd.engine.errors import EngineError
 from batchd.engine.pflash import ensure_target_resident
 from batchd.engine.hashes import sha256_hex, token_ids_sha256
-from batchd.engine.stopping import cut_at_stop_string
+from batchd.engine.whole_chars import output_text
 from batchd.engine.types import GenerationRequest, GenerationResult, Telemetry
 
 Outcome = Union[GenerationResult, EngineError]
@@ -127,7 +127,7 @@ def generate_many(engine, requests: Iterable[GenerationRequest], *, cancelled=No
 def build_result(engine, handle: Handle) -> GenerationResult:
     seq, request, telemetry = handle.seq, handle.request, handle.telemetry
     ids = list(seq.generated)
-    text = cut_at_stop_string(engine.codec.decode(ids), request.sampling.stop)
+    text, telemetry.output_dropped_bytes = output_text(engine.codec, ids, request.sampling.stop)
     first, prompt_done, done = seq.first_scheduled_at, seq.prompt_done_at or seq.finished_at, seq.finished_at
     telemetry.prefill_s = prompt_done - first
     telemetry.decode_s = done - prompt_done

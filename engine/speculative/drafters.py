@@ -11,12 +11,20 @@ engine's `drafters`), by the job's `drafter_path`, so a worker loads each once. 
 
 A drafter must have the target's vocabulary: same `vocab_size`, and the same tokenizer when both
 have one. Anything else is refused; token ids would mean different words.
+
+Loaded drafters are kept by file identity and layer count (however the path is spelled: '/./',
+'//', links), at most `DRAFTERS_KEPT` of them, the least recently used dropped first.
+
+A service never lets a job choose a path: its `DrafterCatalog` maps names, set by whoever
+starts the engine (a worker's `--drafter-checkpoint NAME=PATH`), to checkpoints, and a job names
+one (`"drafter": "qwen-0.5b"` or `"smollm2-135m#layers=6"`).
 """
 from __future__ import annotations
 
 import dataclasses
 import os
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Optional
 
@@ -29,6 +37,7 @@ from batchd.engine.errors import BadInputError
 from batchd.engine.fused import KernelChoice
 from batchd.engine.kv_cache import ContiguousKVCache, KVCache
 from batchd.engine.model import Transformer, build_model, choose_fused_mlp
+from batchd.engine.drafter_names import file_identity, parse_drafter_path
 from batchd.engine.step import StepRunner
 from batchd.engine.text import TextCodec
 
@@ -78,37 +87,63 @@ class DraftModel:
         return self.model.config
 
 
-class Drafters:
-    """The draft models of one target engine, by `drafter_path` (each loaded once)."""
+DRAFTERS_KEPT = 2   # loaded drafters an engine keeps (each holds a KV cache of the full context)
 
-    def __init__(self, target: DraftTarget):
+
+class Drafters:
+    """The draft models of one target engine: those `register`ed by name, and up to `capacity`
+    loaded on demand by `drafter_path`, keyed by file identity and layer count."""
+
+    def __init__(self, target: DraftTarget, capacity: int = DRAFTERS_KEPT):
+        if capacity < 1:
+            raise ValueError(f"capacity must be at least 1, got {capacity}")
         self.target = target
-        self._loaded: dict[str, object] = {}
+        self.capacity = capacity
+        self._registered: dict[str, object] = {}
+        self._loaded: OrderedDict[tuple, object] = OrderedDict()   # least recently used first
 
     def get(self, drafter_path: str, telemetry=None):
         """The drafter for `drafter_path`, loaded on first use (its time goes to `telemetry`)."""
-        drafter = self._loaded.get(drafter_path)
-        if drafter is None:
-            started = time.perf_counter()
-            drafter = _build_drafter(self.target, drafter_path)
-            self.register(drafter_path, drafter)
-            if telemetry is not None:
-                telemetry.drafter_load_s += time.perf_counter() - started
+        if drafter_path in self._registered:
+            return self._registered[drafter_path]
+        key = drafter_key(drafter_path)
+        drafter = self._loaded.get(key)
+        if drafter is not None:
+            self._loaded.move_to_end(key)
+            return drafter
+        started = time.perf_counter()
+        drafter = _build_drafter(self.target, drafter_path)
+        check_same_vocabulary(self.target, drafter, drafter_path)
+        while len(self._loaded) >= self.capacity:
+            self._loaded.popitem(last=False)
+        self._loaded[key] = drafter
+        if telemetry is not None:
+            telemetry.drafter_load_s += time.perf_counter() - started
         return drafter
 
     def register(self, name: str, drafter) -> None:
         """Make `drafter` (a DraftModel, or an Engine) available to jobs whose `drafter_path` is `name`."""
         check_same_vocabulary(self.target, drafter, name)
-        self._loaded[name] = drafter
+        self._registered[name] = drafter
 
     def __contains__(self, name: str) -> bool:
-        return name in self._loaded
+        return name in self._registered or drafter_key(name) in self._loaded
 
     def __getitem__(self, name: str):
-        return self._loaded[name]
+        return self._registered[name] if name in self._registered else self._loaded[drafter_key(name)]
+
+    def __len__(self) -> int:
+        return len(self._registered) + len(self._loaded)
 
     def clear(self) -> None:
+        self._registered.clear()
         self._loaded.clear()
+
+
+def drafter_key(drafter_path: str) -> tuple:
+    """(the file's identity, or its real path when it does not exist; the layer count)."""
+    path, layers = parse_drafter_path(drafter_path)
+    return (file_identity(path) or os.path.realpath(path), layers)
 
 
 def check_same_vocabulary(target, drafter, name: str = "the drafter") -> None:
@@ -150,17 +185,6 @@ def load_draft_model(target: DraftTarget, path: str) -> DraftModel:
     choose_fused_mlp(model)
     codec = TextCodec(ckpt.tokenizer, ckpt.chat_template, ckpt.bos_token, ckpt.eos_token)
     return _draft_model(model, codec, target.max_context, target.prefill_chunk, True, ckpt.sha256, str(path))
-
-
-def parse_drafter_path(drafter_path: str) -> tuple[str, Optional[int]]:
-    """'model.gguf#layers=6' -> ('model.gguf', 6); 'model.gguf' -> ('model.gguf', None)."""
-    path, sep, suffix = drafter_path.partition("#")
-    if not sep:
-        return path, None
-    key, _, value = suffix.partition("=")
-    if key != "layers" or not value.isdigit() or int(value) < 1:
-        raise BadInputError(f"drafter {drafter_path!r}: the only suffix is '#layers=N' with N >= 1")
-    return path, int(value)
 
 
 def _same_file(a: str, b: str) -> bool:

@@ -78,7 +78,7 @@ def test_missing_path_and_empty_glob_stop_the_submit(tmp_path):
     ({"max_new_tokens": "ten"}, "max_new_tokens"),
     ({"spec": "magic"}, "spec"),
     ({"spec": "draft"}, "needs a drafter"),
-    ({"drafter": "/no/such/drafter.gguf", "spec": "draft"}, "no checkpoint"),
+    ({"drafter": "/no/such/drafter.gguf", "spec": "draft"}, "not a drafter name"),
     ({"keep_ratio": 0}, "keep_ratio"),
 ], ids=lambda v: str(v) if isinstance(v, str) else None)
 def test_invalid_params_name_the_problem(params, message):

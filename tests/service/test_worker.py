@@ -163,7 +163,7 @@ def test_bad_inputs_fail_one_by_one_and_the_rest_succeed(live):
         "nucleus": ("bad_input", "top_p"),
         "unknown-key": ("bad_input", "unknown param 'max_tokens'"),
         "model-path": ("bad_input", "unknown model '/models/missing.gguf'"),
-        "drafter": ("bad_input", "no checkpoint"),
+        "drafter": ("bad_input", "not a drafter name"),
         "sql-bad": ("bad_input", "max_new_tokens"),
         "sql-empty": ("bad_input", "empty"),
     }

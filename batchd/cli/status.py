@@ -25,10 +25,38 @@ def format_duration(seconds: Optional[float]) -> str:
 def progress_line(p: BatchProgress) -> str:
     filled = int(BAR_WIDTH * p.finished / p.total) if p.total else BAR_WIDTH
     bar = "#" * filled + "." * (BAR_WIDTH - filled)
-    counts = " ".join(f"{s} {p.counts[s]}" for s in STATUS_ORDER if p.counts.get(s))
-    return (f"{p.name} [{bar}] {p.finished}/{p.total} | {counts or 'empty'} | "
-            f"{p.jobs_per_s * 60:.1f} jobs/min, {p.tokens_per_s:.1f} tok/s | "
-            f"{'done in ' + format_duration(p.elapsed_s) if p.done else 'ETA ' + format_duration(p.eta_s)}")
+    return f"{p.name} [{bar}] {p.finished}/{p.total} | {status_counts(p) or 'empty'} | {_pace(p)}"
+
+
+def status_counts(p: BatchProgress, sep: str = " ") -> str:
+    return sep.join(f"{s} {p.counts[s]}" for s in STATUS_ORDER if p.counts.get(s))
+
+
+def _pace(p: BatchProgress) -> str:
+    rate = f"{p.jobs_per_s * 60:.1f} jobs/min, {p.tokens_per_s:.1f} tok/s"
+    if p.done:
+        busy = f" (workers busy {format_duration(p.busy_s)})" if p.first_started_at else ""
+        return f"done in {format_duration(p.wall_s)}{busy}, {rate}"
+    if p.first_started_at is None:
+        return "waiting for a worker"
+    if p.eta_s is None:
+        return f"{rate} | ETA after the first result"
+    return f"{rate} | ETA {format_duration(p.eta_s)}"
+
+
+def totals_lines(p: BatchProgress) -> list[str]:
+    """The batch's totals, as `batchd run` ends and `batchd report` opens."""
+    span = "first submit to last result" if p.done else "since the first submit, still running"
+    busy = f"; workers busy {format_duration(p.busy_s)}" if p.first_started_at else ""
+    compressed = (f" ({p.effective_prompt_tokens:,} after compression)"
+                  if p.effective_prompt_tokens != p.prompt_tokens else "")
+    return [
+        f"batch {p.name}: {p.total:,} jobs: {status_counts(p, ', ') or 'none'}",
+        f"wall time {format_duration(p.wall_s)} ({span}{busy})",
+        f"tokens: {p.prompt_tokens:,} prompt{compressed}, {p.generated_tokens:,} generated "
+        f"({p.tokens_per_s:.1f} generated tok/s while busy)",
+        f"{p.documents_per_hour:,.1f} documents/hour ({p.succeeded:,} succeeded)",
+    ]
 
 
 def worker_line(load) -> str:

@@ -10,7 +10,8 @@ import click
 from batchd.cli.context import CliContext, pass_cli
 from batchd.cli.options import generation_options, model_options, submit_options
 from batchd.cli.results import results_table
-from batchd.cli.status import progress_line, totals_lines
+from batchd.cli.status import progress_line
+from batchd.report.totals import totals_lines
 from batchd.cli.submit import do_submit
 from batchd.cli.worker import exit_now, model_settings
 from batchd.embedded import broker_url_for

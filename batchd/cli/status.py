@@ -9,27 +9,15 @@ import click
 
 from batchd.cli.context import CliContext, pass_cli
 from batchd.jobs.progress import BatchProgress, all_batches, batch_progress, workers_in_flight
+from batchd.report.totals import format_duration, status_counts
 
 BAR_WIDTH = 30
-STATUS_ORDER = ("succeeded", "failed", "running", "queued", "pending", "cancelled", "expired")
-
-
-def format_duration(seconds: Optional[float]) -> str:
-    if seconds is None:
-        return "--:--"
-    seconds = int(round(seconds))
-    hours, rest = divmod(seconds, 3600)
-    return f"{hours}:{rest // 60:02d}:{rest % 60:02d}" if hours else f"{rest // 60:02d}:{rest % 60:02d}"
 
 
 def progress_line(p: BatchProgress) -> str:
     filled = int(BAR_WIDTH * p.finished / p.total) if p.total else BAR_WIDTH
     bar = "#" * filled + "." * (BAR_WIDTH - filled)
     return f"{p.name} [{bar}] {p.finished}/{p.total} | {status_counts(p) or 'empty'} | {_pace(p)}"
-
-
-def status_counts(p: BatchProgress, sep: str = " ") -> str:
-    return sep.join(f"{s} {p.counts[s]}" for s in STATUS_ORDER if p.counts.get(s))
 
 
 def _pace(p: BatchProgress) -> str:
@@ -42,21 +30,6 @@ def _pace(p: BatchProgress) -> str:
     if p.eta_s is None:
         return f"{rate} | ETA after the first result"
     return f"{rate} | ETA {format_duration(p.eta_s)}"
-
-
-def totals_lines(p: BatchProgress) -> list[str]:
-    """The batch's totals, as `batchd run` ends and `batchd report` opens."""
-    span = "first submit to last result" if p.done else "since the first submit, still running"
-    busy = f"; workers busy {format_duration(p.busy_s)}" if p.first_started_at else ""
-    compressed = (f" ({p.effective_prompt_tokens:,} after compression)"
-                  if p.effective_prompt_tokens != p.prompt_tokens else "")
-    return [
-        f"batch {p.name}: {p.total:,} jobs: {status_counts(p, ', ') or 'none'}",
-        f"wall time {format_duration(p.wall_s)} ({span}{busy})",
-        f"tokens: {p.prompt_tokens:,} prompt{compressed}, {p.generated_tokens:,} generated "
-        f"({p.tokens_per_s:.1f} generated tok/s while busy)",
-        f"{p.documents_per_hour:,.1f} documents/hour ({p.succeeded:,} succeeded)",
-    ]
 
 
 def worker_line(load) -> str:

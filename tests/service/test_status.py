@@ -7,7 +7,8 @@ from datetime import timedelta
 
 import pytest
 
-from batchd.cli.status import format_duration, progress_line, totals_lines
+from batchd.cli.status import progress_line
+from batchd.report.totals import format_duration, totals_lines
 from batchd.jobs import lifecycle
 from batchd.jobs.manage import retry
 from batchd.jobs.progress import batch_progress

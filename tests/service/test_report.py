@@ -130,4 +130,5 @@ def test_tokens_spread_over_the_bins_a_job_ran_in():
     assert array.tolist() == [50.0, 100.0, 50.0, 0.0]
     spread_over_bins(array, 31.0, 31.0, 7.0, 10.0)      # no interval: all in its end's bin
     assert array[3] == 7.0
-    assert time_bin_seconds(100) == 1 and time_bin_seconds(121) == 2 and time_bin_seconds(10 * 3600) == 300
+    assert time_bin_seconds(60, max_bins=60) == 1 and time_bin_seconds(61, max_bins=60) == 2
+    assert time_bin_seconds(10 * 3600, max_bins=60) == 600

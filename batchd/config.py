@@ -57,6 +57,7 @@ class Settings:
     max_jobs: Optional[int] = None  # jobs in flight per worker; None: what the KV pool fits (batchd.worker)
     drain_grace_s: float = 60.0  # SIGTERM: seconds to finish jobs in flight before requeueing them
     cancel_poll_s: float = 1.0  # how often a worker looks for cancelled jobs among its own
+    metrics_port: Optional[int] = None  # Prometheus /metrics of a worker or the relay; None: not served
 
     @property
     def queue_name(self) -> str:
@@ -116,6 +117,7 @@ class Settings:
             "sparse_top_k_blocks": _opt_int(get("sparse_top_k_blocks")) or 64,
             "queue_prefix": str(get("queue_prefix") or "batchd"),
             "max_jobs": _opt_int(get("max_jobs")),
+            "metrics_port": _opt_int(get("metrics_port")),
         }
         for name, convert in (("job_time_limit_s", float), ("lease_s", float), ("queue_lease_s", float),
                               ("max_attempts", int), ("relay_interval_s", float), ("drain_grace_s", float),
@@ -138,6 +140,8 @@ class Settings:
             raise ValueError("BATCHD_DRAIN_GRACE_S must be >= 0 and BATCHD_CANCEL_POLL_S > 0")
         if self.max_attempts < 1:
             raise ValueError("BATCHD_MAX_ATTEMPTS must be at least 1")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ValueError("--metrics-port (BATCHD_METRICS_PORT) must be a TCP port, 0 to 65535")
 
 
 def queue_name(prefix: str, model_name: str) -> str:

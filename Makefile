@@ -25,12 +25,16 @@ demo: install
 	$(BIN)/python scripts/demo.py
 
 # one pytest worker per core (at most 4), a test file's tests on one worker (its module fixtures load
-# once); tests/conftest.py gives each worker its share of the cores for torch and BLAS
+# once); tests/conftest.py gives each worker its share of the cores for torch and BLAS.
+# -rs: every skipped test with its reason; --durations: the slowest tests; pytest's last line
+# gives the whole suite's time.
+PYTEST_REPORT := -rs --durations=10 --durations-min=5
+
 test: install
-	$(BIN)/python -m pytest -q -n auto --maxprocesses 4 --dist loadfile
+	$(BIN)/python -m pytest -q $(PYTEST_REPORT) -n auto --maxprocesses 4 --dist loadfile
 
 test-service: install
-	$(BIN)/python -m pytest -q tests/service
+	$(BIN)/python -m pytest -q $(PYTEST_REPORT) tests/service
 
 bench-service: install
 	$(BIN)/python bench/service_overhead.py

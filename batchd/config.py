@@ -60,6 +60,7 @@ class Settings:
     drain_grace_s: float = 60.0  # SIGTERM: seconds to finish jobs in flight before requeueing them
     cancel_poll_s: float = 1.0  # how often a worker looks for cancelled jobs among its own
     drafters: tuple[tuple[str, str], ...] = ()  # (name, checkpoint path): the drafters jobs may name
+    metrics_port: Optional[int] = None  # Prometheus /metrics of a worker or the relay; None: not served
 
     @property
     def queue_name(self) -> str:
@@ -120,6 +121,7 @@ class Settings:
             "queue_prefix": str(get("queue_prefix") or "batchd"),
             "max_jobs": _opt_int(get("max_jobs")),
             "drafters": parse_drafters(get("drafters") or ()),
+            "metrics_port": _opt_int(get("metrics_port")),
         }
         for name, convert in (("job_time_limit_s", float), ("lease_s", float), ("queue_lease_s", float),
                               ("max_attempts", int), ("relay_interval_s", float), ("drain_grace_s", float),
@@ -149,6 +151,8 @@ class Settings:
             if names.count(name) > 1 or name == self.model_name:
                 raise ValueError(f"drafter name {name!r} is given twice (the worker's own model is a drafter under "
                                  "its model name already)")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ValueError("--metrics-port (BATCHD_METRICS_PORT) must be a TCP port, 0 to 65535")
 
     def drafter_catalog(self) -> DrafterCatalog:
         """The drafters a job may name: the configured ones and this worker's own model, under

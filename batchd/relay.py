@@ -13,13 +13,19 @@ Each pass:
 PostgreSQL: rows are taken with FOR UPDATE SKIP LOCKED, so any number of relays share the work.
 SQLite: every transaction is BEGIN IMMEDIATE (one writer at a time), so one relay is correct and
 more are merely redundant. A job published twice is harmless: the second claim finds it taken.
+
+Everything it does is logged at INFO with the job ids (`batchd relay` and `batchd worker` show
+INFO of this logger at the default level), and counted in its Prometheus metrics when given
+(batchd.metrics.RelayMetrics: `--metrics-port`).
 """
 from __future__ import annotations
 
 import logging
 import threading
+from collections import defaultdict
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Iterable, Optional
 
 from sqlalchemy import func, insert, select, update
 
@@ -44,19 +50,41 @@ class RelayReport:
         return any(vars(self).values())
 
 
+def show_relay_logs() -> None:
+    """The relay's INFO lines at the default log level (WARNING elsewhere): what it published,
+    requeued, republished and expired is what a person reading a worker's log looks for."""
+    root = logging.getLogger().getEffectiveLevel()
+    log.setLevel(min(root, logging.INFO))
+
+
+def id_list(ids: Iterable[int], limit: int = 20) -> str:
+    """`3-7, 12, 15` for job ids; past `limit` runs, `... (N more)`."""
+    ordered = sorted(set(ids))
+    runs: list[list[int]] = []
+    for job_id in ordered:
+        if runs and job_id == runs[-1][1] + 1:
+            runs[-1][1] = job_id
+        else:
+            runs.append([job_id, job_id])
+    shown = [str(a) if a == b else f"{a}-{b}" for a, b in runs[:limit]]
+    more = sum(b - a + 1 for a, b in runs[limit:])
+    return ", ".join(shown) + (f" ... ({more} more)" if more else "")
+
+
 class Relay:
-    def __init__(self, settings: Settings, publisher: Publisher):
+    def __init__(self, settings: Settings, publisher: Publisher, metrics=None):
         self.settings = settings
         self.publisher = publisher
+        self.metrics = metrics   # batchd.metrics.RelayMetrics, or None
 
     def run_once(self) -> RelayReport:
         report = RelayReport()
         report.expired = self.expire_overdue()
-        report.published = self.publisher.publish_pending()
+        report.published = self.publisher.publish_pending(on_sent=self._log_published)
         report.requeued, report.lost = self.requeue_lost_running()
         report.republished = self.republish_lost_queued()
-        if report:
-            log.info("relay: %s", report)
+        if self.metrics is not None:
+            self.metrics.observe_pass(report)
         return report
 
     def run_forever(self, stop: threading.Event) -> None:
@@ -64,8 +92,24 @@ class Relay:
             try:
                 self.run_once()
             except Exception:  # the database or broker is down: say so and keep trying
+                if self.metrics is not None:
+                    self.metrics.pass_failures.inc()
                 log.exception("relay pass failed; retrying in %.0f s", self.settings.relay_interval_s)
             stop.wait(self.settings.relay_interval_s)
+
+    def queue_depths(self) -> dict[str, int]:
+        """{queue: messages waiting} for the default model and every model with queued jobs."""
+        with session_scope(self.settings.database_url) as session:
+            models = set(session.scalars(select(Job.model).where(Job.status == JobStatus.QUEUED).distinct()))
+        models = {model or self.settings.model_name for model in models} | {self.settings.model_name}
+        return {self.publisher.queue_for(model): self.publisher.queue_length(model) for model in sorted(models)}
+
+    def _log_published(self, sent: list[tuple[int, Optional[str]]]) -> None:
+        by_queue: dict[str, list[int]] = defaultdict(list)
+        for job_id, model in sent:
+            by_queue[self.publisher.queue_for(model)].append(job_id)
+        for queue, ids in by_queue.items():
+            log.info("relay: published %d pending job(s) to %s: %s", len(ids), queue, id_list(ids))
 
     def expire_overdue(self) -> int:
         now = utcnow()
@@ -77,6 +121,8 @@ class Relay:
                 session.execute(update(Job).where(Job.id.in_(ids), Job.status.in_((JobStatus.PENDING, JobStatus.QUEUED)))
                                 .values(status=JobStatus.EXPIRED, expired_at=now, lease_expires_at=None))
                 session.execute(insert(JobEvent), [{"job_id": i, "event": "expired", "at": now} for i in ids])
+        if ids:
+            log.info("relay: expired %d job(s) whose deadline to start passed: %s", len(ids), id_list(ids))
         return len(ids)
 
     def requeue_lost_running(self) -> tuple[int, int]:
@@ -108,6 +154,15 @@ class Relay:
                     {"job_id": i, "event": "failed", "at": now, "worker_id": w, "detail": f"worker_lost: {message}"}
                     for i, _, w in lost])
         self.publisher.send([(job_id, model) for job_id, model, _ in requeue])
+        by_worker: dict[str, list[int]] = defaultdict(list)
+        for job_id, _, worker_id in requeue:
+            by_worker[worker_id or "?"].append(job_id)
+        for worker_id, ids in by_worker.items():
+            log.info("relay: requeued %d running job(s) of worker %s, whose lease expired: %s", len(ids), worker_id,
+                     id_list(ids))
+        if lost:
+            log.warning("relay: failed %d job(s) as worker_lost (their worker was lost %d times): %s", len(lost),
+                        self.settings.max_attempts, id_list(i for i, _, _ in lost))
         return len(requeue), len(lost)
 
     def republish_lost_queued(self) -> int:
@@ -136,6 +191,8 @@ class Relay:
                      "detail": "queue lease expired and the queue holds fewer messages than queued jobs"}
                     for i in ids])
             self.publisher.send([(i, model) for i in ids])
+            log.info("relay: republished %d queued job(s) to %s (the queue held fewer messages than queued jobs): %s",
+                     len(ids), self.publisher.queue_for(model), id_list(ids))
             sent += len(ids)
         return sent
 

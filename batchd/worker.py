@@ -32,6 +32,7 @@ from batchd.jobs import lifecycle
 from batchd.jobs.engine_loop import EngineLoop
 from batchd.jobs.publish import Publisher
 from batchd.jobs.runner import JobRunner, set_current_runner
+from batchd.metrics import start_worker_metrics
 from batchd.queue.celery_app import configure
 from batchd.relay import Relay, start_relay_thread
 
@@ -123,7 +124,8 @@ def run_worker(settings: Settings, engine, broker_url: str, *, relay: bool = Tru
     import batchd.queue.tasks  # noqa: F401  registers the task on the app
 
     worker_id = new_worker_id(settings.model_name)
-    loop = EngineLoop(engine)
+    metrics = start_worker_metrics(settings, worker_id, max_jobs)   # None unless BATCHD_METRICS_PORT
+    loop = EngineLoop(engine, on_step=metrics.observe_loop if metrics else None)
     loop.start()
     runner = JobRunner(settings, loop, worker_id)
     set_current_runner(runner)

@@ -58,9 +58,11 @@ def main(ctx: click.Context, database_url, broker_url, data_dir, queue_prefix, v
 
 
 def _register() -> None:
-    from batchd.cli import cancel, db, delete, generate, health, relay, results, retry, run, status, submit, worker
+    from batchd.cli import (cancel, db, delete, events, generate, health, relay, report, results, retry, run,
+                            status, submit, worker)
 
-    for module in (submit, status, results, cancel, retry, delete, worker, relay, run, generate, db, health):
+    for module in (submit, status, results, report, events, cancel, retry, delete, worker, relay, run, generate, db,
+                   health):
         for command in module.COMMANDS:
             main.add_command(command)
 

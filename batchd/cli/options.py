@@ -1,7 +1,8 @@
 """Options several commands share. Each reads a BATCHD_* environment variable too."""
 from __future__ import annotations
 
-from typing import Any, Callable
+import re
+from typing import Any, Callable, Optional
 
 import click
 
@@ -97,12 +98,25 @@ def model_options(func: Callable) -> Callable:
     )(func)
 
 
+ESCAPES = {"n": "\n", "t": "\t", "\\": "\\"}
+
+
+def unescape_template(_ctx, _param, value: Optional[str]) -> Optional[str]:
+    """`--template "Summarise:\\n\\n{document}"` means two real newlines, as a person typing it
+    in a shell means: a shell's double quotes keep the backslash. `\\n`, `\\t` and `\\\\` are
+    understood; any other backslash stays as it is."""
+    if value is None:
+        return None
+    return re.sub(r"\\([nt\\])", lambda m: ESCAPES[m.group(1)], value)
+
+
 def submit_options(func: Callable) -> Callable:
     return _stack(
         click.argument("inputs", nargs=-1, required=True),
         click.option("--batch", "batch_name", envvar="BATCHD_BATCH",
                      help="Batch name; submitting again under it adds only new custom_ids."),
-        click.option("--template", default=None, help="Prompt around each document file; {document} marks its text."),
+        click.option("--template", default=None, callback=unescape_template,
+                     help="Prompt around each document file; {document} marks its text; \\n is a newline."),
         click.option("--template-file", type=click.File("r", encoding="utf-8"), help="Read the template from a file."),
         click.option("--format", "fmt", type=click.Choice(["auto", "jsonl", "text"]), default="auto", show_default=True,
                      help="auto: *.jsonl files and stdin starting with '{' are JSONL; the rest are documents."),

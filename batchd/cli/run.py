@@ -11,6 +11,7 @@ from batchd.cli.context import CliContext, pass_cli
 from batchd.cli.options import generation_options, model_options, submit_options
 from batchd.cli.results import results_table
 from batchd.cli.status import progress_line
+from batchd.report.totals import totals_lines
 from batchd.cli.submit import do_submit
 from batchd.cli.worker import exit_now, model_settings
 from batchd.embedded import broker_url_for
@@ -42,7 +43,7 @@ def run(cli: CliContext, show_results: bool, loglevel: str, **options) -> None:
     progress = batch_progress(settings.database_url, batch)
     if show_results:
         click.echo(results_table(list(result_rows(settings.database_url, batch))))
-    click.echo(progress_line(progress))
+    click.echo("\n".join(totals_lines(progress)))
     exit_now(0 if progress.done else 1)
 
 

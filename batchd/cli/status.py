@@ -9,26 +9,27 @@ import click
 
 from batchd.cli.context import CliContext, pass_cli
 from batchd.jobs.progress import BatchProgress, all_batches, batch_progress, workers_in_flight
+from batchd.report.totals import format_duration, status_counts
 
 BAR_WIDTH = 30
-STATUS_ORDER = ("succeeded", "failed", "running", "queued", "pending", "cancelled", "expired")
-
-
-def format_duration(seconds: Optional[float]) -> str:
-    if seconds is None:
-        return "--:--"
-    seconds = int(round(seconds))
-    hours, rest = divmod(seconds, 3600)
-    return f"{hours}:{rest // 60:02d}:{rest % 60:02d}" if hours else f"{rest // 60:02d}:{rest % 60:02d}"
 
 
 def progress_line(p: BatchProgress) -> str:
     filled = int(BAR_WIDTH * p.finished / p.total) if p.total else BAR_WIDTH
     bar = "#" * filled + "." * (BAR_WIDTH - filled)
-    counts = " ".join(f"{s} {p.counts[s]}" for s in STATUS_ORDER if p.counts.get(s))
-    return (f"{p.name} [{bar}] {p.finished}/{p.total} | {counts or 'empty'} | "
-            f"{p.jobs_per_s * 60:.1f} jobs/min, {p.tokens_per_s:.1f} tok/s | "
-            f"{'done in ' + format_duration(p.elapsed_s) if p.done else 'ETA ' + format_duration(p.eta_s)}")
+    return f"{p.name} [{bar}] {p.finished}/{p.total} | {status_counts(p) or 'empty'} | {_pace(p)}"
+
+
+def _pace(p: BatchProgress) -> str:
+    rate = f"{p.jobs_per_s * 60:.1f} jobs/min, {p.tokens_per_s:.1f} tok/s"
+    if p.done:
+        busy = f" (workers busy {format_duration(p.busy_s)})" if p.first_started_at else ""
+        return f"done in {format_duration(p.wall_s)}{busy}, {rate}"
+    if p.first_started_at is None:
+        return "waiting for a worker"
+    if p.eta_s is None:
+        return f"{rate} | ETA after the first result"
+    return f"{rate} | ETA {format_duration(p.eta_s)}"
 
 
 def worker_line(load) -> str:

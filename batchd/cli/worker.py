@@ -13,6 +13,7 @@ from batchd.cli.context import CliContext, pass_cli
 from batchd.cli.options import MODEL_OPTIONS, model_options
 from batchd.config import Settings
 from batchd.embedded import broker_url_for
+from batchd.relay import show_relay_logs
 from batchd.worker import load_engine, run_worker
 
 
@@ -42,10 +43,14 @@ def model_settings(cli: CliContext, options: dict[str, Any]) -> Settings:
 @click.option("--relay/--no-relay", default=True, show_default=True,
               help="Also run the relay in this process (pending jobs, lost messages, expired leases).")
 @click.option("--loglevel", default="INFO", show_default=True, type=click.Choice(["DEBUG", "INFO", "WARNING"]))
+@click.option("--metrics-port", type=int, envvar="BATCHD_METRICS_PORT",
+              help="Serve Prometheus metrics (tokens/s, batch occupancy, KV pool, acceptance) on this port.")
 @pass_cli
-def worker(cli: CliContext, relay: bool, loglevel: str, **options) -> None:
+def worker(cli: CliContext, relay: bool, loglevel: str, metrics_port, **options) -> None:
     """Serve one model on one device from its queue (SIGTERM: finish the job, then stop)."""
-    settings = model_settings(cli, options)
+    settings = model_settings(cli, options).replace(metrics_port=metrics_port)
+    if relay:
+        show_relay_logs()
     engine = load_engine(settings)
     with broker_url_for(settings, start=True) as broker_url:
         click.echo(f"worker for model {settings.model_name} on {settings.device}, queue {settings.queue_name}", err=True)

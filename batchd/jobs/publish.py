@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from collections import defaultdict
 from datetime import timedelta
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from kombu.common import maybe_declare
 from kombu.utils.uuid import uuid
@@ -75,8 +75,10 @@ class Publisher:
                                                        kwargsrepr="{}")
                     amqp.send_task_message(producer, TASK_NAME, message, queue=queue, declare=[], retry=False)
 
-    def publish_pending(self, job_ids: Optional[Sequence[int]] = None, limit: int = 10_000) -> int:
-        """pending -> queued for these jobs (or the oldest `limit`), then send; how many were sent."""
+    def publish_pending(self, job_ids: Optional[Sequence[int]] = None, limit: int = 10_000, *,
+                        on_sent: Optional[Callable[[list[tuple[int, str]]], None]] = None) -> int:
+        """pending -> queued for these jobs (or the oldest `limit`), then send; how many were sent.
+        `on_sent` hears each chunk's (job id, model) pairs once they are sent (the relay logs them)."""
         sent = 0
         chunks = ([list(job_ids[i:i + MARK_CHUNK]) for i in range(0, len(job_ids), MARK_CHUNK)]
                   if job_ids is not None else [None] * max(1, limit // MARK_CHUNK))
@@ -92,6 +94,8 @@ class Publisher:
                 self.unmark([job_id for job_id, _ in marked])
                 raise
             sent += len(marked)
+            if on_sent is not None:
+                on_sent(marked)
         return sent
 
     def mark_queued(self, job_ids: Optional[list[int]]) -> list[tuple[int, str]]:

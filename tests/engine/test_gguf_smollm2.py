@@ -1,9 +1,6 @@
-"""The real SmolLM2-135M-Instruct Q4_1 GGUF (../shared/MODELS.md): loads fast, with the right
-config, tensors that equal the `gguf` package's and transformers' readings of the same file, and
+"""The real SmolLM2-135M-Instruct Q4_1 GGUF (../shared/MODELS.md): loads with the right config, tensors that equal the `gguf` package's and transformers' readings of the same file, and
 a tokenizer that matches the one the model was trained with."""
 from __future__ import annotations
-
-import time
 
 import gguf
 import jinja2
@@ -19,25 +16,13 @@ SMOLLM2_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db
 
 
 @pytest.fixture(scope="module")
-def timed_load(smollm2_gguf):
-    start = time.perf_counter()
-    ckpt = load_checkpoint(smollm2_gguf)
-    return ckpt, time.perf_counter() - start
-
-
-@pytest.fixture(scope="module")
-def ckpt(timed_load):
-    return timed_load[0]
+def ckpt(smollm2_gguf):
+    return load_checkpoint(smollm2_gguf)   # how long it takes is bench/checkpoint_load.py's, not a test's
 
 
 @pytest.fixture(scope="module")
 def reader(smollm2_gguf):
     return gguf.GGUFReader(smollm2_gguf)
-
-
-def test_loads_in_well_under_a_few_seconds(timed_load):
-    # about 1 s on 2 busy cores (0.5 s idle); the bound only catches a lost vectorisation
-    assert timed_load[1] < 6.0
 
 
 def test_config_matches_models_md(ckpt):

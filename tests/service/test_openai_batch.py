@@ -15,10 +15,10 @@ from batchd.db.models import Batch, Job, JobStatus
 from batchd.db.session import session_scope
 from batchd.engine.runtime import Engine, EngineConfig
 from batchd.jobs import lifecycle
+from batchd.jobs.job_request import request_for_job
 from batchd.jobs.inputs import read_inputs
 from batchd.jobs.manage import cancel
 from batchd.jobs.openai_export import FINISH_REASONS, openai_line
-from batchd.jobs.params import build_request
 from batchd.jobs.runner import result_row
 from batchd.jobs.submit import submit_jobs
 from batchd.db.types import utcnow
@@ -179,7 +179,7 @@ def run_for_real(settings, engine, job_id: int) -> None:
         session.get(Job, job_id).status = JobStatus.QUEUED
     claimed = lifecycle.claim(settings.database_url, job_id, "w1", 60)
     started = utcnow()
-    generated = engine.generate(build_request(claimed.prompt, claimed.messages, claimed.params))
+    generated = engine.generate(request_for_job(settings, claimed))   # the claim reads params as text
     row = result_row(generated, queue_wait_s=0.0, worker_host="here", worker_id="w1", started_at=started,
                      finished_at=utcnow())
     assert lifecycle.complete(settings.database_url, job_id, "w1", row)

@@ -52,7 +52,7 @@ def test_the_status_command_prints_the_real_span(settings, redis_url, queue_pref
 
 def test_a_retry_keeps_the_span_from_the_first_claim(settings, redis_url):
     ids, _ = sixteen_minute_batch(settings)
-    assert retry(settings.database_url, job_ids=[ids["doc-bad"]]) == [ids["doc-bad"]]
+    assert retry(settings.database_url, job_ids=[ids["doc-bad"]]).retried == [ids["doc-bad"]]
     Publisher(settings, configure(settings, redis_url)).publish_pending([ids["doc-bad"]])
     assert lifecycle.claim(settings.database_url, ids["doc-bad"], WORKER, 60) is not None   # running_at: now
     progress = batch_progress(settings.database_url, "overnight")

@@ -140,8 +140,8 @@ def test_a_shared_prompt_head_is_computed_once(engine):
     seqs = []
     original = batch.submit
 
-    def submit(prompt_ids, request):
-        seqs.append(original(prompt_ids, request))
+    def submit(prompt_ids, request, *args, **kwargs):
+        seqs.append(original(prompt_ids, request, *args, **kwargs))
         return seqs[-1]
 
     batch.submit = submit

@@ -52,3 +52,19 @@ def aclsum_papers(limit: int | None = None) -> list[Paper]:
     """Papers in a stable order (sorted by file name)."""
     paths = sorted(aclsum_papers_dir().glob("*.json"))
     return [load_paper(p) for p in paths[:limit]]
+
+
+def aclsum_reference_summaries(split: str = "test") -> dict[str, str]:
+    """paper id -> its reference summary: the split's three one-sentence summaries (challenge,
+    approach, outcome) joined in that order."""
+    path = aclsum_papers_dir().parent / f"{split}.jsonl"
+    out = {}
+    for line in path.read_text(encoding="utf-8").splitlines():
+        row = json.loads(line)
+        parts = row["summary"]
+        out[row["id"]] = " ".join(parts[k] for k in ("challenge", "approach", "outcome"))
+    return out
+
+
+def aclsum_paper(paper_id: str) -> Paper:
+    return load_paper(aclsum_papers_dir() / f"{paper_id}.json")

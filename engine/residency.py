@@ -180,7 +180,7 @@ class Residency:
             rows = activation_rows or self.activation_rows
             result, drafter = self._load_and_run(engine, drafter_path, work, telemetry, prompt_tokens, rows)
         except Exception as exc:  # noqa: BLE001 - every drafter failure becomes the job's error
-            failure = self._job_error(exc, drafter_path)
+            failure = self.job_error(exc, drafter_path)
             forget_frames(exc)  # the traceback's frames would keep a half-built drafter alive
             del exc
         if failure is None and self.parked is None and self.keep_resident > 0 and key is not None:
@@ -228,7 +228,7 @@ class Residency:
             self.step_hook("score", drafter)
             return result
         except Exception as exc:  # noqa: BLE001 - the job's error; out of memory also drops the residents
-            failure = self._job_error(exc, path)
+            failure = self.job_error(exc, path)
             forget_frames(exc)
             del exc
         if isinstance(failure, DeviceOutOfMemoryError):
@@ -273,7 +273,7 @@ class Residency:
             torch.cuda.empty_cache()
 
     @staticmethod
-    def _job_error(exc: Exception, path: str) -> EngineError:
+    def job_error(exc: Exception, path: str) -> EngineError:
         if isinstance(exc, torch.OutOfMemoryError):
             return DeviceOutOfMemoryError(f"out of device memory loading or running the PFlash drafter {path}; "
                                           "the target was restored; retry, or submit with --compress off")

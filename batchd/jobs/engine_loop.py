@@ -6,7 +6,8 @@
     loop.cancel(job_id, "cancelled")           # it leaves within the next step
 
 Only this thread touches the engine (CUDA state, the KV pool, the scheduler). Each turn it takes
-the new jobs (encoding and PFlash compression run here, one job at a time), applies cancels,
+the new jobs (encoding and PFlash compression run here; the PFlash jobs that arrived together
+share one drafter visit), applies cancels,
 then runs one engine step and resolves the futures of the jobs that finished in it. When it has
 nothing to run it waits for the next job.
 
@@ -151,29 +152,37 @@ class EngineLoop(threading.Thread):
         self._requeue_inbox("the worker is shutting down")
 
     def _take_new_jobs(self) -> None:
+        """Every job waiting in the inbox joins the batch in one `add_many`, so the PFlash jobs
+        among them share one drafter visit (one park and unpark, not one per job)."""
+        jobs = []
         while True:
             try:
                 job = self._inbox.get_nowait()
             except queue.Empty:
-                return
+                break
             if self._past_drain_deadline():
                 job.future.set_result(LoopOutcome(requeue="the worker is shutting down"))
                 continue
-            try:
-                job.handle = self.session.add(job.request)
-            except EngineError as exc:
-                job.future.set_result(LoopOutcome(error=exc))
-                continue
-            except torch.OutOfMemoryError:
+            jobs.append(job)
+        if not jobs:
+            return
+        try:
+            outcomes = self.session.add_many([job.request for job in jobs])
+        except Exception as exc:  # noqa: BLE001 - add_many keeps errors per job; this is a bug or OOM
+            outcomes = [exc] * len(jobs)
+        for job, outcome in zip(jobs, outcomes):
+            if isinstance(outcome, EngineError):
+                job.future.set_result(LoopOutcome(error=outcome))
+            elif isinstance(outcome, torch.OutOfMemoryError):
                 log.warning("job %s: out of device memory while preparing it; requeued", job.job_id)
                 _empty_device_cache(self.engine)
                 job.future.set_result(LoopOutcome(requeue="out of device memory while preparing the job"))
-                continue
-            except Exception as exc:  # a bug: this job fails, the others go on
-                log.exception("job %s: internal error while preparing it", job.job_id)
-                job.future.set_result(LoopOutcome(error=_internal(exc)))
-                continue
-            self._jobs[job.job_id] = job
+            elif isinstance(outcome, Exception):  # a bug: this job fails, the others go on
+                log.error("job %s: internal error while preparing it", job.job_id, exc_info=outcome)
+                job.future.set_result(LoopOutcome(error=_internal(outcome)))
+            else:
+                job.handle = outcome
+                self._jobs[job.job_id] = job
 
     def _apply_cancels(self) -> None:
         while True:

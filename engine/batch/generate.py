@@ -2,6 +2,8 @@
 
     session = BatchSession(engine)
     handle = session.add(request)            # raises EngineError for that request alone
+    outcomes = session.add_many(requests)    # Handle or that request's exception, each; PFlash
+                                             # jobs among them share drafter visits
     while session.has_work:
         for handle, result in session.step(): ...
 
@@ -22,7 +24,7 @@ from typing import Iterable, Iterator, Union
 
 from batchd.engine.batch.sequence import Sequence
 from batchd.engine.errors import EngineError
-from batchd.engine.pflash import ensure_target_resident
+from batchd.engine.pflash import compress_requests, ensure_target_resident
 from batchd.engine.hashes import sha256_hex, token_ids_sha256
 from batchd.engine.whole_chars import output_text
 from batchd.engine.types import GenerationRequest, GenerationResult, Telemetry
@@ -65,16 +67,42 @@ class BatchSession:
     def add(self, request: GenerationRequest) -> Handle:
         """Encode, compress and queue one request; raises its EngineError (bad input, too long,
         a drafter that failed) without touching the others."""
+        [outcome] = self.add_many([request])
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
+
+    def add_many(self, requests: list[GenerationRequest]) -> list[Union[Handle, Exception]]:
+        """Requests that arrived together: each one's Handle, or the exception that stopped it
+        alone (an EngineError for bad input, too long, a drafter that failed). The ones that ask
+        for PFlash share drafter visits: one load, park and unpark per drafter for all of them."""
         engine = self.engine
-        handle = Handle(request, Telemetry(device=str(engine.device), notes=list(engine.notes) + self.batch.notes))
-        prompt_ids = engine.codec.encode_request(request.prompt, request.messages, request.chat,
-                                                 request.continue_final_message)
-        handle.prompt_tokens = len(prompt_ids)
-        effective = engine.compress(prompt_ids, request, handle.telemetry)
-        handle.compress_drafter_sha256 = engine.compress_drafter_sha256
-        handle.seq = self.batch.submit(effective, request, handle.telemetry)
-        self.live[handle.seq.seq_id] = handle
-        return handle
+        out: list = [None] * len(requests)
+        encoded = []   # (index, handle, prompt ids)
+        for i, request in enumerate(requests):
+            handle = Handle(request, Telemetry(device=str(engine.device), notes=list(engine.notes) + self.batch.notes))
+            try:
+                prompt_ids = engine.codec.encode_request(request.prompt, request.messages, request.chat,
+                                                         request.continue_final_message)
+            except Exception as exc:  # noqa: BLE001 - this request's error
+                out[i] = exc
+                continue
+            handle.prompt_tokens = len(prompt_ids)
+            encoded.append((i, handle, prompt_ids))
+        compressed = compress_requests(engine, [(ids, h.request, h.telemetry) for _, h, ids in encoded])
+        for (i, handle, _), outcome in zip(encoded, compressed):
+            if isinstance(outcome, Exception):
+                out[i] = outcome
+                continue
+            handle.compress_drafter_sha256 = outcome.drafter_sha256
+            try:
+                handle.seq = self.batch.submit(outcome.ids, handle.request, handle.telemetry)
+            except Exception as exc:  # noqa: BLE001 - too long for the pool, bad params: this request's
+                out[i] = exc
+                continue
+            self.live[handle.seq.seq_id] = handle
+            out[i] = handle
+        return out
 
     def cancel(self, handle: Handle) -> None:
         """The request leaves within the next step (its blocks are freed); it yields no result."""
@@ -106,14 +134,14 @@ def generate_many(engine, requests: Iterable[GenerationRequest], *, cancelled=No
     session = BatchSession(engine)
     index_of: dict[int, int] = {}   # id(handle) -> index
     handles = []
-    for index, request in enumerate(requests):
-        try:
-            handle = session.add(request)
-        except EngineError as exc:
-            yield index, exc
+    for index, outcome in enumerate(session.add_many(list(requests))):
+        if isinstance(outcome, EngineError):
+            yield index, outcome
             continue
-        index_of[id(handle)] = index
-        handles.append(handle)
+        if isinstance(outcome, Exception):
+            raise outcome   # a bug, not the request's fault
+        index_of[id(outcome)] = index
+        handles.append(outcome)
     while session.has_work:
         if cancelled is not None:
             for handle in handles:

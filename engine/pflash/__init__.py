@@ -33,12 +33,13 @@ from batchd.engine.pflash.bridge import INSTRUCTION_TOKENS, MIN_INSTRUCTION_KEPT
 from batchd.engine.pflash.scoring import TAIL_ROWS, PaddedScorer, score_prompt
 from batchd.engine.pflash.selection import SelectionParams, Selection, select_chunks
 from batchd.engine.pflash.window import DEFAULT_SCORING_WINDOW, ScoringWindow
+from batchd.engine.drafter_names import file_identity
 from batchd.engine.residency import Drafter, Residency
 from batchd.engine.types import CompressionOptions, GenerationRequest, Telemetry
 
 PADDED_SCORING_MAX = 32768   # drafter tokens: longer prompts keep the chunked path (no graph per length)
 
-__all__ = ["PromptCompressor", "CompressionReport", "ScoringWindow", "DEFAULT_SCORING_WINDOW", "compress_for_request",
+__all__ = ["PromptCompressor", "CompressionReport", "ScoringWindow", "DEFAULT_SCORING_WINDOW", "compress_for_request", "compress_requests", "CompressJob", "Compressed",
            "check_compression_options", "drafter_architecture",
            "ensure_target_resident", "default_scoring_chunk"]
 
@@ -56,6 +57,33 @@ class CompressionReport:
     drafter_path: str = ""
     drafter_sha256: str = ""  # for the job's configuration fingerprint
     windowed_scoring: bool = False  # the drafter's prefill used the scoring window (engine.pflash.window)
+
+
+@dataclass
+class CompressJob:
+    prompt_ids: list[int]
+    options: CompressionOptions
+    telemetry: Telemetry
+
+
+@dataclass
+class Compressed:
+    ids: list[int]            # the effective target prompt
+    drafter_sha256: str       # the drafter checkpoint's hash (its "#layers=N" view suffix dropped)
+    report: Optional[CompressionReport]   # None: not compressed
+
+
+def share_visit(telemetry: Telemetry, visit: Telemetry, jobs: int) -> None:
+    """A job's share of a drafter visit that served `jobs` jobs: an equal part of its load,
+    park and unpark seconds, its peak memory and its notes."""
+    telemetry.drafter_load_s += visit.drafter_load_s / jobs
+    telemetry.park_s += visit.park_s / jobs
+    telemetry.unpark_s += visit.unpark_s / jobs
+    telemetry.peak_device_memory_bytes = visit.peak_device_memory_bytes
+    telemetry.notes += visit.notes
+    if jobs > 1:
+        telemetry.notes.append(f"PFlash: one drafter visit for {jobs} jobs waiting together; "
+                               "load, park and unpark seconds are this job's share")
 
 
 class PromptCompressor:
@@ -76,16 +104,63 @@ class PromptCompressor:
         self.last_report: Optional[CompressionReport] = None
 
     def compress(self, engine, prompt_ids: list[int], options: CompressionOptions, telemetry: Telemetry) -> list[int]:
+        """One job: its effective target ids (raises the job's EngineError)."""
+        [outcome] = self.compress_many(engine, [CompressJob(prompt_ids, options, telemetry)])
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome.ids
+
+    def compress_many(self, engine, jobs: list["CompressJob"]) -> list["Compressed | Exception"]:
+        """Jobs waiting together, grouped by drafter checkpoint (file identity): each group is
+        one drafter visit (one load, one park and unpark when the target must make room) that
+        scores its jobs one after another. Each job's telemetry gets its own scoring and
+        selection time and an equal share of the group's load, park and unpark. A drafter that
+        cannot be loaded fails its group; a job whose scoring fails fails alone."""
+        groups: dict[object, list[int]] = {}
+        for i, job in enumerate(jobs):
+            path = job.options.drafter_path or engine.checkpoint_path
+            groups.setdefault(file_identity(path) or path, []).append(i)
+        out: list = [None] * len(jobs)
+        for indices in groups.values():
+            for i, outcome in zip(indices, self._compress_group(engine, [jobs[i] for i in indices])):
+                out[i] = outcome
+        return out
+
+    def _compress_group(self, engine, jobs: list["CompressJob"]) -> list["Compressed | Exception"]:
         started = time.perf_counter()
-        drafter_path = options.drafter_path or engine.checkpoint_path
-        params = replace(self.selection, keep_ratio=options.keep_ratio)
+        drafter_path = jobs[0].options.drafter_path or engine.checkpoint_path
         chunk = self.scoring_chunk or default_scoring_chunk(engine.device)
 
-        drafter_sha = []
+        def score_all(drafter: Drafter) -> list:
+            return [self._score_one(engine, drafter, job, chunk, drafter_path) for job in jobs]
 
-        def score(drafter: Drafter):
-            drafter_sha.append(drafter.sha256)
-            view = drafter_view(engine.codec, drafter.codec, prompt_ids, instruction_tokens=self.instruction_tokens)
+        visit = Telemetry()   # the group's load, park and unpark, shared out below
+        try:
+            scored = self.residency.with_drafter(engine, drafter_path, score_all, visit, activation_rows=chunk,
+                                                 prompt_tokens=max(len(job.prompt_ids) for job in jobs))
+        except Exception as exc:  # noqa: BLE001 - with_drafter raises the group's EngineError
+            scored = [exc] * len(jobs)
+        overhead = time.perf_counter() - started - sum(job.telemetry.scoring_s for job in jobs)
+        out = []
+        for job, outcome in zip(jobs, scored):
+            share_visit(job.telemetry, visit, len(jobs))
+            if isinstance(outcome, Exception):
+                out.append(outcome)
+                continue
+            job_started = time.perf_counter()
+            try:
+                out.append(self._select(engine, job, *outcome, drafter_path))
+            except Exception as exc:  # noqa: BLE001 - a bug in one job's selection fails that job only
+                out.append(exc)
+                continue
+            job.telemetry.compress_s = (job.telemetry.scoring_s + overhead / len(jobs)
+                                        + time.perf_counter() - job_started)
+        return out
+
+    def _score_one(self, engine, drafter: Drafter, job: "CompressJob", chunk: int, drafter_path: str):
+        """(view, scores, drafter sha256), or the job's error; out of memory fails the visit."""
+        try:
+            view = drafter_view(engine.codec, drafter.codec, job.prompt_ids, instruction_tokens=self.instruction_tokens)
             began = time.perf_counter()
             if self._graphed(drafter, len(view.ids)):
                 if drafter.scorer is None:
@@ -94,19 +169,22 @@ class PromptCompressor:
             else:
                 scores = score_prompt(drafter.model, view.ids, tail_rows=self.tail_rows, prefill_chunk=chunk,
                                       window=self.scoring_window).cpu()
-            telemetry.scoring_s += time.perf_counter() - began
-            return view, scores
+            job.telemetry.scoring_s += time.perf_counter() - began
+            return view, scores, drafter.sha256
+        except torch.OutOfMemoryError:
+            raise   # the residency drops what it holds and fails the visit
+        except Exception as exc:  # noqa: BLE001 - this job's error; the others still score
+            return Residency.job_error(exc, drafter_path)
 
-        view, scores = self.residency.with_drafter(engine, drafter_path, score, telemetry,
-                                                   prompt_tokens=len(prompt_ids), activation_rows=chunk)
-        selection = select_chunks(view.ids, scores, params)
+    def _select(self, engine, job: "CompressJob", view: DrafterView, scores, drafter_sha256: str,
+                drafter_path: str) -> "Compressed":
+        prompt_ids, telemetry = job.prompt_ids, job.telemetry
+        selection = select_chunks(view.ids, scores, replace(self.selection, keep_ratio=job.options.keep_ratio))
         ids, info = target_ids_after(view, selection.spans, engine.codec, prompt_ids,
                                      min_instruction_kept=self.min_instruction_kept)
-        seconds = time.perf_counter() - started
         telemetry.compressed = True
         telemetry.compress_tokens_before = len(prompt_ids)
         telemetry.compress_drafter_tokens_kept = info.drafter_tokens_kept
-        telemetry.compress_s = seconds
         windowed = self.scoring_window is not None and self.scoring_window.applies(len(view.ids))
         if windowed:
             telemetry.notes.append(f"PFlash scored {len(view.ids)} drafter tokens with a windowed prefill "
@@ -118,10 +196,9 @@ class PromptCompressor:
         if len(ids) >= len(prompt_ids):
             telemetry.notes.append(f"PFlash kept all {len(prompt_ids)} prompt tokens: nothing was compressed")
         self.last_report = CompressionReport(len(prompt_ids), len(view.ids), info.drafter_tokens_kept, len(ids),
-                                             info.instruction_reappended, seconds, selection, view,
-                                             drafter_path, drafter_sha[0], windowed)
-        return ids
-
+                                             info.instruction_reappended, telemetry.scoring_s, selection, view,
+                                             drafter_path, drafter_sha256, windowed)
+        return Compressed(ids, drafter_sha256.partition("#")[0], self.last_report)
 
     def _graphed(self, drafter: Drafter, tokens: int) -> bool:
         """CUDA prompts scored exactly in one padded forward (engine.pflash.scoring.PaddedScorer):
@@ -147,15 +224,36 @@ def ensure_target_resident(engine) -> None:
 
 def compress_for_request(engine, prompt_ids: list[int], request: GenerationRequest, telemetry: Telemetry) -> list[int]:
     """The effective target prompt ids for a job; fills the job's PFlash telemetry."""
-    options = request.compression
-    telemetry.notes += check_compression_options(engine.config.architecture, str(engine.device), options,
-                                                 engine.checkpoint_path)
-    if options.mode == "off":
-        return prompt_ids
-    if options.mode == "auto" and len(prompt_ids) < options.threshold_tokens:
-        telemetry.notes.append(f"not compressed: {len(prompt_ids)} tokens < threshold {options.threshold_tokens}")
-        return prompt_ids
-    return engine.compressor.compress(engine, prompt_ids, options, telemetry)
+    [outcome] = compress_requests(engine, [(prompt_ids, request, telemetry)])
+    if isinstance(outcome, Exception):
+        raise outcome
+    return outcome.ids
+
+
+def compress_requests(engine, jobs: list[tuple[list[int], GenerationRequest, Telemetry]]) -> list["Compressed | Exception"]:
+    """Jobs that arrived together: each one's `Compressed` (its ids unchanged when it is not
+    compressed: mode off, or under the threshold in mode auto) or its error. The compressing
+    ones share drafter visits (`PromptCompressor.compress_many`)."""
+    out: list = [None] * len(jobs)
+    waiting: dict[int, CompressJob] = {}
+    for i, (prompt_ids, request, telemetry) in enumerate(jobs):
+        options = request.compression
+        try:
+            telemetry.notes += check_compression_options(engine.config.architecture, str(engine.device), options,
+                                                         engine.checkpoint_path)
+        except Exception as exc:  # noqa: BLE001 - the gate's refusal is this job's error
+            out[i] = exc
+            continue
+        if options.mode == "auto" and len(prompt_ids) < options.threshold_tokens:
+            telemetry.notes.append(f"not compressed: {len(prompt_ids)} tokens < threshold {options.threshold_tokens}")
+        if options.mode == "off" or (options.mode == "auto" and len(prompt_ids) < options.threshold_tokens):
+            out[i] = Compressed(prompt_ids, "", None)
+        else:
+            waiting[i] = CompressJob(prompt_ids, options, telemetry)
+    if waiting:
+        for i, outcome in zip(waiting, engine.compressor.compress_many(engine, list(waiting.values()))):
+            out[i] = outcome
+    return out
 
 
 def check_compression_options(target_architecture: str, device: str, options: CompressionOptions,

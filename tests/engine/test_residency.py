@@ -279,3 +279,41 @@ def test_reload_refuses_a_checkpoint_changed_since_the_park(tiny_engine):
         os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns))
     residency.ensure_resident(tiny_engine)  # the same files again: the restore goes through
     assert residency.parked is None and all(p.numel() > 0 for p in tiny_engine.model.parameters())
+
+
+class CountSteps:
+    def __init__(self):
+        self.counts: dict[str, int] = {}
+
+    def __call__(self, step, obj):
+        self.counts[step] = self.counts.get(step, 0) + 1
+
+
+def test_jobs_arriving_together_share_one_park_and_unpark(engine, drafter_path, original_weights, tmp_path):
+    """Four compressing jobs added together: one drafter load, one park, one unpark; each job
+    is compressed and generated exactly as it is alone, and carries a quarter of the visit."""
+    words = long_paper_text().split(" ")
+    jobs = [GenerationRequest(prompt=" ".join(words[80 * i: 80 * i + 300]) + "\n\nWhat is this paper about?",
+                              chat=True, sampling=SamplingParams(max_new_tokens=4),
+                              compression=CompressionOptions(mode="always", keep_ratio=0.5, drafter_path=drafter_path))
+            for i in range(4)]
+    missing = CompressionOptions(mode="always", keep_ratio=0.5, drafter_path=str(tmp_path / "no-such-drafter"))
+    jobs.append(GenerationRequest(prompt=jobs[0].prompt, chat=True, sampling=SamplingParams(max_new_tokens=4),
+                                  compression=missing))
+    use(engine, park="always")
+    alone = [engine.generate(job) for job in jobs[:4]]
+    counter = CountSteps()
+    residency = use(engine, park="always", step_hook=counter)
+    together = dict(engine.generate_many(jobs))
+    unparked = counter.counts.pop("unpark")   # the hook runs once per weight restored
+    assert counter.counts == {"park": 1, "load": 1, "score": 1, "release": 1} and unparked > 0
+    assert isinstance(together[4], EngineError) and "no such file" in str(together[4])   # it fails alone
+    for i in range(4):
+        got, ref = together[i], alone[i]
+        assert got.effective_prompt_tokens == ref.effective_prompt_tokens < ref.prompt_tokens
+        assert got.output_sha256 == ref.output_sha256
+        tel = got.telemetry
+        assert tel.park_s == together[0].telemetry.park_s > 0 and tel.scoring_s > 0
+        assert any("one drafter visit for 4 jobs" in n for n in tel.notes)
+    assert_target_restored(engine, residency, original_weights)
+    engine.compressor = PromptCompressor(Residency())

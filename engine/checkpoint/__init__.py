@@ -42,7 +42,11 @@ def load_checkpoint(path: str | Path, *, dtype: torch.dtype = torch.float32) -> 
 
 def load_gguf(path: Path, dtype: torch.dtype = torch.float32) -> Checkpoint:
     gguf = gguf_file.read_gguf(path)
-    if int(gguf.metadata.get("split.count", 1)) > 1:
+    split_count = gguf.metadata.get("split.count", 1)
+    if not isinstance(split_count, int):
+        raise CheckpointError(f"{path}: metadata split.count is {split_count!r:.60}, but it must be a whole number; "
+                              f"the file is corrupt")
+    if split_count > 1:
         raise CheckpointError(f"{path}: one part of a split GGUF; merge the parts first with "
                               f"`llama-gguf-split --merge` and load the merged file")
     config = gguf_file.config_from_metadata(gguf)
@@ -51,6 +55,7 @@ def load_gguf(path: Path, dtype: torch.dtype = torch.float32) -> Checkpoint:
     tokenizer, chat_template, bos, eos, special = gguf_file.tokenizer_parts(gguf)
     tensors = gguf_file.load_tensors(gguf, config, dtype)
     return Checkpoint(config=config, tensors=tensors, tokenizer=tokenizer, chat_template=chat_template,
+                      chat_template_source=f"{path}: metadata tokenizer.chat_template",
                       bos_token=bos, eos_token=eos, special_token_ids=special, sha256=files_sha256([path]),
                       path=str(path), format="gguf", weight_bytes=path.stat().st_size)
 

@@ -8,11 +8,11 @@ from sqlalchemy.exc import OperationalError as DatabaseUnreachable
 
 from batchd import __version__
 from batchd.cli.context import CliContext
-from batchd.config import redact_url
 from batchd.db.migrate import SchemaOutOfDate
 from batchd.jobs.inputs import InputError
 from batchd.jobs.progress import UnknownBatch
 from batchd.engine.errors import EngineError
+from batchd.urls import mask_secrets, mask_url
 
 
 class BatchdGroup(click.Group):
@@ -27,12 +27,25 @@ class BatchdGroup(click.Group):
             raise click.ClickException(f"{exc.kind}: {exc.message}") from None
         except DatabaseUnreachable as exc:
             detail = str(exc.orig or exc).strip().splitlines()[0]
-            url = redact_url(ctx.obj.settings().database_url) if isinstance(ctx.obj, CliContext) else "database"
-            raise click.ClickException(f"cannot use {url}: {detail}") from None
+            urls = _urls(ctx)
+            where = mask_url(urls[-2]) if len(urls) == 4 else "the database"
+            raise click.ClickException(mask_secrets(f"cannot use {where}: {detail}", urls)) from None
         except Exception as exc:
             if _is_broker_error(exc):
-                raise click.ClickException(f"cannot reach the broker: {exc}") from None
+                raise click.ClickException(mask_secrets(f"cannot reach the broker: {exc}", _urls(ctx))) from None
             raise
+
+
+def _urls(ctx: click.Context) -> list[str]:
+    """The URLs of this invocation, as given and as used, whose passwords no message may show."""
+    if not isinstance(ctx.obj, CliContext):
+        return []
+    given = [ctx.obj.overrides.get("database_url"), ctx.obj.overrides.get("broker_url")]
+    try:
+        settings = ctx.obj.settings()
+    except click.ClickException:
+        return given
+    return [*given, settings.database_url, settings.broker_url]
 
 
 def _is_broker_error(exc: Exception) -> bool:
@@ -42,19 +55,31 @@ def _is_broker_error(exc: Exception) -> bool:
 
 
 @click.group(cls=BatchdGroup, context_settings={"help_option_names": ["-h", "--help"], "show_default": False})
-@click.option("--database-url", envvar="BATCHD_DATABASE_URL", help="SQLAlchemy URL (default: sqlite in the data dir).")
-@click.option("--broker-url", envvar="BATCHD_BROKER_URL", help="Redis URL (default: embedded broker in the data dir).")
+@click.option("--database-url", envvar="BATCHD_DATABASE_URL",
+              help="SQLAlchemy URL (default: sqlite in the data dir). A password in it shows in `ps` when given "
+                   "here: set BATCHD_DATABASE_URL, use --database-url-file, or leave it out and let PostgreSQL "
+                   "read PGPASSFILE (~/.pgpass) or PGPASSWORD.")
+@click.option("--database-url-file", envvar="BATCHD_DATABASE_URL_FILE", type=click.Path(dir_okay=False),
+              help="A file holding the database URL (a Docker secret, say): keeps its password off the command line.")
+@click.option("--broker-url", envvar="BATCHD_BROKER_URL",
+              help="Redis URL (default: embedded broker in the data dir), redis://:PASSWORD@host:6379/0 or "
+                   "?password=. A password in it shows in `ps` when given here: set BATCHD_BROKER_URL or use "
+                   "--broker-url-file.")
+@click.option("--broker-url-file", envvar="BATCHD_BROKER_URL_FILE", type=click.Path(dir_okay=False),
+              help="A file holding the broker URL: keeps its password off the command line.")
 @click.option("--data-dir", envvar="BATCHD_DATA_DIR", help="Folder of the embedded defaults (default ./batchd-data).")
 @click.option("--queue-prefix", envvar="BATCHD_QUEUE_PREFIX", help="Queue names are <prefix>.<model name>.")
 @click.option("-v", "--verbose", count=True, help="More logging (-vv: debug).")
 @click.version_option(__version__, prog_name="batchd")
 @click.pass_context
-def main(ctx: click.Context, database_url, broker_url, data_dir, queue_prefix, verbose) -> None:
+def main(ctx: click.Context, database_url, database_url_file, broker_url, broker_url_file, data_dir, queue_prefix,
+         verbose) -> None:
     """Queue-driven batch generation: submit documents, run workers, read results from SQL."""
     level = logging.WARNING - 10 * min(verbose, 2)
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    ctx.obj = CliContext(overrides={"database_url": database_url, "broker_url": broker_url, "data_dir": data_dir,
-                                    "queue_prefix": queue_prefix})
+    ctx.obj = CliContext(overrides={"database_url": database_url, "database_url_file": database_url_file,
+                                    "broker_url": broker_url, "broker_url_file": broker_url_file,
+                                    "data_dir": data_dir, "queue_prefix": queue_prefix})
 
 
 def _register() -> None:

@@ -33,7 +33,13 @@ class ConfigValueError(CheckpointError):
         super().__init__(self.describe(field))
 
     def describe(self, key: str) -> str:
-        return f"{key} is {self.value!r}, but {self.requirement}"
+        return f"{key} is {short_repr(self.value)}, but {self.requirement}"
+
+
+def short_repr(value: Any, limit: int = 60) -> str:
+    """A value read from a file, for a one-line message: its repr, cut short."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 @dataclass
@@ -127,7 +133,8 @@ class ModelConfig:
         except KeyError as missing:
             raise CheckpointError(f"{source}: missing required key {missing}") from None
         except ConfigValueError as err:
-            raise CheckpointError(f"{source}: {err.describe(HF_KEYS.get(err.field, err.field))}; fix the config") from None
+            key = HF_KEYS.get(err.field, err.field)
+            raise CheckpointError(f"{source}: {err.describe(key)}; fix the config") from None
 
 
 def check_rope_scaling(scaling: Optional[dict]) -> None:

@@ -20,6 +20,7 @@ from batchd.engine.checkpoint import gguf_file
 from batchd.engine.checkpoint.gguf_file import GGUF_MAGIC
 from batchd.engine.checkpoint.hf import load_hf_folder
 from batchd.engine.checkpoint.validate import check_tensor_shapes
+from batchd.engine.config import short_repr
 from batchd.engine.errors import CheckpointError
 
 __all__ = ["Checkpoint", "load_checkpoint"]
@@ -44,8 +45,8 @@ def load_gguf(path: Path, dtype: torch.dtype = torch.float32) -> Checkpoint:
     gguf = gguf_file.read_gguf(path)
     split_count = gguf.metadata.get("split.count", 1)
     if not isinstance(split_count, int):
-        raise CheckpointError(f"{path}: metadata split.count is {split_count!r:.60}, but it must be a whole number; "
-                              f"the file is corrupt")
+        raise CheckpointError(f"{path}: metadata split.count is {short_repr(split_count)}, but it must be a whole "
+                              f"number; the file is corrupt")
     if split_count > 1:
         raise CheckpointError(f"{path}: one part of a split GGUF; merge the parts first with "
                               f"`llama-gguf-split --merge` and load the merged file")

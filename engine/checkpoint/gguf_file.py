@@ -27,7 +27,7 @@ from batchd.engine.architectures import GGUF_ARCHITECTURES, architecture
 from batchd.engine.checkpoint import dequant
 from batchd.engine.checkpoint.gguf_tokenizer import GGUFTokenizerError, build_tokenizer, control_token_ids
 from batchd.engine.checkpoint.validate import check_layer_count
-from batchd.engine.config import ConfigValueError, ModelConfig, check_rope_scaling
+from batchd.engine.config import ConfigValueError, ModelConfig, check_rope_scaling, short_repr
 from batchd.engine.errors import CheckpointError
 
 GGUF_MAGIC = b"GGUF"
@@ -197,8 +197,8 @@ def read_gguf(path: Path) -> GGUFFile:
     n_tensors = header.scalar("Q", "tensor count")
     n_kv = header.scalar("Q", "metadata count")
     if n_kv * _MIN_KV_BYTES + n_tensors * _MIN_TENSOR_INFO_BYTES > size - header.pos:
-        raise CheckpointError(f"{path}: GGUF header is cut short or corrupt: tensor count {n_tensors} and metadata count {n_kv} "
-                              f"need more than the file's {size} bytes; download it again")
+        raise CheckpointError(f"{path}: GGUF header is cut short or corrupt: tensor count {n_tensors} and metadata "
+                              f"count {n_kv} need more than the file's {size} bytes; download it again")
     metadata: dict[str, Any] = {}
     for _ in range(n_kv):
         key = header.string("a metadata key")
@@ -224,7 +224,7 @@ def _alignment(path: Path, metadata: dict[str, Any]) -> int:
     """`general.alignment`: a power of two, as llama.cpp requires (0 would divide by zero)."""
     alignment = metadata.get("general.alignment", DEFAULT_ALIGNMENT)
     if isinstance(alignment, bool) or not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
-        raise CheckpointError(f"{path}: metadata general.alignment is {_shown(alignment)}, but it must be a power "
+        raise CheckpointError(f"{path}: metadata general.alignment is {short_repr(alignment)}, but it must be a power "
                               f"of two ({DEFAULT_ALIGNMENT} when absent); the file is corrupt")
     return alignment
 
@@ -285,8 +285,9 @@ def config_from_metadata(gguf: GGUFFile) -> ModelConfig:
                 raise CheckpointError(f"{path}: {arch_name}.{name} differs per layer ({value[:4]}...), "
                                       f"which batchd does not support")
             value = value[0]
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and isinstance(value, float)):
-            raise CheckpointError(f"{path}: metadata {arch_name}.{name} is {_shown(value)}, but it must be a "
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if not number or (kind is int and isinstance(value, float)):
+            raise CheckpointError(f"{path}: metadata {arch_name}.{name} is {short_repr(value)}, but it must be a "
                                   f"{'whole number' if kind is int else 'number'}; the file's metadata is corrupt")
         return _short_float(value) if kind is float else value
 
@@ -332,12 +333,6 @@ _GGUF_KEYS = {"vocab_size": "vocab_size", "hidden_size": "embedding_length", "nu
               "intermediate_size": "feed_forward_length", "head_dim": "attention.key_length",
               "rms_norm_eps": "attention.layer_norm_rms_epsilon", "rope_theta": "rope.freq_base",
               "max_position_embeddings": "context_length", "rope_scaling.factor": "rope.scaling.factor"}
-
-
-def _shown(value: Any) -> str:
-    """A metadata value for a message: short, whatever its size."""
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _short_float(value: float) -> float:
@@ -451,7 +446,7 @@ def tokenizer_parts(gguf: GGUFFile):
     tokens = meta["tokenizer.ggml.tokens"]
     chat_template = meta.get("tokenizer.chat_template")
     if chat_template is not None and not isinstance(chat_template, str):
-        raise CheckpointError(f"{gguf.path}: metadata tokenizer.chat_template is {_shown(chat_template)}, but it "
+        raise CheckpointError(f"{gguf.path}: metadata tokenizer.chat_template is {short_repr(chat_template)}, but it "
                               f"must be a string; the file is corrupt")
 
     def token(key: str):

@@ -220,3 +220,31 @@ def test_celery_reaches_redis_with_a_query_password(redis_with_password, tmp_pat
     client.close()
     with app.connection_for_write() as connection:
         assert SECRET not in connection.as_uri()
+
+
+@pytest.mark.slow
+def test_a_worker_serves_jobs_through_a_redis_query_password(postgres_url, redis_with_password, tmp_path):
+    """End to end: a real worker on `?password=` gets its job, and its log holds no password."""
+    from tests.service.conftest import WorkerProcess, wait_for
+
+    port, password = redis_with_password
+    env = service_env(postgres_url, f"redis://127.0.0.1:{port}/0?password={password}", tmp_path / "data",
+                      f"secret{uuid.uuid4().hex[:6]}")
+    worker = WorkerProcess(env, tmp_path / "worker.log")
+    try:
+        submitted = batchd_cli(["submit", "-", "--batch", "secret", "--max-new-tokens", "1"], env, input=b"Hello")
+        assert submitted.returncode == 0, submitted.stderr.decode()
+        wait_for(lambda: _job_states(postgres_url) == ["succeeded"], 240, "the job to succeed", worker=worker)
+    finally:
+        worker.stop()
+    _no_secret(worker.output())
+    assert "Connected to redis://:**@127.0.0.1" in worker.output()
+
+
+def _job_states(database_url: str) -> list[str]:
+    import sqlalchemy as sa
+
+    from batchd.db.session import db_engine
+
+    with db_engine(database_url).connect() as connection:
+        return list(connection.execute(sa.text("SELECT status FROM jobs")).scalars())

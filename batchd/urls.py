@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 from typing import Iterable, Optional
-from urllib.parse import quote, unquote
+from urllib.parse import quote, unquote, unquote_plus
 
 MASK = "***"
 # Query parameters that carry a secret: libpq's password and sslpassword, redis-py's password,
@@ -94,7 +94,7 @@ def normalise_url(url: str, *, broker: bool = False) -> str:
             if password:
                 raise ValueError(f"broker URL {mask_url(url)} gives a password twice (user:password@ and "
                                  f"?password=); keep one")
-            colon, password = ":", unquote(from_query)
+            colon, password = ":", unquote_plus(from_query)   # a query value, as redis-py and kombu read it
             at = max(at, 0)
     if at < 0:
         return url

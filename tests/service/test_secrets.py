@@ -63,6 +63,7 @@ def test_mask_secrets_hides_a_password_a_library_quotes_or_misreads():
     ("redis://127.0.0.1:6379/0?password=a@b&health_check_interval=5",
      "redis://:a%40b@127.0.0.1:6379/0?health_check_interval=5"),
     ("redis://default@127.0.0.1:6379/0?password=pw", "redis://default:pw@127.0.0.1:6379/0"),
+    ("redis://127.0.0.1:6379/0?password=a+b%26c", "redis://:a%20b&c@127.0.0.1:6379/0"),
     ("redis://:p@ss@127.0.0.1:6379/0", "redis://:p%40ss@127.0.0.1:6379/0"),
     ("redis://:p%40ss@127.0.0.1:6379/0", "redis://:p%40ss@127.0.0.1:6379/0"),    # already encoded: kept
     ("redis://127.0.0.1:6379/0", "redis://127.0.0.1:6379/0"),

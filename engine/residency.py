@@ -256,7 +256,8 @@ class Residency:
         # with the target's kernels (engine.fused.KernelChoice), as every model the engine runs
         model = build_model(ckpt.config, str(device), dtype, tensors=ckpt.tensors, source=ckpt.path, ops=ops)
         self.last_drafter = weakref.ref(model)
-        codec = TextCodec(ckpt.tokenizer, ckpt.chat_template, ckpt.bos_token, ckpt.eos_token)
+        codec = TextCodec(ckpt.tokenizer, ckpt.chat_template, ckpt.bos_token, ckpt.eos_token,
+                          template_source=ckpt.chat_template_source)
         return Drafter(model, codec, ckpt.path, ckpt.sha256, ckpt.config.architecture)
 
     def _release_drafter(self, device) -> None:

@@ -134,7 +134,8 @@ class Engine:
         torch_dtype = parse_dtype(config.dtype, config.device)
         ckpt = load_checkpoint(path, dtype=torch_dtype)
         model = build_model(ckpt.config, config.device, torch_dtype, tensors=ckpt.tensors, source=str(path))
-        codec = TextCodec(ckpt.tokenizer, ckpt.chat_template, ckpt.bos_token, ckpt.eos_token)
+        codec = TextCodec(ckpt.tokenizer, ckpt.chat_template, ckpt.bos_token, ckpt.eos_token,
+                          template_source=ckpt.chat_template_source)
         eos_ids = set(ckpt.config.eos_token_ids)
         eos_id = codec.token_id(ckpt.eos_token)
         if eos_id is not None:

@@ -1,7 +1,10 @@
 """Text in and out of the token-id core: encoding, chat templates, decoding.
 
 Chat templates are the checkpoint's own Jinja templates (tokenizer_config.json or GGUF metadata),
-rendered the way transformers renders them, so prompts match the reference implementation.
+rendered the way transformers renders them, so prompts match the reference implementation, in
+Jinja's sandbox: a template that reaches for Python internals is the checkpoint's fault (a
+`model_error` naming where the template came from); one that calls `raise_exception` refuses the
+job's messages (`bad_input`).
 """
 from __future__ import annotations
 
@@ -15,17 +18,20 @@ import jinja2.ext
 import jinja2.sandbox
 from tokenizers import Tokenizer
 
-from batchd.engine.errors import BadInputError
+from batchd.engine.errors import BadInputError, CheckpointError
 from batchd.engine.whole_chars import TokenBytes, decode_whole_chars
 
 
 class TextCodec:
     def __init__(self, tokenizer: Tokenizer, chat_template: Optional[str] = None,
-                 bos_token: Optional[str] = None, eos_token: Optional[str] = None):
+                 bos_token: Optional[str] = None, eos_token: Optional[str] = None,
+                 template_source: Optional[str] = None):
+        """template_source: where the template came from ("FILE: FIELD"), for its errors."""
         self.tokenizer = tokenizer
         self.chat_template = chat_template
         self.bos_token, self.eos_token = bos_token, eos_token
-        self._template = _compile_template(chat_template) if chat_template else None
+        self.template_source = template_source or "the checkpoint's chat template"
+        self._template = _compile_template(chat_template, self.template_source) if chat_template else None
 
     @functools.cached_property
     def fingerprint(self) -> str:
@@ -65,10 +71,24 @@ class TextCodec:
         for m in messages:
             if not isinstance(m, dict) or "role" not in m or not isinstance(m.get("content"), str):
                 raise BadInputError('each chat message must be {"role": ..., "content": "<text>"}')
-        text = self._template.render(messages=messages,
-                                     add_generation_prompt=add_generation_prompt and not continue_final_message,
-                                     bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+        text = self._render(messages=messages,
+                            add_generation_prompt=add_generation_prompt and not continue_final_message,
+                            bos_token=self.bos_token or "", eos_token=self.eos_token or "")
         return _cut_after_final_message(text, messages[-1]["content"]) if continue_final_message else text
+
+    def _render(self, **context) -> str:
+        try:
+            return self._template.render(**context)
+        except TemplateRefusal as err:
+            raise BadInputError(f"the chat template refuses these messages: {_one_line(err)}") from None
+        except jinja2.sandbox.SecurityError as err:
+            raise CheckpointError(f"{self.template_source}: the Jinja sandbox blocks the chat template "
+                                  f"({_one_line(err)}); use a checkpoint whose template only formats messages, "
+                                  f"or submit plain prompts (no --chat)") from None
+        except (jinja2.TemplateError, TypeError, ValueError, LookupError, ArithmeticError) as err:
+            raise CheckpointError(f"{self.template_source}: the chat template fails "
+                                  f"({type(err).__name__}: {_one_line(err)}); fix the template, or submit plain "
+                                  f"prompts (no --chat)") from None
 
     def encode_request(self, prompt: Optional[str], messages: Optional[list[dict]], chat: bool,
                        continue_final_message: bool = False) -> list[int]:
@@ -100,16 +120,28 @@ def _cut_after_final_message(text: str, final: str) -> str:
     return text[:at + len(final.strip())]   # the template trimmed the message's trailing spaces
 
 
-def _compile_template(source: str) -> jinja2.Template:
+class TemplateRefusal(jinja2.TemplateError):
+    """The template's own `raise_exception(...)`: it refuses the messages it was given."""
+
+
+def _one_line(err: Exception) -> str:
+    return " ".join(str(err).split())[:300]
+
+
+def _compile_template(template: str, source: str) -> jinja2.Template:
     def raise_exception(message):
-        raise jinja2.exceptions.TemplateError(message)
+        raise TemplateRefusal(message)
 
     env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                                        extensions=[jinja2.ext.loopcontrols])
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     env.filters["tojson"] = _tojson
-    return env.from_string(source)
+    try:
+        return env.from_string(template)
+    except jinja2.TemplateSyntaxError as err:
+        raise CheckpointError(f"{source}: the chat template is not valid Jinja (line {err.lineno}: "
+                              f"{_one_line(err.message or err)}); fix the template") from None
 
 
 def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):

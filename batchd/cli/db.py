@@ -4,8 +4,8 @@ from __future__ import annotations
 import click
 
 from batchd.cli.context import CliContext, pass_cli
-from batchd.config import redact_url
 from batchd.db import migrate
+from batchd.urls import mask_url
 
 
 @click.group("db")
@@ -20,7 +20,7 @@ def upgrade(cli: CliContext, revision: str) -> None:
     """Migrate the database to REVISION."""
     settings = cli.settings()
     migrate.upgrade(settings.database_url, revision)
-    click.echo(f"{redact_url(settings.database_url)} is at revision {migrate.current_revision(settings.database_url)}")
+    click.echo(f"{mask_url(settings.database_url)} is at revision {migrate.current_revision(settings.database_url)}")
 
 
 @db.command("current")

@@ -9,9 +9,9 @@ import click
 import redis
 
 from batchd.cli.context import CliContext, pass_cli
-from batchd.config import redact_url
 from batchd.db import migrate
 from batchd.embedded import running_broker_url
+from batchd.urls import mask_secrets, mask_url
 
 
 @click.command("health")
@@ -26,7 +26,7 @@ def health(cli: CliContext, check_worker: bool, max_step_age: float) -> None:
     revision = migrate.current_revision(settings.database_url)
     if revision != migrate.head_revision(settings.database_url):
         raise click.ClickException(f"database at revision {revision}, not the latest: run `batchd db upgrade`")
-    click.echo(f"database ok: {redact_url(settings.database_url)} at revision {revision}")
+    click.echo(f"database ok: {mask_url(settings.database_url)} at revision {revision}")
     broker_url = settings.broker_url or running_broker_url(settings.data_dir)
     if broker_url is None:
         click.echo("broker: embedded, not running (a worker, relay or run starts it)")
@@ -34,8 +34,9 @@ def health(cli: CliContext, check_worker: bool, max_step_age: float) -> None:
         try:
             redis.Redis.from_url(broker_url, socket_timeout=5, socket_connect_timeout=5).ping()
         except redis.RedisError as exc:
-            raise click.ClickException(f"broker {redact_url(broker_url)} does not answer: {exc}") from None
-        click.echo(f"broker ok: {redact_url(broker_url)}")
+            raise click.ClickException(mask_secrets(f"broker {mask_url(broker_url)} does not answer: {exc}",
+                                                    [broker_url])) from None
+        click.echo(f"broker ok: {mask_url(broker_url)}")
     if check_worker:
         if settings.metrics_port is None:
             raise click.ClickException("--worker reads the worker's metrics: set BATCHD_METRICS_PORT for the worker "

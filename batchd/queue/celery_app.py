@@ -71,5 +71,6 @@ def _drop_pooled_connections() -> None:
         app.__dict__["amqp"]._producer_pool = None
 
 
-if os.environ.get("BATCHD_BROKER_URL"):  # a real broker (Flower, or `celery` tools): configure from env
-    configure(Settings.from_env(), os.environ["BATCHD_BROKER_URL"])
+if os.environ.get("BATCHD_BROKER_URL") or os.environ.get("BATCHD_BROKER_URL_FILE"):  # Flower, `celery` tools
+    _settings = Settings.from_env()
+    configure(_settings, _settings.broker_url)   # normalised: kombu cannot take ?password=

@@ -20,6 +20,7 @@ from batchd.engine.checkpoint import gguf_file
 from batchd.engine.checkpoint.gguf_file import GGUF_MAGIC
 from batchd.engine.checkpoint.hf import load_hf_folder
 from batchd.engine.checkpoint.validate import check_tensor_shapes
+from batchd.engine.config import short_repr
 from batchd.engine.errors import CheckpointError
 
 __all__ = ["Checkpoint", "load_checkpoint"]
@@ -42,7 +43,11 @@ def load_checkpoint(path: str | Path, *, dtype: torch.dtype = torch.float32) -> 
 
 def load_gguf(path: Path, dtype: torch.dtype = torch.float32) -> Checkpoint:
     gguf = gguf_file.read_gguf(path)
-    if int(gguf.metadata.get("split.count", 1)) > 1:
+    split_count = gguf.metadata.get("split.count", 1)
+    if not isinstance(split_count, int):
+        raise CheckpointError(f"{path}: metadata split.count is {short_repr(split_count)}, but it must be a whole "
+                              f"number; the file is corrupt")
+    if split_count > 1:
         raise CheckpointError(f"{path}: one part of a split GGUF; merge the parts first with "
                               f"`llama-gguf-split --merge` and load the merged file")
     config = gguf_file.config_from_metadata(gguf)
@@ -51,6 +56,7 @@ def load_gguf(path: Path, dtype: torch.dtype = torch.float32) -> Checkpoint:
     tokenizer, chat_template, bos, eos, special = gguf_file.tokenizer_parts(gguf)
     tensors = gguf_file.load_tensors(gguf, config, dtype)
     return Checkpoint(config=config, tensors=tensors, tokenizer=tokenizer, chat_template=chat_template,
+                      chat_template_source=f"{path}: metadata tokenizer.chat_template",
                       bos_token=bos, eos_token=eos, special_token_ids=special, sha256=files_sha256([path]),
                       path=str(path), format="gguf", weight_bytes=path.stat().st_size)
 

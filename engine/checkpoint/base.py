@@ -27,6 +27,7 @@ class Checkpoint:
         Whether encoding adds BOS is the tokenizer's own post-processor's business (on for Llama 3,
         off for SmolLM2 and Qwen), as in the original tokenizer.json.
     special_token_ids: control tokens (special added tokens), e.g. <|im_start|>.
+    chat_template_source: where the chat template came from ("FILE: FIELD"), for its errors.
     """
 
     config: ModelConfig
@@ -40,6 +41,7 @@ class Checkpoint:
     path: str = ""
     format: Literal["hf", "gguf"] = "hf"
     weight_bytes: int = 0
+    chat_template_source: str = ""
 
 
 def file_sha256(path: Path) -> str:

@@ -26,7 +26,8 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 from batchd.engine.architectures import GGUF_ARCHITECTURES, architecture
 from batchd.engine.checkpoint import dequant
 from batchd.engine.checkpoint.gguf_tokenizer import GGUFTokenizerError, build_tokenizer, control_token_ids
-from batchd.engine.config import ModelConfig
+from batchd.engine.checkpoint.validate import check_layer_count
+from batchd.engine.config import ConfigValueError, ModelConfig, check_rope_scaling, short_repr
 from batchd.engine.errors import CheckpointError
 
 GGUF_MAGIC = b"GGUF"
@@ -38,6 +39,11 @@ _NUMPY = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: n
           6: np.float32, 7: np.bool_, 10: np.uint64, 11: np.int64, 12: np.float64}
 _STRING, _ARRAY = 8, 9
 _U64 = struct.Struct("<Q")
+# The fewest bytes each header entry takes, to bound the counts in the header by the file's size
+# before looping over them: a metadata item (key length, value type, a one-byte value), a tensor
+# info (name length, dim count, type, offset), a nested array (element type, count).
+_MIN_KV_BYTES, _MIN_TENSOR_INFO_BYTES, _ARRAY_HEADER_BYTES = 8 + 4 + 1, 8 + 4 + 4 + 8, 4 + 8
+MAX_ARRAY_DEPTH = 8
 
 
 # GGUF tensor name -> HF tensor name; per-layer names are blk.{i}.<key> -> model.layers.{i}.<value>
@@ -146,12 +152,15 @@ class _Header:
         except UnicodeDecodeError:
             raise CheckpointError(f"{self.path}: {what} is not valid UTF-8; the file is corrupt") from None
 
-    def value(self, vtype: int, what: str):
+    def value(self, vtype: int, what: str, depth: int = 0):
         if vtype in _SCALARS:
             return self.scalar(_SCALARS[vtype], what)
         if vtype == _STRING:
             return self.string(what)
         if vtype == _ARRAY:
+            if depth >= MAX_ARRAY_DEPTH:  # llama.cpp writes flat arrays; 20,000 levels would overflow the stack
+                raise CheckpointError(f"{self.path}: {what} nests arrays more than {MAX_ARRAY_DEPTH} deep; "
+                                      f"the file is corrupt")
             etype = self.scalar("I", what)
             count = self.scalar("Q", what)
             if etype in _NUMPY:
@@ -164,7 +173,8 @@ class _Header:
                 self.need(count * 8, what)  # each string has at least its length
                 return self.strings(count, what)
             if etype == _ARRAY:
-                return [self.value(_ARRAY, what) for _ in range(count)]
+                self.need(count * _ARRAY_HEADER_BYTES, what)  # each one has at least its type and count
+                return [self.value(_ARRAY, what, depth + 1) for _ in range(count)]
         raise CheckpointError(f"{self.path}: unknown GGUF value type {vtype} in {what}; the file is corrupt")
 
 
@@ -186,8 +196,9 @@ def read_gguf(path: Path) -> GGUFFile:
                               f"current llama.cpp (versions 2 and 3 are read)")
     n_tensors = header.scalar("Q", "tensor count")
     n_kv = header.scalar("Q", "metadata count")
-    if n_tensors > size or n_kv > size:
-        raise CheckpointError(f"{path}: GGUF header is corrupt (tensor count {n_tensors}, metadata count {n_kv})")
+    if n_kv * _MIN_KV_BYTES + n_tensors * _MIN_TENSOR_INFO_BYTES > size - header.pos:
+        raise CheckpointError(f"{path}: GGUF header is cut short or corrupt: tensor count {n_tensors} and metadata "
+                              f"count {n_kv} need more than the file's {size} bytes; download it again")
     metadata: dict[str, Any] = {}
     for _ in range(n_kv):
         key = header.string("a metadata key")
@@ -203,10 +214,19 @@ def read_gguf(path: Path) -> GGUFFile:
         qtype = header.scalar("I", f"tensor {name!r}")
         offset = header.scalar("Q", f"tensor {name!r}")
         infos.append((name, dims, qtype, offset))
-    alignment = int(metadata.get("general.alignment", DEFAULT_ALIGNMENT))
+    alignment = _alignment(path, metadata)
     data_start = -(-header.pos // alignment) * alignment
     tensors = [_tensor_info(path, size, data_start, *info) for info in infos]
     return GGUFFile(path, version, metadata, tensors, np.frombuffer(buf, dtype=np.uint8))
+
+
+def _alignment(path: Path, metadata: dict[str, Any]) -> int:
+    """`general.alignment`: a power of two, as llama.cpp requires (0 would divide by zero)."""
+    alignment = metadata.get("general.alignment", DEFAULT_ALIGNMENT)
+    if isinstance(alignment, bool) or not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
+        raise CheckpointError(f"{path}: metadata general.alignment is {short_repr(alignment)}, but it must be a power "
+                              f"of two ({DEFAULT_ALIGNMENT} when absent); the file is corrupt")
+    return alignment
 
 
 def _tensor_info(path: Path, file_size: int, data_start: int, name: str, dims: tuple[int, ...],
@@ -250,21 +270,26 @@ def undo_rope_permutation(weight: np.ndarray, n_head: int) -> np.ndarray:
 def config_from_metadata(gguf: GGUFFile) -> ModelConfig:
     meta, path = gguf.metadata, gguf.path
     arch_name = meta.get("general.architecture")
-    arch = GGUF_ARCHITECTURES.get(arch_name)
+    arch = GGUF_ARCHITECTURES.get(arch_name) if isinstance(arch_name, str) else None
     if arch is None:
         raise CheckpointError(f"{path}: unsupported architecture {arch_name!r}; batchd runs "
                               f"{', '.join(GGUF_ARCHITECTURES)}")
 
-    def key(name: str, default: Any = KeyError) -> Any:
+    def key(name: str, default: Any = KeyError, kind: type = int) -> Any:
+        """The value of `<arch>.<name>`, a number of `kind` (float: as the original config had it)."""
         value = meta.get(f"{arch_name}.{name}", default)
         if value is KeyError:
             raise CheckpointError(f"{path}: missing metadata {arch_name}.{name}; the file is incomplete")
         if isinstance(value, list):  # per-layer values; we need them all equal
-            if len(set(value)) != 1:
+            if not value or any(v != value[0] for v in value):
                 raise CheckpointError(f"{path}: {arch_name}.{name} differs per layer ({value[:4]}...), "
                                       f"which batchd does not support")
             value = value[0]
-        return value
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if not number or (kind is int and isinstance(value, float)):
+            raise CheckpointError(f"{path}: metadata {arch_name}.{name} is {short_repr(value)}, but it must be a "
+                                  f"{'whole number' if kind is int else 'number'}; the file's metadata is corrupt")
+        return _short_float(value) if kind is float else value
 
     names = {t.name for t in gguf.tensors}
     heads = key("attention.head_count")
@@ -274,15 +299,15 @@ def config_from_metadata(gguf: GGUFFile) -> ModelConfig:
     try:
         config = ModelConfig(
             architecture=arch,
-            vocab_size=len(tokens) or key("vocab_size"),
+            vocab_size=len(tokens) if isinstance(tokens, list) and tokens else key("vocab_size"),
             hidden_size=key("embedding_length"),
             num_layers=key("block_count"),
             num_heads=heads,
             num_kv_heads=key("attention.head_count_kv", heads),
             intermediate_size=key("feed_forward_length"),
             head_dim=key("attention.key_length", 0),
-            rms_norm_eps=_short_float(key("attention.layer_norm_rms_epsilon", 1e-5)),
-            rope_theta=_short_float(key("rope.freq_base", 10000.0)),
+            rms_norm_eps=key("attention.layer_norm_rms_epsilon", 1e-5, float),
+            rope_theta=key("rope.freq_base", 10000.0, float),
             max_position_embeddings=key("context_length", 4096),
             tie_word_embeddings="output.weight" not in names,
             attention_bias=architecture(arch).has_attention_bias_gguf(names),
@@ -290,10 +315,24 @@ def config_from_metadata(gguf: GGUFFile) -> ModelConfig:
             bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
             eos_token_ids=list(dict.fromkeys(eos_ids)),
         )
-    except (CheckpointError, ZeroDivisionError) as err:  # head counts that cannot be right
+    except ConfigValueError as err:
+        raise CheckpointError(f"{path}: {err.describe(f'metadata {arch_name}.{_GGUF_KEYS[err.field]}')}; "
+                              f"the file's metadata is corrupt or inconsistent") from None
+    except CheckpointError as err:
         raise CheckpointError(f"{path}: {err}; the file's metadata is inconsistent") from None
+    # Every size below is taken from the tensor table, which the file's size bounds; the layer
+    # count is not, and validation loops over it: 10^9 layers would never finish.
+    check_layer_count(config, len(gguf.tensors), str(path), f"metadata {arch_name}.block_count")
     config.rope_scaling = _rope_scaling(gguf, arch_name, config)
     return config
+
+
+# ModelConfig field -> GGUF metadata key after `<arch>.`
+_GGUF_KEYS = {"vocab_size": "vocab_size", "hidden_size": "embedding_length", "num_layers": "block_count",
+              "num_heads": "attention.head_count", "num_kv_heads": "attention.head_count_kv",
+              "intermediate_size": "feed_forward_length", "head_dim": "attention.key_length",
+              "rms_norm_eps": "attention.layer_norm_rms_epsilon", "rope_theta": "rope.freq_base",
+              "max_position_embeddings": "context_length", "rope_scaling.factor": "rope.scaling.factor"}
 
 
 def _short_float(value: float) -> float:
@@ -308,13 +347,20 @@ def _rope_scaling(gguf: GGUFFile, arch_name: str, config: ModelConfig) -> dict |
     kind = meta.get(prefix + "type")
     factor = meta.get(prefix + "factor")
     original = meta.get(prefix + "original_context_length")
+    factor_key = prefix + "factor"
     if kind is None and meta.get(f"{arch_name}.rope.scale_linear"):  # older files
-        kind, factor = "linear", meta[f"{arch_name}.rope.scale_linear"]
+        factor_key = f"{arch_name}.rope.scale_linear"
+        kind, factor = "linear", meta[factor_key]
     freqs = next((t for t in gguf.tensors if t.name == ROPE_FREQS), None)
     if freqs is not None and kind in (None, "none"):
         return _llama3_scaling_from_factors(gguf, freqs, original, config)
     if kind in (None, "none"):
         return None
+    try:
+        check_rope_scaling({"factor": factor})
+    except ConfigValueError as err:
+        raise CheckpointError(f"{gguf.path}: {err.describe(f'metadata {factor_key}')}; the file's metadata is corrupt "
+                              f"or inconsistent") from None
     if kind == "linear":
         return {"rope_type": "linear", "factor": _short_float(factor)}
     if kind == "yarn":
@@ -398,10 +444,14 @@ def tokenizer_parts(gguf: GGUFFile):
     except GGUFTokenizerError as err:
         raise CheckpointError(f"{gguf.path}: {err}") from None
     tokens = meta["tokenizer.ggml.tokens"]
+    chat_template = meta.get("tokenizer.chat_template")
+    if chat_template is not None and not isinstance(chat_template, str):
+        raise CheckpointError(f"{gguf.path}: metadata tokenizer.chat_template is {short_repr(chat_template)}, but it "
+                              f"must be a string; the file is corrupt")
 
     def token(key: str):
         index = meta.get(key)
         return tokens[index] if index is not None and 0 <= index < len(tokens) else None
 
-    return (tokenizer, meta.get("tokenizer.chat_template"), token("tokenizer.ggml.bos_token_id"),
+    return (tokenizer, chat_template, token("tokenizer.ggml.bos_token_id"),
             token("tokenizer.ggml.eos_token_id"), control_token_ids(meta))

@@ -53,6 +53,9 @@ def build_tokenizer(metadata: dict) -> Tokenizer:
     merges: list[str] = metadata.get("tokenizer.ggml.merges") or []
     if not tokens:
         raise GGUFTokenizerError("no tokenizer.ggml.tokens in the metadata")
+    for key, values in (("tokenizer.ggml.tokens", tokens), ("tokenizer.ggml.merges", merges)):
+        if not isinstance(values, list) or not all(isinstance(v, str) for v in values):
+            raise GGUFTokenizerError(f"{key} must be a list of strings; the file is corrupt")
     token_types: list[int] = metadata.get("tokenizer.ggml.token_type") or [1] * len(tokens)
     if len(token_types) != len(tokens):
         raise GGUFTokenizerError(
@@ -76,6 +79,9 @@ def build_tokenizer(metadata: dict) -> Tokenizer:
     _add_tokens(tokenizer, tokens, token_types)
     add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", _ADD_BOS_DEFAULT.get(family, False)))
     bos_id = metadata.get("tokenizer.ggml.bos_token_id")
+    if add_bos and not (isinstance(bos_id, int) and 0 <= bos_id < len(tokens)):
+        raise GGUFTokenizerError(f"tokenizer.ggml.bos_token_id is {bos_id!r}, but the vocabulary has {len(tokens)} "
+                                 f"tokens; the file is corrupt")
     _set_post_processor(tokenizer, tokens, bos_id if add_bos else None)
     return tokenizer
 

@@ -16,7 +16,7 @@ from safetensors import safe_open
 from tokenizers import Tokenizer
 
 from batchd.engine.checkpoint.base import Checkpoint, files_sha256
-from batchd.engine.checkpoint.validate import IGNORED_SUFFIXES, check_tensor_shapes
+from batchd.engine.checkpoint.validate import IGNORED_SUFFIXES, check_layer_count, check_tensor_shapes
 from batchd.engine.config import ModelConfig
 from batchd.engine.errors import CheckpointError
 
@@ -45,12 +45,14 @@ def load_hf_folder(folder: Path, dtype: torch.dtype) -> Checkpoint:
             raise CheckpointError(f"{folder / INDEX_FILE}: tensors {absent[:4]} are listed but not in their "
                                   f"shards; download the shards again")
     shapes = _drop_redundant(shapes, config)
+    check_layer_count(config, len(shapes), str(folder / "config.json"), "num_hidden_layers")
     check_tensor_shapes(shapes, config, str(weight_files[0] if len(weight_files) == 1 else folder / INDEX_FILE))
     tensors = {}
     for path in weight_files:
         tensors.update(_read_tensors(path, set(shapes), dtype))
-    tokenizer, chat_template, bos, eos, special = _read_tokenizer(folder, config)
+    tokenizer, (chat_template, template_source), bos, eos, special = _read_tokenizer(folder, config)
     return Checkpoint(config=config, tensors=tensors, tokenizer=tokenizer, chat_template=chat_template,
+                      chat_template_source=template_source,
                       bos_token=bos, eos_token=eos, special_token_ids=special,
                       sha256=files_sha256(weight_files), path=str(folder), format="hf",
                       weight_bytes=sum(p.stat().st_size for p in weight_files))
@@ -194,17 +196,26 @@ def _read_tokenizer(folder: Path, config: ModelConfig):
     return tokenizer, _chat_template(folder, tok_config), bos, eos, special
 
 
-def _chat_template(folder: Path, tok_config: dict) -> str | None:
+def _chat_template(folder: Path, tok_config: dict) -> tuple[str | None, str]:
+    """The template, and where it came from ("FILE: FIELD") for its errors."""
+    source = f"{folder / 'tokenizer_config.json'}: chat_template"
     template = tok_config.get("chat_template")
     if isinstance(template, list):  # [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
         template = named.get("default") or next(iter(named.values()), None)
     if template:
-        return template
+        return _template_text(template, source), source
     jinja = folder / "chat_template.jinja"  # newer transformers save it beside the config
     if jinja.is_file():
-        return jinja.read_text(encoding="utf-8")
+        return jinja.read_text(encoding="utf-8"), f"{jinja}: the template"
     legacy = folder / "chat_template.json"
     if legacy.is_file():
-        return _read_json(legacy).get("chat_template")
-    return None
+        source = f"{legacy}: chat_template"
+        return _template_text(_read_json(legacy).get("chat_template"), source), source
+    return None, source
+
+
+def _template_text(template: Any, source: str) -> str | None:
+    if template is not None and not isinstance(template, str):
+        raise CheckpointError(f"{source} is not a string; fix the file")
+    return template

@@ -39,6 +39,14 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def check_layer_count(config: ModelConfig, n_tensors: int, source: str, key: str) -> None:
+    """Refuse a layer count the file cannot hold (each layer has several tensors) before
+    `expected_shapes` loops over it. `key`: where the count came from, for the message."""
+    if config.num_layers > n_tensors:
+        raise CheckpointError(f"{source}: {key} is {config.num_layers}, but the file holds only {n_tensors} tensors; "
+                              f"the file's metadata is corrupt or belongs to another model")
+
+
 def check_tensor_shapes(found: dict[str, tuple[int, ...]], config: ModelConfig, source: str,
                         source_names: dict[str, str] | None = None) -> None:
     """Raise CheckpointError naming `source` if tensors are missing, unexpected or of the wrong shape.

@@ -183,7 +183,8 @@ def load_draft_model(target: DraftTarget, path: str) -> DraftModel:
     model = build_model(ckpt.config, str(target.device), target.model.dtype, tensors=ckpt.tensors, source=str(path),
                         ops=target.ops)
     choose_fused_mlp(model)
-    codec = TextCodec(ckpt.tokenizer, ckpt.chat_template, ckpt.bos_token, ckpt.eos_token)
+    codec = TextCodec(ckpt.tokenizer, ckpt.chat_template, ckpt.bos_token, ckpt.eos_token,
+                      template_source=ckpt.chat_template_source)
     return _draft_model(model, codec, target.max_context, target.prefill_chunk, True, ckpt.sha256, str(path))
 
 

@@ -258,3 +258,109 @@ def test_head_counts_that_cannot_be_right(folder, tmp_path, model, tokenizer):
     load_error(folder, "num_heads 4 is not a multiple of num_kv_heads 3", names=folder / "config.json")
     path = write_gguf(tmp_path / "m.gguf", model, tokenizer, metadata={"llama.attention.head_count_kv": 3})
     load_error(path, "num_kv_heads 3", "inconsistent")
+
+
+# ---- hostile files (issue 38, item 4): every size in a header is bounded by the file before
+# anything is allocated or looped over, and every config value is checked -----------------------
+
+def _patch_u64_after(path: Path, marker: bytes, skip: int, value: int) -> None:
+    """Overwrite the u64 found `skip` bytes after the first `marker` in the file."""
+    data = bytearray(path.read_bytes())
+    struct.pack_into("<Q", data, data.index(marker) + len(marker) + skip, value)
+    path.write_bytes(bytes(data))
+
+
+def _with_key_value(path: Path, raw_kv: bytes) -> None:
+    """Insert one raw metadata item (key, type, value) first and count it in the header."""
+    data = bytearray(path.read_bytes())
+    (n_kv,) = struct.unpack_from("<Q", data, 16)
+    struct.pack_into("<Q", data, 16, n_kv + 1)
+    path.write_bytes(bytes(data[:24]) + raw_kv + bytes(data[24:]))
+
+
+def _gguf_string(text: str) -> bytes:
+    return struct.pack("<Q", len(text)) + text.encode()
+
+
+@pytest.mark.parametrize("metadata, fragments", [
+    ({"llama.block_count": 10**9}, ["metadata llama.block_count is 1000000000", "holds only 21 tensors"]),
+    ({"general.alignment": 0}, ["metadata general.alignment is 0", "power of two"]),
+    ({"general.alignment": 48}, ["metadata general.alignment is 48", "power of two"]),
+    ({"llama.rope.freq_base": float("nan")}, ["metadata llama.rope.freq_base is nan", "finite number > 0"]),
+    ({"llama.rope.freq_base": float("inf")}, ["metadata llama.rope.freq_base is inf", "finite number > 0"]),
+    ({"llama.context_length": 0}, ["metadata llama.context_length is 0", "whole number >= 1"]),
+    ({"llama.attention.layer_norm_rms_epsilon": -1.0}, ["layer_norm_rms_epsilon is -1.0", r"in \(0, 1\)"]),
+    ({"llama.attention.head_count": 0}, ["metadata llama.attention.head_count is 0", "whole number >= 1"]),
+    ({"llama.attention.head_count": 3, "llama.attention.head_count_kv": 3},
+     ["metadata llama.attention.head_count is 3", "must divide hidden_size 64"]),
+    ({"llama.embedding_length": "wide"}, ["metadata llama.embedding_length is 'wide'", "whole number"]),
+    ({"llama.rope.scaling.type": "linear"}, ["metadata llama.rope.scaling.factor is None", "finite number > 0"]),
+], ids=["block-count-1e9", "alignment-0", "alignment-48", "freq-base-nan", "freq-base-inf", "context-0",
+        "negative-eps", "no-heads", "heads-not-dividing", "string-size", "scaling-without-factor"])
+def test_gguf_hostile_metadata_value(tmp_path, model, tokenizer, metadata, fragments):
+    path = write_gguf(tmp_path / "hostile.gguf", model, tokenizer, qtype=QT.Q8_0, metadata=metadata)
+    load_error(path, *fragments)
+
+
+HUGE = 1 << 60
+
+
+@pytest.mark.parametrize("patch, fragments", [
+    (lambda p: _patch_u64_after(p, b"GGUF", 4, HUGE), ["tensor count 1152921504606846976", "download it again"]),
+    (lambda p: _patch_u64_after(p, b"GGUF", 12, HUGE), ["metadata count 1152921504606846976"]),
+    (lambda p: _patch_u64_after(p, b"GGUF", 20, HUGE), ["cut short or corrupt while reading a metadata key"]),
+    (lambda p: _patch_u64_after(p, _gguf_string("tokenizer.ggml.tokens"), 8, HUGE),
+     ["reading metadata 'tokenizer.ggml.tokens'"]),
+    (lambda p: _patch_u64_after(p, _gguf_string("tokenizer.ggml.merges"), 8, HUGE // 8),
+     ["reading metadata 'tokenizer.ggml.merges'"]),
+    (lambda p: _patch_u64_after(p, _gguf_string("general.architecture"), 4, HUGE),
+     ["reading metadata 'general.architecture'"]),
+    (lambda p: _patch_u64_after(p, _gguf_string("blk.0.ffn_down.weight"), 4, 1 << 40),
+     ["tensor 'blk.0.ffn_down.weight' needs bytes", "cut short"]),
+    (lambda p: _with_key_value(p, _gguf_string("nested") + struct.pack("<IIQ", 9, 9, HUGE)),
+     ["reading metadata 'nested'"]),
+], ids=["tensor-count", "kv-count", "key-length", "array-length", "string-array-length", "string-length",
+        "tensor-dims", "array-of-arrays-length"])
+def test_gguf_absurd_header_sizes_fail_before_allocating(gguf_copy, patch, fragments):
+    patch(gguf_copy)
+    load_error(gguf_copy, *fragments)
+
+
+def test_gguf_arrays_nested_20000_deep(gguf_copy):
+    depth = 20_000
+    nested = struct.pack("<I", 9) + struct.pack("<IQ", 9, 1) * (depth - 1) + struct.pack("<IQ", 4, 0)
+    _with_key_value(gguf_copy, _gguf_string("deep") + nested)
+    load_error(gguf_copy, "metadata 'deep' nests arrays more than 8 deep")
+
+
+def test_hf_config_hostile_values(folder):
+    for key, value, fragment in [("rope_theta", float("nan"), "rope_theta is nan"),
+                                 ("max_position_embeddings", 0, "max_position_embeddings is 0"),
+                                 ("num_hidden_layers", 10**9, "num_hidden_layers is 1000000000, but the file holds"),
+                                 ("rms_norm_eps", 0.0, "rms_norm_eps is 0.0")]:
+        config = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps({**config, key: value}))
+        load_error(folder, fragment, names=folder / "config.json")
+        (folder / "config.json").write_text(json.dumps(config))
+
+
+SANDBOX_ESCAPE = "{{ messages.__class__.__mro__[1].__subclasses__() }}"
+
+
+def test_chat_template_the_sandbox_blocks_is_a_model_error(tmp_path, model, tokenizer):
+    from batchd.engine.errors import BadInputError
+    from batchd.engine.text import TextCodec
+
+    path = write_gguf(tmp_path / "escape.gguf", model, tokenizer, metadata={"tokenizer.chat_template": SANDBOX_ESCAPE})
+    ckpt = load_checkpoint(path)
+    codec = TextCodec(ckpt.tokenizer, ckpt.chat_template, template_source=ckpt.chat_template_source)
+    with pytest.raises(CheckpointError) as info:
+        codec.encode_request(None, [{"role": "user", "content": "hi"}], chat=True)
+    message = str(info.value)
+    assert message.startswith(f"{path}: metadata tokenizer.chat_template: the Jinja sandbox blocks"), message
+    assert "\n" not in message and info.value.kind == "model_error"
+    refusing = TextCodec(ckpt.tokenizer, "{{ raise_exception('roles must alternate') }}")
+    with pytest.raises(BadInputError, match="the chat template refuses these messages: roles must alternate"):
+        refusing.encode_request("hi", None, chat=True)
+    with pytest.raises(CheckpointError, match=r"x.json: chat_template: the chat template is not valid Jinja \(line 1"):
+        TextCodec(ckpt.tokenizer, "{% for %}", template_source="x.json: chat_template")

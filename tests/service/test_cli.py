@@ -98,3 +98,21 @@ def test_lines_no_database_stores_are_rejected_one_by_one(env, tmp_path):
     rejected = out.stderr.decode().splitlines()
     assert len(rejected) == 5   # each under its line, not under the custom_id it named
     assert all(line.startswith(f"rejected {path}:{n}: line {n}: ") for n, line in enumerate(rejected, start=2))
+
+
+@pytest.mark.parametrize("metadata, args, words", [
+    ({"general.alignment": 0}, [], "model_error: {path}: metadata general.alignment is 0, but it must be a power"),
+    ({"llama.block_count": 10**9}, [], "model_error: {path}: metadata llama.block_count is 1000000000"),
+    ({"tokenizer.chat_template": "{{ messages.__class__.__mro__[1].__subclasses__() }}"}, ["--chat"],
+     "model_error: {path}: metadata tokenizer.chat_template: the Jinja sandbox blocks the chat template"),
+], ids=["alignment-0", "block-count-1e9", "sandboxed-template"])
+def test_generate_with_a_hostile_checkpoint_is_one_line(tmp_path, metadata, args, words):
+    """Issue 38: these gave a ZeroDivisionError traceback, a hang, a SecurityError traceback."""
+    from tests.engine.test_checkpoint_builders import tiny_hf_model, tiny_tokenizer, write_gguf
+
+    tokenizer = tiny_tokenizer()
+    path = write_gguf(tmp_path / "bad.gguf", tiny_hf_model("llama", tokenizer.get_vocab_size()), tokenizer,
+                      metadata=metadata)
+    env = service_env(f"sqlite:///{tmp_path / 'unused.db'}", None, tmp_path / "data", "x")
+    result = batchd_cli(["generate", "--model", str(path), "--prompt", "hi", "--max-new-tokens", "2", *args], env)
+    assert one_line_error(result).startswith("Error: " + words.format(path=path))

@@ -8,7 +8,9 @@ for it (`capabilities`, which the feature gate in engine.capabilities enforces).
 (engine.model) is one module for all of them, switched by the flags in `ModelConfig`.
 
 Adding an architecture is adding a row here (and, for a new kind of layer, its flag in
-ModelConfig and engine.model). Rows are looked up with `architecture(name)`.
+ModelConfig and engine.model). An architecture too different for that flags its own package in
+`model` (deepseek_v4: engine.deepseek_v4), and `capabilities.served` says whether the worker's
+Engine runs it yet. Rows are looked up with `architecture(name)`.
 """
 from __future__ import annotations
 
@@ -21,10 +23,17 @@ from batchd.engine.errors import CheckpointError
 @dataclass(frozen=True)
 class Capabilities:
     speculation: tuple[str, ...]  # methods besides "none"
-    compression: bool  # PFlash prompt compression with a drafter
+    compression: bool  # PFlash prompt compression with a drafter (as the target)
     attention: tuple[str, ...]  # "dense", "sparse"
     devices: tuple[str, ...]
     note: str = ""
+    pflash_drafter: bool = True  # can score prompts for PFlash (a drafter, or the target drafting for itself)
+    served: bool = True  # the worker's Engine and batch engine run it (else: its own module, token ids)
+    # why a refused option does not apply, by option ("--attention sparse"): the refusal says it
+    reasons: tuple[tuple[str, str], ...] = ()
+
+    def reason(self, option: str) -> str:
+        return dict(self.reasons).get(option, "")
 
 
 def _from_config_json(cfg: dict) -> bool:
@@ -39,8 +48,10 @@ def _gguf_has_q_bias(tensor_names: set[str]) -> bool:
 class Architecture:
     name: str  # ours: ModelConfig.architecture
     hf_class: str  # config.json "architectures" entry (the first is written when we save one)
-    gguf_name: str  # GGUF general.architecture (its metadata keys start with it)
+    gguf_name: str  # GGUF general.architecture (its metadata keys start with it); "" if batchd reads no GGUF of it
     capabilities: Capabilities
+    # the module that builds it: "transformer" (engine.model, from a ModelConfig) or its own package
+    model: str = "transformer"
     attention_bias: bool = False  # q, k, v projections always carry a bias (qwen2)
     qk_norm: bool = False  # RMSNorm over head_dim on q and k before rope (qwen3)
     # llama.cpp's converter permutes q/k rows per head for its interleaved rope: undone on load
@@ -65,13 +76,29 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
                  Capabilities(*_ALL, "Qwen2 / Qwen2.5 (bias on q, k, v)"), attention_bias=True),
     Architecture("qwen3", "Qwen3ForCausalLM", "qwen3",
                  Capabilities(*_ALL, "Qwen3 (RMSNorm on q and k)"), qk_norm=True),
+    # DeepSeek V4 (engine.deepseek_v4, docs/deepseek_v4.md). Verify rows and rollback work for
+    # every part of its cache, so lookup and draft speculation apply; PFlash applies with a
+    # separate drafter (it compresses the text before V4 sees it); batchd's block-sparse decode
+    # does not (V4 attends sparsely by design), nor can V4 score prompts for PFlash.
+    Architecture("deepseek_v4", "DeepseekV4ForCausalLM", "", Capabilities(
+        ("lookup", "draft"), True, ("dense",), ("cpu", "cuda"),
+        "DeepSeek V4 (sliding window + CSA/HCA compressed attention, MoE, hyper-connections): token ids "
+        "through engine.deepseek_v4; the worker's Engine and batch engine do not serve it yet, and its MTP "
+        "layer (mtp.* weights) is not wired as a drafter (issue 37)",
+        pflash_drafter=False, served=False, reasons=(
+            ("--attention sparse", "V4 already attends sparsely (a 128-row window, the indexer's top-k of "
+                                   "compressed entries); batchd's block-sparse decode does not apply"),
+            ("pflash drafter", "PFlash scores prompts from dense attention rows, which V4's windowed and "
+                               "compressed attention does not have; give a small dense drafter "
+                               "(--compress-drafter)"))),
+        model="deepseek_v4"),
 )}
 
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 # config.json "architectures" entries -> our architecture name
 HF_ARCHITECTURE_NAMES = {a.hf_class: a.name for a in ARCHITECTURES.values()}
 # GGUF general.architecture -> our architecture name
-GGUF_ARCHITECTURES = {a.gguf_name: a.name for a in ARCHITECTURES.values()}
+GGUF_ARCHITECTURES = {a.gguf_name: a.name for a in ARCHITECTURES.values() if a.gguf_name}
 
 
 def architecture(name: str) -> Architecture:

@@ -45,7 +45,8 @@ def check_features(architecture: str, device: str, *, spec: str = "none", compre
     if compress != "off" and not caps.compression:
         raise UnsupportedFeatureError(f"--compress {compress} is not supported for {where}")
     if attention not in caps.attention:
-        raise UnsupportedFeatureError(f"--attention {attention} is not supported for {where}")
+        why = caps.reason(f"--attention {attention}")
+        raise UnsupportedFeatureError(f"--attention {attention} is not supported for {where}" + (f": {why}" if why else ""))
     if attention == "sparse" and head_dim & (head_dim - 1):
         raise UnsupportedFeatureError(
             f"--attention sparse needs a power-of-two head_dim; {architecture} has {head_dim}; use dense")
@@ -82,10 +83,15 @@ def check_compression(architecture: str, device: str, options, *, drafter_archit
         raise UnsupportedFeatureError(f"--compress-threshold {threshold} is negative; use a token count >= 0")
     if drafter_architecture is not None:
         drafter_caps = CAPABILITIES.get(drafter_architecture)
-        if drafter_caps is None or not drafter_caps.compression:
-            supported = ", ".join(a for a, c in CAPABILITIES.items() if c.compression)
+        if drafter_caps is None or not (drafter_caps.compression and drafter_caps.pflash_drafter):
+            supported = ", ".join(a for a, c in CAPABILITIES.items() if c.compression and c.pflash_drafter)
+            why = drafter_caps.reason("pflash drafter") if drafter_caps is not None else ""
             raise UnsupportedFeatureError(f"--compress-drafter {drafter_path or ''}: architecture "
-                                          f"{drafter_architecture!r} cannot be a PFlash drafter (supported: {supported})")
+                                          f"{drafter_architecture!r} cannot be a PFlash drafter (supported: {supported})"
+                                          + (f"; {why}" if why else ""))
+    elif self_drafting and not capabilities_for(architecture).pflash_drafter:
+        raise UnsupportedFeatureError(f"--compress {mode} without --compress-drafter would have {architecture} draft "
+                                      f"for itself: {capabilities_for(architecture).reason('pflash drafter')}")
     if ratio == 1.0:
         notes.append("--keep-ratio 1.0 keeps every chunk: PFlash scores the prompt but compresses nothing")
     if self_drafting:

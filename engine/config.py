@@ -41,6 +41,9 @@ class ModelConfig:
                 f"unsupported architecture {self.architecture!r}; batchd runs "
                 f"{', '.join(SUPPORTED_ARCHITECTURES)}"
             )
+        if architecture(self.architecture).model != "transformer":
+            raise CheckpointError(f"{self.architecture} has its own model package "
+                                  f"(engine.{architecture(self.architecture).model}), not ModelConfig")
         if self.head_dim == 0:
             self.head_dim = self.hidden_size // self.num_heads
         if self.num_heads % self.num_kv_heads:
@@ -65,6 +68,9 @@ class ModelConfig:
                 f"{', '.join(SUPPORTED_ARCHITECTURES)}"
             )
         row = architecture(arch)
+        if row.model != "transformer":  # the feature gate at start: a worker told to serve it stops here
+            raise CheckpointError(f"{source}: {arch} is not served by the worker engine yet: "
+                                  f"{row.capabilities.note}")
         eos = cfg.get("eos_token_id")
         eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
         try:

@@ -190,3 +190,41 @@ def test_missing_tensor_names_the_layout(tmp_path):
     save_file(tensors, str(tmp_path / "model.safetensors"))
     with pytest.raises(CheckpointError, match="missing.*layers.2.self_attn.compressor.position_bias"):
         load_folder(tmp_path)
+
+
+# ---- the feature gate row (engine.architectures, enforced by engine.capabilities) ----------------
+
+def test_a_worker_asked_to_serve_v4_stops_at_start_with_what_remains(tmp_path):
+    from batchd.engine.checkpoint import load_checkpoint
+
+    reference_model().save_pretrained(tmp_path)
+    with pytest.raises(CheckpointError, match="not served by the worker engine yet.*MTP layer"):
+        load_checkpoint(tmp_path)
+
+
+@pytest.mark.parametrize("spec", ["lookup", "draft"])
+def test_v4_admits_lookup_and_draft_speculation(spec):
+    from batchd.engine.capabilities import check_features
+
+    assert check_features("deepseek_v4", "cuda", spec=spec) == []
+
+
+def test_v4_refuses_block_sparse_attention_and_says_why():
+    from batchd.engine.capabilities import check_features
+    from batchd.engine.errors import UnsupportedFeatureError
+
+    with pytest.raises(UnsupportedFeatureError, match="attends sparsely"):
+        check_features("deepseek_v4", "cuda", attention="sparse")
+
+
+def test_v4_compresses_with_a_dense_drafter_but_never_drafts_for_pflash():
+    from batchd.engine.capabilities import check_compression
+    from batchd.engine.errors import UnsupportedFeatureError
+    from batchd.engine.types import CompressionOptions
+
+    options = CompressionOptions(mode="always", drafter_path="/models/qwen3-0.6b")
+    assert check_compression("deepseek_v4", "cuda", options, drafter_architecture="qwen3") == []
+    with pytest.raises(UnsupportedFeatureError, match="dense attention rows"):
+        check_compression("deepseek_v4", "cuda", CompressionOptions(mode="always"), self_drafting=True)
+    with pytest.raises(UnsupportedFeatureError, match="cannot be a PFlash drafter"):
+        check_compression("llama", "cuda", options, drafter_architecture="deepseek_v4")

@@ -71,9 +71,9 @@ class Attention(nn.Module):
         q_residual = self.q_a_norm(self.q_a_proj(x))                                   # [B, T, R]
         q = self.q_b_proj(q_residual).view(B, T, self.num_heads, self.head_dim)
         q = apply_rope(unweighted_rms_norm(q, self.eps), cos[:, None], sin[:, None])   # [B, T, Hq, D]
-        cache.rows[:, start:end] = apply_rope(self.kv_norm(self.kv_proj(x)), cos, sin).to(cache.rows.dtype)
+        cache.rows.write(start, apply_rope(self.kv_norm(self.kv_proj(x)), cos, sin))
         first = max(0, start - self.window + 1)  # the oldest row any query of this step sees
-        keys = cache.rows[:, first:end].to(x.dtype)                                    # [B, L, D]
+        keys = cache.rows.read(first, end).to(x.dtype)                                 # [B, L, D]
         key_pos = torch.arange(first, end, device=x.device)
         in_window = (key_pos[None] <= positions[:, None]) & (key_pos[None] > positions[:, None] - self.window)
         mask = in_window.expand(B, T, -1)                                              # [B, T, L]
@@ -91,13 +91,13 @@ class Attention(nn.Module):
         compressor = self.compressor
         compressor.store(x, cache.compressor, start)
         n = compressor.close_windows(cache.compressor, start, end, rope)
-        entries = cache.compressor.entries[:, :n]
+        entries = cache.compressor.entries.read(0, n)
         if self.kind != CSA:
             return entries, visible_entries(positions, n, compressor.rate).expand(x.shape[0], -1, -1)
         indexer = compressor.indexer
         indexer.store(x, cache.indexer, start)
         indexer.close_windows(cache.indexer, start, end, rope)
-        chosen = indexer.select(x, q_residual, positions, cache.indexer.entries[:, :n], rope)
+        chosen = indexer.select(x, q_residual, positions, cache.indexer.entries.read(0, n), rope)
         return entries, chosen
 
 

@@ -8,6 +8,9 @@ Per layer (docs/deepseek_v4.md has the paged layout this maps onto):
   2 D for CSA's two overlapping series), and `entries` [B, max_len // m, De], entry w made from
   positions [w m, (w + 1) m) (and, CSA, the window before) once they are all in.
 
+Attention and the compressors reach each part through `read(first, end)` / `write(first, values)`
+by index (`ContiguousStore` here; engine.deepseek_v4.paged stores the same parts in a block pool).
+
 Everything is a function of the positions below `length`: entry w is valid iff (w + 1) m <= length,
 and is recomputed from the stored projections whenever its window closes again. So rolling back a
 rejected draft is moving `length` (`truncate`), for every part alike; transformers' cache, which
@@ -25,33 +28,53 @@ from batchd.engine.deepseek_v4.config import CSA, SLIDING, V4Config
 from batchd.engine.errors import PromptTooLongError
 
 
+class ContiguousStore:
+    """Rows of one part for B sequences in one buffer [B, N, C], read and written by index."""
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.tensor.dtype
+
+    def read(self, first: int, end: int) -> torch.Tensor:
+        """-> [B, end - first, C]."""
+        return self.tensor[:, first:end]
+
+    def write(self, first: int, values: torch.Tensor) -> None:
+        """values [B, n, C] -> indices [first, first + n)."""
+        self.tensor[:, first : first + values.shape[1]] = values.to(self.tensor.dtype)
+
+
 @dataclass
 class CompressorState:
     """One compressor's rows: per-position projections and the entries made from them."""
 
     rate: int  # source positions per entry (m)
-    kv: torch.Tensor  # [B, max_len, C]
-    gate: torch.Tensor  # [B, max_len, C]
-    entries: torch.Tensor  # [B, max_len // m, De]
+    kv: ContiguousStore  # by position: [B, max_len, C]
+    gate: ContiguousStore  # by position: [B, max_len, C]
+    entries: ContiguousStore  # by entry index: [B, max_len // m, De]
 
     @classmethod
     def empty(cls, rate: int, width: int, entry_dim: int, batch: int, max_len: int, device, dtype) -> "CompressorState":
-        zeros = lambda *shape: torch.zeros(shape, device=device, dtype=dtype)  # noqa: E731
+        def zeros(*shape):
+            return ContiguousStore(torch.zeros(shape, device=device, dtype=dtype))
         return cls(rate, zeros(batch, max_len, width), zeros(batch, max_len, width),
                    zeros(batch, max_len // rate, entry_dim))
 
     def tensors(self) -> list[torch.Tensor]:
-        return [self.kv, self.gate, self.entries]
+        return [self.kv.tensor, self.gate.tensor, self.entries.tensor]
 
 
 @dataclass
 class LayerCache:
-    rows: torch.Tensor  # [B, max_len, D]
+    rows: ContiguousStore  # by position: [B, max_len, D]
     compressor: Optional[CompressorState] = None
     indexer: Optional[CompressorState] = None
 
     def tensors(self) -> list[torch.Tensor]:
-        parts = [self.rows]
+        parts = [self.rows.tensor]
         for state in (self.compressor, self.indexer):
             if state is not None:
                 parts += state.tensors()
@@ -66,7 +89,8 @@ class V4Cache:
         self.max_len, self.length = max_len, 0
         self.layers: list[LayerCache] = []
         for i, kind in enumerate(config.layer_types):
-            layer = LayerCache(torch.zeros(batch_size, max_len, config.head_dim, device=device, dtype=dtype))
+            layer = LayerCache(ContiguousStore(torch.zeros(batch_size, max_len, config.head_dim, device=device,
+                                                          dtype=dtype)))
             if kind != SLIDING:
                 rate = config.compress_rate(i)
                 width = 2 * config.head_dim if kind == CSA else config.head_dim
@@ -78,11 +102,11 @@ class V4Cache:
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.layers[0].rows.dtype
+        return self.layers[0].rows.tensor.dtype
 
     @property
     def device(self) -> torch.device:
-        return self.layers[0].rows.device
+        return self.layers[0].rows.tensor.device
 
     @property
     def nbytes(self) -> int:

@@ -38,23 +38,22 @@ class Compressor(nn.Module):
 
     def store(self, hidden: torch.Tensor, state: CompressorState, start: int) -> None:
         """hidden [B, T, H] at positions [start, start + T) -> their projections into `state`."""
-        end = start + hidden.shape[1]
-        state.kv[:, start:end] = self.kv_proj(hidden).to(state.kv.dtype)
-        state.gate[:, start:end] = self.gate_proj(hidden).to(state.gate.dtype)
+        state.kv.write(start, self.kv_proj(hidden))
+        state.gate.write(start, self.gate_proj(hidden))
 
     def close_windows(self, state: CompressorState, start: int, end: int, rope: RopeTable) -> int:
         """Write the entries of every window that closes within positions [start, end);
         -> the number of entries valid at `end`."""
         first, last = start // self.rate, end // self.rate
         if last > first:
-            state.entries[:, first:last] = self.entries(state, first, last, rope).to(state.entries.dtype)
+            state.entries.write(first, self.entries(state, first, last, rope))
         return last
 
     def entries(self, state: CompressorState, first: int, last: int, rope: RopeTable) -> torch.Tensor:
         """Entries of windows [first, last) -> [B, last - first, entry_dim]."""
         m, d, n = self.rate, self.entry_dim, last - first
-        kv = state.kv[:, first * m : last * m].unflatten(1, (n, m))                          # [B, n, m, C]
-        gate = state.gate[:, first * m : last * m].unflatten(1, (n, m)) + self.position_bias
+        kv = state.kv.read(first * m, last * m).unflatten(1, (n, m))                         # [B, n, m, C]
+        gate = state.gate.read(first * m, last * m).unflatten(1, (n, m)) + self.position_bias
         if self.overlap:
             kv, gate = self._overlapping_slots(state, kv, gate, first)                       # [B, n, 2m, d]
         pooled = (kv * gate.softmax(dim=2, dtype=torch.float32).to(kv.dtype)).sum(dim=2)     # [B, n, d]
@@ -72,8 +71,8 @@ class Compressor(nn.Module):
         slots_kv[:, :, m:], slots_gate[:, :, m:] = kv[..., d:], gate[..., d:]
         slots_kv[:, 1:, :m], slots_gate[:, 1:, :m] = kv[:, :-1, :, :d], gate[:, :-1, :, :d]
         if first > 0:  # the window before this step's first: from the stored projections
-            slots_kv[:, 0, :m] = state.kv[:, (first - 1) * m : first * m, :d]
-            slots_gate[:, 0, :m] = state.gate[:, (first - 1) * m : first * m, :d] + self.position_bias[:, :d]
+            slots_kv[:, 0, :m] = state.kv.read((first - 1) * m, first * m)[..., :d]
+            slots_gate[:, 0, :m] = state.gate.read((first - 1) * m, first * m)[..., :d] + self.position_bias[:, :d]
         return slots_kv, slots_gate
 
 

@@ -5,6 +5,9 @@ tensor names, per-expert weights), then loaded by engine.deepseek_v4.load_folder
 appears: a sliding-window layer, CSA layers (entries every 4 tokens, the indexer keeping 3) and an
 HCA layer (every 16 tokens), hash-routed then learned-routed MoE, two hyper-connection streams.
 The prompt (70 tokens) is longer than the window (8) and than several blocks of both compressors.
+The indexer has 8 heads: with 2, a quarter of its scores are exactly 0 (every head's ReLU zero),
+and top-k's tie-breaking, which follows the length of each forward's candidate list (in
+transformers too), would make outputs depend on how a sequence is cut into forwards.
 """
 from __future__ import annotations
 
@@ -23,7 +26,7 @@ from batchd.engine.errors import CheckpointError  # noqa: E402
 PROMPT_LEN, WINDOW, CSA_RATE, HCA_RATE = 70, 8, 4, 16
 TINY = dict(vocab_size=256, hidden_size=64, moe_intermediate_size=32, num_hidden_layers=4, num_attention_heads=4,
             head_dim=32, q_lora_rank=48, num_experts_per_tok=2, n_routed_experts=4, sliding_window=WINDOW,
-            o_groups=2, o_lora_rank=16, index_n_heads=2, index_head_dim=16, index_topk=3, hc_mult=2,
+            o_groups=2, o_lora_rank=16, index_n_heads=8, index_head_dim=16, index_topk=3, hc_mult=2,
             partial_rotary_factor=0.25, max_position_embeddings=512,
             compress_rates={"compressed_sparse_attention": CSA_RATE, "heavily_compressed_attention": HCA_RATE},
             layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",

@@ -83,8 +83,8 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
     Architecture("deepseek_v4", "DeepseekV4ForCausalLM", "", Capabilities(
         ("lookup", "draft"), True, ("dense",), ("cpu", "cuda"),
         "DeepSeek V4 (sliding window + CSA/HCA compressed attention, MoE, hyper-connections): token ids "
-        "through engine.deepseek_v4; the worker's Engine and batch engine do not serve it yet, and its MTP "
-        "layer (mtp.* weights) is not wired as a drafter (issue 37)",
+        "through engine.deepseek_v4 (one sequence, or many with its V4BatchEngine); the worker's Engine does "
+        "not serve it yet, and its MTP layer (mtp.* weights) is not wired as a drafter (issue 37)",
         pflash_drafter=False, served=False, reasons=(
             ("--attention sparse", "V4 already attends sparsely (a 128-row window, the indexer's top-k of "
                                    "compressed entries); batchd's block-sparse decode does not apply"),

@@ -231,3 +231,49 @@ def test_v4_compresses_with_a_dense_drafter_but_never_drafts_for_pflash():
         check_compression("deepseek_v4", "cuda", CompressionOptions(mode="always"), self_drafting=True)
     with pytest.raises(UnsupportedFeatureError, match="cannot be a PFlash drafter"):
         check_compression("llama", "cuda", options, drafter_architecture="deepseek_v4")
+
+
+# ---- config.json as the upstream checkpoint writes it, and bfloat16 ------------------------------
+
+LEGACY = dict({k: v for k, v in TINY.items() if k not in ("layer_types", "mlp_layer_types", "compress_rates",
+                                                           "partial_rotary_factor")},
+              compress_ratios=[0, 4, 128, 4], num_hash_layers=1, qk_rope_head_dim=8, compress_rope_theta=160000.0,
+              rope_scaling={"type": "yarn", "factor": 16.0, "original_max_position_embeddings": 64,
+                            "beta_fast": 32, "beta_slow": 1})
+
+
+def test_legacy_config_keys_read_as_transformers_reads_them():
+    """compress_ratios, num_hash_layers, qk_rope_head_dim and a flat yarn rope_scaling (the
+    upstream config.json): the same layer kinds and rope frequencies as transformers derives."""
+    from batchd.engine.deepseek_v4 import V4Config
+    from batchd.engine.deepseek_v4.rope import inverse_frequencies
+
+    reference = transformers.DeepseekV4ForCausalLM(transformers.DeepseekV4Config(**LEGACY))
+    ours = V4Config.from_hf_dict(LEGACY)
+    assert ours.layer_types == reference.config.layer_types and ours.mlp_layer_types == reference.config.mlp_layer_types
+    rotary = reference.model.rotary_emb
+    for family, params in (("main", ours.rope_main), ("compress", ours.rope_compress)):
+        inv_freq, scale = inverse_frequencies(params, ours.rope_dim)
+        assert torch.allclose(inv_freq, getattr(rotary, f"{family}_inv_freq"))
+        assert scale == getattr(rotary, f"{family}_attention_scaling")
+    assert ours.rope_compress.rope_type == "yarn"
+
+
+def test_a_config_with_the_wrong_number_of_layer_kinds_names_the_file():
+    from batchd.engine.deepseek_v4 import V4Config
+
+    with pytest.raises(CheckpointError, match="config.json: layer_types has 3 entries for 4 layers"):
+        V4Config.from_hf_dict(dict(TINY, layer_types=TINY["layer_types"][:3]))
+
+
+def test_bfloat16_is_as_close_to_float32_as_transformers_bfloat16(tmp_path):
+    """bf16 is not bitwise transformers' (casts fall in other places); both keep the same parts
+    in float32, and ours must stay as close to the float32 logits as theirs."""
+    reference = reference_model()
+    reference.save_pretrained(tmp_path)
+    theirs_bf16 = transformers.DeepseekV4ForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16).eval()
+    ours_bf16, _ = load_folder(tmp_path, dtype=torch.bfloat16)
+    ids = prompt()
+    exact = reference_step(reference, ids, None)
+    ours = ours_bf16(ids, ours_bf16.new_cache(128))
+    assert relative_error(ours, exact) <= 1.5 * relative_error(reference_step(theirs_bf16, ids, None), exact)

@@ -9,8 +9,8 @@ for it (`capabilities`, which the feature gate in engine.capabilities enforces).
 
 Adding an architecture is adding a row here (and, for a new kind of layer, its flag in
 ModelConfig and engine.model). An architecture too different for that flags its own package in
-`model` (deepseek_v4: engine.deepseek_v4), and `capabilities.served` says whether the worker's
-Engine runs it yet. Rows are looked up with `architecture(name)`.
+`model` (deepseek_v4: engine.deepseek_v4, whose own engine `Engine.load` returns for its
+checkpoints). Rows are looked up with `architecture(name)`.
 """
 from __future__ import annotations
 
@@ -28,7 +28,6 @@ class Capabilities:
     devices: tuple[str, ...]
     note: str = ""
     pflash_drafter: bool = True  # can score prompts for PFlash (a drafter, or the target drafting for itself)
-    served: bool = True  # the worker's Engine and batch engine run it (else: its own module, token ids)
     # why a refused option does not apply, by option ("--attention sparse"): the refusal says it
     reasons: tuple[tuple[str, str], ...] = ()
 
@@ -76,16 +75,21 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
                  Capabilities(*_ALL, "Qwen2 / Qwen2.5 (bias on q, k, v)"), attention_bias=True),
     Architecture("qwen3", "Qwen3ForCausalLM", "qwen3",
                  Capabilities(*_ALL, "Qwen3 (RMSNorm on q and k)"), qk_norm=True),
-    # DeepSeek V4 (engine.deepseek_v4, docs/deepseek_v4.md). Verify rows and rollback work for
-    # every part of its cache, so lookup and draft speculation apply; PFlash applies with a
-    # separate drafter (it compresses the text before V4 sees it); batchd's block-sparse decode
-    # does not (V4 attends sparsely by design), nor can V4 score prompts for PFlash.
+    # DeepSeek V4 (engine.deepseek_v4, docs/deepseek_v4.md), served by its own engine
+    # (engine.deepseek_v4.serving.V4Engine, which Engine.load returns for a V4 folder). What this
+    # build runs: prompt lookup (verify rows and rollback work for every part of its cache). Not
+    # yet: draft speculation (its drafter is the MTP layer) and PFlash (text-level, so it will apply
+    # with a dense drafter). Never: batchd's block-sparse decode, or V4 scoring prompts for PFlash.
     Architecture("deepseek_v4", "DeepseekV4ForCausalLM", "", Capabilities(
-        ("lookup", "draft"), True, ("dense",), ("cpu", "cuda"),
-        "DeepSeek V4 (sliding window + CSA/HCA compressed attention, MoE, hyper-connections): token ids "
-        "through engine.deepseek_v4 (one sequence, or many with its V4BatchEngine); the worker's Engine does "
-        "not serve it yet, and its MTP layer (mtp.* weights) is not wired as a drafter (issue 37)",
-        pflash_drafter=False, served=False, reasons=(
+        ("lookup",), False, ("dense",), ("cpu", "cuda"),
+        "DeepSeek V4 (sliding window + CSA/HCA compressed attention, MoE, hyper-connections): engine.deepseek_v4, "
+        "its batch engine over the scheduler and a paged pool; the MTP layer (mtp.* weights) is not wired as a "
+        "drafter yet (issue 37)",
+        pflash_drafter=False, reasons=(
+            ("--spec draft", "its drafter is its MTP layer (mtp.* weights), which is not wired yet (issue 37); "
+                             "use --spec lookup"),
+            ("--compress", "PFlash is not wired into V4's engine yet (issue 37; it will take a small dense "
+                           "--compress-drafter); submit with --compress off"),
             ("--attention sparse", "V4 already attends sparsely (a 128-row window, the indexer's top-k of "
                                    "compressed entries); batchd's block-sparse decode does not apply"),
             ("pflash drafter", "PFlash scores prompts from dense attention rows, which V4's windowed and "

@@ -41,12 +41,12 @@ def check_features(architecture: str, device: str, *, spec: str = "none", compre
     if device_type not in caps.devices:
         raise UnsupportedFeatureError(f"device {device_type!r} is not supported for {architecture}")
     if spec != "none" and spec not in caps.speculation:
-        raise UnsupportedFeatureError(f"--spec {spec} is not supported for {where}")
+        raise UnsupportedFeatureError(f"--spec {spec} is not supported for {where}" + _because(caps, f"--spec {spec}"))
     if compress != "off" and not caps.compression:
-        raise UnsupportedFeatureError(f"--compress {compress} is not supported for {where}")
+        raise UnsupportedFeatureError(f"--compress {compress} is not supported for {where}" + _because(caps, "--compress"))
     if attention not in caps.attention:
-        why = caps.reason(f"--attention {attention}")
-        raise UnsupportedFeatureError(f"--attention {attention} is not supported for {where}" + (f": {why}" if why else ""))
+        raise UnsupportedFeatureError(f"--attention {attention} is not supported for {where}"
+                                      + _because(caps, f"--attention {attention}"))
     if attention == "sparse" and head_dim & (head_dim - 1):
         raise UnsupportedFeatureError(
             f"--attention sparse needs a power-of-two head_dim; {architecture} has {head_dim}; use dense")
@@ -55,6 +55,12 @@ def check_features(architecture: str, device: str, *, spec: str = "none", compre
     if attention == "sparse" and device_type != "cuda":
         notes.append("sparse attention on the CPU runs the PyTorch reference (slow; for tests)")
     return notes
+
+
+def _because(caps: Capabilities, option: str) -> str:
+    """': why', where the row says why `option` does not apply."""
+    why = caps.reason(option)
+    return f": {why}" if why else ""
 
 
 COMPRESS_MODES = ("off", "auto", "always")
@@ -76,7 +82,7 @@ def check_compression(architecture: str, device: str, options, *, drafter_archit
         return notes
     if not capabilities_for(architecture).compression:
         raise UnsupportedFeatureError(f"--compress {mode} is not supported for architecture {architecture} "
-                                      f"on {device_type}")
+                                      f"on {device_type}" + _because(capabilities_for(architecture), "--compress"))
     if not 0.0 < ratio <= 1.0:
         raise UnsupportedFeatureError(f"--keep-ratio {ratio} is outside (0, 1]; use e.g. 0.1 to keep a tenth")
     if threshold < 0:

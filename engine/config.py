@@ -68,9 +68,9 @@ class ModelConfig:
                 f"{', '.join(SUPPORTED_ARCHITECTURES)}"
             )
         row = architecture(arch)
-        if row.model != "transformer":  # the feature gate at start: a worker told to serve it stops here
-            raise CheckpointError(f"{source}: {arch} is not served by the worker engine yet: "
-                                  f"{row.capabilities.note}")
+        if row.model != "transformer":  # e.g. a V4 checkpoint named as a drafter
+            raise CheckpointError(f"{source}: {arch} has its own model (engine.{row.model}): Engine.load serves "
+                                  "its folder as a target; it cannot be a drafter")
         eos = cfg.get("eos_token_id")
         eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
         try:

@@ -16,12 +16,15 @@ refused until the MTP layer is wired.
 """
 from __future__ import annotations
 
+import time
 from typing import Callable, Optional
 
 import torch
 
-from batchd.engine.batch.scheduler import Scheduler
+from batchd.engine.batch.batch_engine import BatchOptions
+from batchd.engine.batch.scheduler import Scheduler, StepPlan
 from batchd.engine.batch.sequence import Sequence
+from batchd.engine.capabilities import capabilities_for
 from batchd.engine.deepseek_v4.model import DeepseekV4
 from batchd.engine.deepseek_v4.paged import PagedV4Pool
 from batchd.engine.errors import BadInputError, PromptTooLongError, UnsupportedFeatureError
@@ -30,7 +33,7 @@ from batchd.engine.speculative.adaptive import best_width, check_width
 from batchd.engine.speculative.proposers import PromptLookupProposer
 from batchd.engine.speculative.verify import rejection_sample
 from batchd.engine.stopping import StopChecker
-from batchd.engine.types import GenerationRequest
+from batchd.engine.types import GenerationRequest, Telemetry
 
 MAX_LOOKUP_WIDTH = 8
 
@@ -55,15 +58,24 @@ class V4BatchEngine:
         self.pool = PagedV4Pool(model.config, num_blocks or 8 * blocks_per_context, block_size, model.device, model.dtype)
         self.scheduler = Scheduler(self.pool.blocks, chunk=chunk, max_step_tokens=max_step_tokens or chunk,
                                    max_running=max_running, prefix_sharing=prefix_sharing)
+        # what engine.batch.generate.BatchSession and the worker read of a batch engine
+        self.options = BatchOptions(block_size=block_size, max_running=max_running, prefill_chunk=chunk,
+                                    prefix_sharing=prefix_sharing)
+        self.last_plan: Optional[StepPlan] = None
         self._proposers: dict[int, PromptLookupProposer] = {}
         self._next_id = 0
         model.setup_rope(max_context)
 
     @property
+    def cache(self) -> PagedV4Pool:
+        return self.pool
+
+    @property
     def has_work(self) -> bool:
         return self.scheduler.has_work
 
-    def submit(self, prompt_ids: list[int], request: GenerationRequest) -> Sequence:
+    def submit(self, prompt_ids: list[int], request: GenerationRequest,
+               telemetry: Optional[Telemetry] = None) -> Sequence:
         """Queue one request; BadInputError, UnsupportedFeatureError or PromptTooLongError for it alone."""
         sampling, spec = request.sampling, request.speculation
         if not prompt_ids:
@@ -73,8 +85,8 @@ class V4BatchEngine:
                                      f"{sampling.max_new_tokens}: more than the {self.max_context}-token context; "
                                      "shorten the document or lower max_new_tokens")
         if spec.method == "draft":
-            raise UnsupportedFeatureError("--spec draft for deepseek_v4 needs its MTP layer as the drafter, which is "
-                                          "not wired yet (issue 37); use --spec lookup")
+            raise UnsupportedFeatureError("--spec draft is not supported for deepseek_v4: "
+                                          + capabilities_for("deepseek_v4").reason("--spec draft"))
         check_width(spec.width)
         stopper = StopChecker(self.eos_ids, sampling.max_new_tokens, sampling.stop, decode=self.decode_text,
                               ignore_eos=sampling.ignore_eos)
@@ -86,6 +98,8 @@ class V4BatchEngine:
             raise PromptTooLongError(f"the request does not fit the KV pool ({exc}); lower max_new_tokens") from None
         if spec.method == "lookup":
             self._proposers[seq.seq_id] = PromptLookupProposer(self.model.device)
+            if spec.drafter_path and telemetry is not None:
+                telemetry.notes.append("--drafter has no effect with --spec lookup")
         return seq
 
     def cancel(self, seq: Sequence) -> None:
@@ -96,20 +110,28 @@ class V4BatchEngine:
     @torch.inference_mode()
     def step(self) -> list[Sequence]:
         """Run one step; return the sequences that finished in it (cancelled ones included)."""
-        plan = self.scheduler.plan(self._drafts_for)
+        plan = self.last_plan = self.scheduler.plan(self._drafts_for)
         finished = list(plan.finished)
+        began = time.perf_counter()   # the marks engine.batch.generate turns into telemetry
+        for seq in [c.seq for c in plan.chunks] + [s for s, *_ in plan.replay] + [s for s, _ in plan.decode]:
+            if seq.first_scheduled_at is None:
+                seq.first_scheduled_at = began
         for chunk in plan.chunks:
             seq = chunk.seq
             logits = self._forward(seq, seq.prompt_ids[chunk.start : chunk.end], chunk.start, last_only=True)
             self.scheduler.chunk_done(seq, chunk.end)
-            if chunk.end == seq.prompt_len and not seq.generated:  # a recompute already has its tokens
-                self._accept(seq, [int(seq.sampler.sample(logits[-1]))], finished)
+            if chunk.end == seq.prompt_len:
+                seq.prompt_done_at = time.perf_counter()
+                if not seq.generated:  # a recompute after preemption already has its tokens
+                    self._accept(seq, [int(seq.sampler.sample(logits[-1]))], finished)
         for seq, start, end in plan.replay:
             self._forward(seq, [seq.token(p) for p in range(start, end)], start, last_only=True)
             seq.computed = end
         for seq, drafts in plan.decode:
+            seq.batch_sizes.append(len(plan.decode))
             self._decode(seq, drafts, finished)
         for seq in finished:
+            seq.finished_at = time.perf_counter()
             self._proposers.pop(seq.seq_id, None)
         return finished
 

@@ -43,7 +43,8 @@ def reference_model(seed: int = 0, **extra):
     """A random tiny DeepseekV4ForCausalLM whose zero-initialised parts (sinks, position biases,
     hyper-connection bases, routing tables) are random too, so each of them changes the logits."""
     torch.manual_seed(seed)
-    model = transformers.DeepseekV4ForCausalLM(transformers.DeepseekV4Config(**TINY, **extra)).float().eval()
+    config = transformers.DeepseekV4Config(**dict(TINY, **extra))
+    model = transformers.DeepseekV4ForCausalLM(config).float().eval()
     with torch.no_grad():
         for name, param in model.named_parameters():
             if any(part in name for part in ("position_bias", "sinks", ".base", "hc_base")):
@@ -197,19 +198,21 @@ def test_missing_tensor_names_the_layout(tmp_path):
 
 # ---- the feature gate row (engine.architectures, enforced by engine.capabilities) ----------------
 
-def test_a_worker_asked_to_serve_v4_stops_at_start_with_what_remains(tmp_path):
+def test_a_v4_checkpoint_cannot_be_loaded_as_a_llama_style_model_or_drafter(tmp_path):
     from batchd.engine.checkpoint import load_checkpoint
 
     reference_model().save_pretrained(tmp_path)
-    with pytest.raises(CheckpointError, match="not served by the worker engine yet.*MTP layer"):
+    with pytest.raises(CheckpointError, match="has its own model.*cannot be a drafter"):
         load_checkpoint(tmp_path)
 
 
-@pytest.mark.parametrize("spec", ["lookup", "draft"])
-def test_v4_admits_lookup_and_draft_speculation(spec):
+def test_v4_admits_lookup_and_refuses_draft_until_its_mtp_layer_is_wired():
     from batchd.engine.capabilities import check_features
+    from batchd.engine.errors import UnsupportedFeatureError
 
-    assert check_features("deepseek_v4", "cuda", spec=spec) == []
+    assert check_features("deepseek_v4", "cuda", spec="lookup") == []
+    with pytest.raises(UnsupportedFeatureError, match="--spec draft is not supported.*MTP layer"):
+        check_features("deepseek_v4", "cuda", spec="draft")
 
 
 def test_v4_refuses_block_sparse_attention_and_says_why():
@@ -220,16 +223,15 @@ def test_v4_refuses_block_sparse_attention_and_says_why():
         check_features("deepseek_v4", "cuda", attention="sparse")
 
 
-def test_v4_compresses_with_a_dense_drafter_but_never_drafts_for_pflash():
+def test_v4_refuses_pflash_with_the_reason_and_never_drafts_for_it():
     from batchd.engine.capabilities import check_compression
     from batchd.engine.errors import UnsupportedFeatureError
     from batchd.engine.types import CompressionOptions
 
     options = CompressionOptions(mode="always", drafter_path="/models/qwen3-0.6b")
-    assert check_compression("deepseek_v4", "cuda", options, drafter_architecture="qwen3") == []
-    with pytest.raises(UnsupportedFeatureError, match="dense attention rows"):
-        check_compression("deepseek_v4", "cuda", CompressionOptions(mode="always"), self_drafting=True)
-    with pytest.raises(UnsupportedFeatureError, match="cannot be a PFlash drafter"):
+    with pytest.raises(UnsupportedFeatureError, match="PFlash is not wired into V4's engine yet"):
+        check_compression("deepseek_v4", "cuda", options, drafter_architecture="qwen3")
+    with pytest.raises(UnsupportedFeatureError, match="cannot be a PFlash drafter.*dense attention rows"):
         check_compression("llama", "cuda", options, drafter_architecture="deepseek_v4")
 
 

@@ -105,3 +105,44 @@ def test_draft_speculation_is_refused_until_the_mtp_layer_is_wired(model):
     engine = V4BatchEngine(model, max_context=128, eos_ids=set())
     with pytest.raises(UnsupportedFeatureError, match="MTP layer"):
         engine.submit(ids(10, 14), request("draft"))
+
+
+class RepeatingProposer:
+    """Offers the last `width` tokens again: drafts on every step, some of them rejected."""
+
+    def propose(self, context, width):
+        from batchd.engine.speculative.proposers import Proposal
+
+        return Proposal(torch.tensor(context[-width:]))
+
+
+def sample(model, prompts_and_requests, proposer=None):
+    engine = V4BatchEngine(model, max_context=128, eos_ids=set(), chunk=32)
+    seqs = [engine.submit(p, r) for p, r in prompts_and_requests]
+    if proposer is not None:
+        engine._proposers = {seq.seq_id: proposer for seq in seqs}
+    while engine.has_work:
+        engine.step()
+    return seqs
+
+
+def test_a_seeded_sampled_job_is_the_same_alone_and_batched(model):
+    """temperature > 0: each sequence draws from its own seeded generator, so its neighbours do not
+    change its tokens."""
+    sampled = GenerationRequest(sampling=SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.8, seed=7,
+                                                        ignore_eos=True))
+    prompt = ids(70, 15)
+    [alone] = sample(model, [(prompt, sampled)])
+    batched = sample(model, [(ids(50, 16), request()), (prompt, sampled), (ids(30, 17), sampled)])[1]
+    assert batched.generated == alone.generated and len(alone.generated) == NEW_TOKENS
+
+
+def test_sampled_drafts_go_through_rejection_sampling_and_roll_back(model):
+    """Drafts on every step under temperature > 0: verified by rejection sampling (one-hot drafts),
+    the rejected ones rolled back; the seeded result is reproducible and has its full length."""
+    lookup = GenerationRequest(sampling=SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.8, seed=3,
+                                                       ignore_eos=True),
+                               speculation=SpeculationOptions(method="lookup", width=3))
+    runs = [sample(model, [(ids(70, 18), lookup)], RepeatingProposer())[0] for _ in range(2)]
+    assert runs[0].generated == runs[1].generated and len(runs[0].generated) == NEW_TOKENS
+    assert runs[0].spec_offered > runs[0].spec_accepted

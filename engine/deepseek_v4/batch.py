@@ -43,7 +43,8 @@ class V4BatchEngine:
                  chunk: int = 64, num_blocks: Optional[int] = None, max_step_tokens: Optional[int] = None,
                  max_running: int = 64, prefix_sharing: bool = True,
                  decode_text: Optional[Callable[[list[int]], str]] = None):
-        """`num_blocks` None: room for eight sequences of the whole context. Prefix sharing needs
+        """`num_blocks` None: room for eight sequences of the whole context (on CUDA, at most what
+        90% of the free memory holds). Prefix sharing needs
         chunks that hold whole compression windows (a multiple of every rate): else it is off, with a note."""
         if chunk % block_size:
             raise ValueError(f"the prefill chunk ({chunk}) must be a multiple of the block size ({block_size})")
@@ -55,7 +56,8 @@ class V4BatchEngine:
             self.notes.append(f"prefix sharing is off: a {chunk}-token chunk splits the compression windows "
                               f"({sorted(rates)} tokens); use a multiple of {max(rates)}")
         blocks_per_context = -(-max_context // block_size)
-        self.pool = PagedV4Pool(model.config, num_blocks or 8 * blocks_per_context, block_size, model.device, model.dtype)
+        self.pool = PagedV4Pool.sized(model.config, block_size, model.device, model.dtype,
+                                      max_blocks=num_blocks or 8 * blocks_per_context)
         self.scheduler = Scheduler(self.pool.blocks, chunk=chunk, max_step_tokens=max_step_tokens or chunk,
                                    max_running=max_running, prefix_sharing=prefix_sharing)
         # what engine.batch.generate.BatchSession and the worker read of a batch engine

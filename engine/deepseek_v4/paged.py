@@ -53,36 +53,58 @@ def _slots(block_size: int, unit: int) -> int:
     return max(1, block_size // unit)
 
 
+def part_shapes(config: V4Config, block_size: int) -> list[dict[str, tuple[int, int]]]:
+    """Per layer, each part's (slots, width) in one block: rows and projections one slot a
+    position, entries one slot a window that starts in the block."""
+    layers = []
+    for i, kind in enumerate(config.layer_types):
+        parts = {"rows": (block_size, config.head_dim)}
+        if kind != SLIDING:
+            m = config.compress_rate(i)
+            width = 2 * config.head_dim if kind == CSA else config.head_dim
+            parts |= {"kv": (block_size, width), "gate": (block_size, width), "entries": (_slots(block_size, m), config.head_dim)}
+            if kind == CSA:
+                iwidth = 2 * config.index_head_dim
+                parts |= {"index_kv": (block_size, iwidth), "index_gate": (block_size, iwidth),
+                          "index_entries": (_slots(block_size, m), config.index_head_dim)}
+        layers.append(parts)
+    return layers
+
+
+def bytes_per_block(config: V4Config, block_size: int, dtype: torch.dtype) -> int:
+    element = torch.empty((), dtype=dtype).element_size()
+    return sum(slots * width for parts in part_shapes(config, block_size) for slots, width in parts.values()) * element
+
+
 class PagedV4Pool:
     """Every layer's parts for `num_blocks` blocks (plus a spare), and the BlockPool that hands them out."""
 
     def __init__(self, config: V4Config, num_blocks: int, block_size: int, device, dtype: torch.dtype):
         self.config, self.block_size = config, block_size
         self.blocks = BlockPool(num_blocks, block_size)
-        n = num_blocks + 1
+        self.layers: list[dict[str, torch.Tensor]] = [
+            {name: torch.zeros(num_blocks + 1, slots, width, device=device, dtype=dtype)
+             for name, (slots, width) in parts.items()}
+            for parts in part_shapes(config, block_size)]
 
-        def pool(unit: int, width: int) -> torch.Tensor:
-            return torch.zeros(n, _slots(block_size, unit), width, device=device, dtype=dtype)
-
-        self.layers: list[dict[str, torch.Tensor]] = []
-        for i, kind in enumerate(config.layer_types):
-            parts = {"rows": pool(1, config.head_dim)}
-            if kind != SLIDING:
-                m = config.compress_rate(i)
-                width = 2 * config.head_dim if kind == CSA else config.head_dim
-                parts |= {"kv": pool(1, width), "gate": pool(1, width), "entries": pool(m, config.head_dim)}
-                if kind == CSA:
-                    iwidth = 2 * config.index_head_dim
-                    parts |= {"index_kv": pool(1, iwidth), "index_gate": pool(1, iwidth),
-                              "index_entries": pool(m, config.index_head_dim)}
-            self.layers.append(parts)
+    @classmethod
+    def sized(cls, config: V4Config, block_size: int, device, dtype: torch.dtype, *, max_blocks: int,
+              memory_fraction: float = 0.9, reserve_bytes: int = 1 << 30) -> "PagedV4Pool":
+        """On CUDA: as many blocks as `memory_fraction` of the free memory holds after `reserve_bytes`
+        for a step's activations, at most `max_blocks`; elsewhere `max_blocks`."""
+        num_blocks = max_blocks
+        if torch.device(device).type == "cuda":
+            free, _ = torch.cuda.mem_get_info(torch.device(device))
+            per_block = bytes_per_block(config, block_size, dtype)
+            num_blocks = min(max_blocks, int((free * memory_fraction - reserve_bytes) // per_block))
+        if num_blocks < 1:
+            raise torch.OutOfMemoryError(f"no room for a V4 pool: {bytes_per_block(config, block_size, dtype)} bytes a "
+                                         f"block of {block_size} positions; lower max_context or free device memory")
+        return cls(config, num_blocks, block_size, device, dtype)
 
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for parts in self.layers for t in parts.values())
-
-    def bytes_per_block(self) -> int:
-        return self.nbytes // (self.blocks.num_blocks + 1)
 
     def view(self, table: list[int], length: int) -> "PagedSequenceCache":
         """One sequence's cache over its blocks, `length` positions valid."""

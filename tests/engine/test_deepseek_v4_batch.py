@@ -146,3 +146,11 @@ def test_sampled_drafts_go_through_rejection_sampling_and_roll_back(model):
     runs = [sample(model, [(ids(70, 18), lookup)], RepeatingProposer())[0] for _ in range(2)]
     assert runs[0].generated == runs[1].generated and len(runs[0].generated) == NEW_TOKENS
     assert runs[0].spec_offered > runs[0].spec_accepted
+
+
+def test_the_pool_is_sized_by_the_bytes_a_block_really_takes(model):
+    from batchd.engine.deepseek_v4.paged import bytes_per_block
+
+    pool = PagedV4Pool.sized(model.config, 16, "cpu", torch.float32, max_blocks=7)
+    assert pool.blocks.num_blocks == 7
+    assert pool.nbytes == 8 * bytes_per_block(model.config, 16, torch.float32)   # 7 blocks and the spare

@@ -8,7 +8,9 @@ for it (`capabilities`, which the feature gate in engine.capabilities enforces).
 (engine.model) is one module for all of them, switched by the flags in `ModelConfig`.
 
 Adding an architecture is adding a row here (and, for a new kind of layer, its flag in
-ModelConfig and engine.model). Rows are looked up with `architecture(name)`.
+ModelConfig and engine.model). An architecture too different for that flags its own package in
+`model` (deepseek_v4: engine.deepseek_v4, whose own engine `Engine.load` returns for its
+checkpoints). Rows are looked up with `architecture(name)`.
 """
 from __future__ import annotations
 
@@ -21,10 +23,16 @@ from batchd.engine.errors import CheckpointError
 @dataclass(frozen=True)
 class Capabilities:
     speculation: tuple[str, ...]  # methods besides "none"
-    compression: bool  # PFlash prompt compression with a drafter
+    compression: bool  # PFlash prompt compression with a drafter (as the target)
     attention: tuple[str, ...]  # "dense", "sparse"
     devices: tuple[str, ...]
     note: str = ""
+    pflash_drafter: bool = True  # can score prompts for PFlash (a drafter, or the target drafting for itself)
+    # why a refused option does not apply, by option ("--attention sparse"): the refusal says it
+    reasons: tuple[tuple[str, str], ...] = ()
+
+    def reason(self, option: str) -> str:
+        return dict(self.reasons).get(option, "")
 
 
 def _from_config_json(cfg: dict) -> bool:
@@ -39,8 +47,10 @@ def _gguf_has_q_bias(tensor_names: set[str]) -> bool:
 class Architecture:
     name: str  # ours: ModelConfig.architecture
     hf_class: str  # config.json "architectures" entry (the first is written when we save one)
-    gguf_name: str  # GGUF general.architecture (its metadata keys start with it)
+    gguf_name: str  # GGUF general.architecture (its metadata keys start with it); "" if batchd reads no GGUF of it
     capabilities: Capabilities
+    # the module that builds it: "transformer" (engine.model, from a ModelConfig) or its own package
+    model: str = "transformer"
     attention_bias: bool = False  # q, k, v projections always carry a bias (qwen2)
     qk_norm: bool = False  # RMSNorm over head_dim on q and k before rope (qwen3)
     # llama.cpp's converter permutes q/k rows per head for its interleaved rope: undone on load
@@ -65,13 +75,34 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
                  Capabilities(*_ALL, "Qwen2 / Qwen2.5 (bias on q, k, v)"), attention_bias=True),
     Architecture("qwen3", "Qwen3ForCausalLM", "qwen3",
                  Capabilities(*_ALL, "Qwen3 (RMSNorm on q and k)"), qk_norm=True),
+    # DeepSeek V4 (engine.deepseek_v4, docs/deepseek_v4.md), served by its own engine
+    # (engine.deepseek_v4.serving.V4Engine, which Engine.load returns for a V4 folder). What this
+    # build runs: prompt lookup (verify rows and rollback work for every part of its cache). Not
+    # yet: draft speculation (its drafter is the MTP layer) and PFlash (text-level, so it will apply
+    # with a dense drafter). Never: batchd's block-sparse decode, or V4 scoring prompts for PFlash.
+    Architecture("deepseek_v4", "DeepseekV4ForCausalLM", "", Capabilities(
+        ("lookup",), False, ("dense",), ("cpu", "cuda"),
+        "DeepSeek V4 (sliding window + CSA/HCA compressed attention, MoE, hyper-connections): engine.deepseek_v4, "
+        "its batch engine over the scheduler and a paged pool; the MTP layer (mtp.* weights) is not wired as a "
+        "drafter yet (issue 37)",
+        pflash_drafter=False, reasons=(
+            ("--spec draft", "its drafter is its MTP layer (mtp.* weights), which is not wired yet (issue 37); "
+                             "use --spec lookup"),
+            ("--compress", "PFlash is not wired into V4's engine yet (issue 37; it will take a small dense "
+                           "--compress-drafter); submit with --compress off"),
+            ("--attention sparse", "V4 already attends sparsely (a 128-row window, the indexer's top-k of "
+                                   "compressed entries); batchd's block-sparse decode does not apply"),
+            ("pflash drafter", "PFlash scores prompts from dense attention rows, which V4's windowed and "
+                               "compressed attention does not have; give a small dense drafter "
+                               "(--compress-drafter)"))),
+        model="deepseek_v4"),
 )}
 
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 # config.json "architectures" entries -> our architecture name
 HF_ARCHITECTURE_NAMES = {a.hf_class: a.name for a in ARCHITECTURES.values()}
 # GGUF general.architecture -> our architecture name
-GGUF_ARCHITECTURES = {a.gguf_name: a.name for a in ARCHITECTURES.values()}
+GGUF_ARCHITECTURES = {a.gguf_name: a.name for a in ARCHITECTURES.values() if a.gguf_name}
 
 
 def architecture(name: str) -> Architecture:

@@ -41,11 +41,12 @@ def check_features(architecture: str, device: str, *, spec: str = "none", compre
     if device_type not in caps.devices:
         raise UnsupportedFeatureError(f"device {device_type!r} is not supported for {architecture}")
     if spec != "none" and spec not in caps.speculation:
-        raise UnsupportedFeatureError(f"--spec {spec} is not supported for {where}")
+        raise UnsupportedFeatureError(f"--spec {spec} is not supported for {where}" + _because(caps, f"--spec {spec}"))
     if compress != "off" and not caps.compression:
-        raise UnsupportedFeatureError(f"--compress {compress} is not supported for {where}")
+        raise UnsupportedFeatureError(f"--compress {compress} is not supported for {where}" + _because(caps, "--compress"))
     if attention not in caps.attention:
-        raise UnsupportedFeatureError(f"--attention {attention} is not supported for {where}")
+        raise UnsupportedFeatureError(f"--attention {attention} is not supported for {where}"
+                                      + _because(caps, f"--attention {attention}"))
     if attention == "sparse" and head_dim & (head_dim - 1):
         raise UnsupportedFeatureError(
             f"--attention sparse needs a power-of-two head_dim; {architecture} has {head_dim}; use dense")
@@ -54,6 +55,12 @@ def check_features(architecture: str, device: str, *, spec: str = "none", compre
     if attention == "sparse" and device_type != "cuda":
         notes.append("sparse attention on the CPU runs the PyTorch reference (slow; for tests)")
     return notes
+
+
+def _because(caps: Capabilities, option: str) -> str:
+    """': why', where the row says why `option` does not apply."""
+    why = caps.reason(option)
+    return f": {why}" if why else ""
 
 
 COMPRESS_MODES = ("off", "auto", "always")
@@ -75,17 +82,22 @@ def check_compression(architecture: str, device: str, options, *, drafter_archit
         return notes
     if not capabilities_for(architecture).compression:
         raise UnsupportedFeatureError(f"--compress {mode} is not supported for architecture {architecture} "
-                                      f"on {device_type}")
+                                      f"on {device_type}" + _because(capabilities_for(architecture), "--compress"))
     if not 0.0 < ratio <= 1.0:
         raise UnsupportedFeatureError(f"--keep-ratio {ratio} is outside (0, 1]; use e.g. 0.1 to keep a tenth")
     if threshold < 0:
         raise UnsupportedFeatureError(f"--compress-threshold {threshold} is negative; use a token count >= 0")
     if drafter_architecture is not None:
         drafter_caps = CAPABILITIES.get(drafter_architecture)
-        if drafter_caps is None or not drafter_caps.compression:
-            supported = ", ".join(a for a, c in CAPABILITIES.items() if c.compression)
+        if drafter_caps is None or not (drafter_caps.compression and drafter_caps.pflash_drafter):
+            supported = ", ".join(a for a, c in CAPABILITIES.items() if c.compression and c.pflash_drafter)
+            why = drafter_caps.reason("pflash drafter") if drafter_caps is not None else ""
             raise UnsupportedFeatureError(f"--compress-drafter {drafter_path or ''}: architecture "
-                                          f"{drafter_architecture!r} cannot be a PFlash drafter (supported: {supported})")
+                                          f"{drafter_architecture!r} cannot be a PFlash drafter (supported: {supported})"
+                                          + (f"; {why}" if why else ""))
+    elif self_drafting and not capabilities_for(architecture).pflash_drafter:
+        raise UnsupportedFeatureError(f"--compress {mode} without --compress-drafter would have {architecture} draft "
+                                      f"for itself: {capabilities_for(architecture).reason('pflash drafter')}")
     if ratio == 1.0:
         notes.append("--keep-ratio 1.0 keeps every chunk: PFlash scores the prompt but compresses nothing")
     if self_drafting:

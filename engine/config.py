@@ -68,6 +68,9 @@ class ModelConfig:
                 f"unsupported architecture {self.architecture!r}; batchd runs "
                 f"{', '.join(SUPPORTED_ARCHITECTURES)}"
             )
+        if architecture(self.architecture).model != "transformer":
+            raise CheckpointError(f"{self.architecture} has its own model package "
+                                  f"(engine.{architecture(self.architecture).model}), not ModelConfig")
         self._check_values()
         if self.head_dim == 0:
             self.head_dim = self.hidden_size // self.num_heads
@@ -108,6 +111,9 @@ class ModelConfig:
                 f"{', '.join(SUPPORTED_ARCHITECTURES)}"
             )
         row = architecture(arch)
+        if row.model != "transformer":  # e.g. a V4 checkpoint named as a drafter
+            raise CheckpointError(f"{source}: {arch} has its own model (engine.{row.model}): Engine.load serves "
+                                  "its folder as a target; it cannot be a drafter")
         eos = cfg.get("eos_token_id")
         eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
         try:

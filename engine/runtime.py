@@ -130,7 +130,13 @@ class Engine:
 
     @classmethod
     def load(cls, path: str, config: EngineConfig = EngineConfig()) -> "Engine":
-        """The checkpoint at `path` (a Hugging Face folder or a GGUF file) with its tokenizer."""
+        """The checkpoint at `path` (a Hugging Face folder or a GGUF file) with its tokenizer. A
+        DeepSeek V4 folder gets its own engine (engine.deepseek_v4.serving.V4Engine), which offers
+        what the service uses of this one."""
+        from batchd.engine.deepseek_v4.serving import V4Engine, is_v4_folder
+
+        if is_v4_folder(path):
+            return V4Engine.load(path, config)
         torch_dtype = parse_dtype(config.dtype, config.device)
         ckpt = load_checkpoint(path, dtype=torch_dtype)
         model = build_model(ckpt.config, config.device, torch_dtype, tensors=ckpt.tensors, source=str(path))

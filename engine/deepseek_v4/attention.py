@@ -1,0 +1,114 @@
+"""V4 attention (paper §2.3): shared-KV multi-query attention over a sliding window, plus, in CSA
+and HCA layers, compressed entries; one learned sink logit per head.
+
+    q   = rope(rmsnorm_per_head(q_b(q_a_norm(q_a(x)))))        [B, T, Hq, D]
+    kv  = rope(kv_norm(kv_proj(x)))                             [B, T, D]     one row, key = value
+    out = softmax([q·K | sink]) V over K = V = window rows ++ compressed entries
+    out = rope at -position (undo the value rows' rotation), then the grouped output projection
+
+Which keys a query at position t sees: window rows (t - sliding_window, t]; HCA: every entry whose
+window ended by t; CSA: the indexer's top-k of those. The mask is built per query from positions,
+so a prefill chunk, a decode row and q verify rows all follow the same rule.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from batchd.engine.deepseek_v4.cache import LayerCache
+from batchd.engine.deepseek_v4.compressor import Compressor, Indexer, visible_entries
+from batchd.engine.deepseek_v4.config import CSA, SLIDING, V4Config
+from batchd.engine.deepseek_v4.norms import RMSNorm, unweighted_rms_norm
+from batchd.engine.deepseek_v4.rope import RopeTable, apply_rope
+
+
+class GroupedLinear(nn.Module):
+    """The grouped output projection's first half: heads split into `groups`, each group's
+    [Hq D / g] slice projected to its own `rank` outputs. weight: [g rank, Hq D / g]."""
+
+    def __init__(self, in_per_group: int, out_features: int, groups: int):
+        super().__init__()
+        self.groups = groups
+        self.weight = nn.Parameter(torch.empty(out_features, in_per_group))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [B, T, g, in] -> [B, T, g rank]."""
+        w = self.weight.view(self.groups, -1, x.shape[-1])                         # [g, rank, in]
+        return torch.einsum("btgi,gri->btgr", x, w).flatten(2)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: V4Config, layer: int):
+        super().__init__()
+        self.kind = config.layer_types[layer]
+        self.num_heads, self.head_dim, self.window = config.num_heads, config.head_dim, config.sliding_window
+        self.eps, self.scale = config.rms_norm_eps, config.head_dim**-0.5
+        self.q_a_proj = nn.Linear(config.hidden_size, config.q_lora_rank, bias=False)
+        self.q_a_norm = RMSNorm(config.q_lora_rank, config.rms_norm_eps)
+        self.q_b_proj = nn.Linear(config.q_lora_rank, config.num_heads * config.head_dim, bias=False)
+        self.kv_proj = nn.Linear(config.hidden_size, config.head_dim, bias=False)
+        self.kv_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+        self.o_a_proj = GroupedLinear(config.num_heads * config.head_dim // config.o_groups,
+                                      config.o_groups * config.o_lora_rank, config.o_groups)
+        self.o_b_proj = nn.Linear(config.o_groups * config.o_lora_rank, config.hidden_size, bias=False)
+        self.o_groups = config.o_groups
+        self.sinks = nn.Parameter(torch.zeros(config.num_heads))
+        self.compressor = None
+        if self.kind != SLIDING:
+            rate = config.compress_rate(layer)
+            self.compressor = Compressor(config.hidden_size, config.head_dim, rate, self.kind == CSA, config.rms_norm_eps)
+            if self.kind == CSA:
+                self.compressor.indexer = Indexer(config, rate)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: LayerCache, start: int,
+                rope: RopeTable) -> torch.Tensor:
+        """x: the normed block input [B, T, H] at positions [start, start + T) (`positions` [T]);
+        writes this step's rows into `cache` -> [B, T, H]. `rope`: the layer's family (main for
+        sliding layers, compress for CSA/HCA)."""
+        B, T, _ = x.shape
+        end = start + T
+        cos, sin = rope.at(positions)                                                  # [T, rope/2]
+        q_residual = self.q_a_norm(self.q_a_proj(x))                                   # [B, T, R]
+        q = self.q_b_proj(q_residual).view(B, T, self.num_heads, self.head_dim)
+        q = apply_rope(unweighted_rms_norm(q, self.eps), cos[:, None], sin[:, None])   # [B, T, Hq, D]
+        cache.rows.write(start, apply_rope(self.kv_norm(self.kv_proj(x)), cos, sin))
+        first = max(0, start - self.window + 1)  # the oldest row any query of this step sees
+        keys = cache.rows.read(first, end).to(x.dtype)                                 # [B, L, D]
+        key_pos = torch.arange(first, end, device=x.device)
+        in_window = (key_pos[None] <= positions[:, None]) & (key_pos[None] > positions[:, None] - self.window)
+        mask = in_window.expand(B, T, -1)                                              # [B, T, L]
+        if self.compressor is not None:
+            entries, entry_mask = self._compressed(x, q_residual, positions, cache, start, end, rope)
+            keys = torch.cat([keys, entries.to(x.dtype)], dim=1)                       # [B, L + n, D]
+            mask = torch.cat([mask, entry_mask], dim=-1)
+        out = attend_with_sinks(q, keys, mask, self.sinks, self.scale)                 # [B, T, Hq, D]
+        out = apply_rope(out, cos[:, None], -sin[:, None])  # K = V carried rope: rotate back by -t
+        return self.o_b_proj(self.o_a_proj(out.reshape(B, T, self.o_groups, -1)))
+
+    def _compressed(self, x, q_residual, positions, cache: LayerCache, start, end, rope):
+        """Store the step's compressor projections, close the windows that completed, and say
+        which entries each query sees -> (entries [B, n, D], mask [B, T, n])."""
+        compressor = self.compressor
+        compressor.store(x, cache.compressor, start)
+        n = compressor.close_windows(cache.compressor, start, end, rope)
+        entries = cache.compressor.entries.read(0, n)
+        if self.kind != CSA:
+            return entries, visible_entries(positions, n, compressor.rate).expand(x.shape[0], -1, -1)
+        indexer = compressor.indexer
+        indexer.store(x, cache.indexer, start)
+        indexer.close_windows(cache.indexer, start, end, rope)
+        chosen = indexer.select(x, q_residual, positions, cache.indexer.entries.read(0, n), rope)
+        return entries, chosen
+
+
+def attend_with_sinks(q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, sinks: torch.Tensor,
+                      scale: float) -> torch.Tensor:
+    """Multi-query attention with one sink logit per head (probability mass that goes nowhere).
+    q [B, T, Hq, D], keys (= values) [B, K, D], mask [B, T, K] bool, sinks [Hq] -> [B, T, Hq, D]."""
+    logits = torch.einsum("bthd,bkd->bhtk", q, keys) * scale                      # [B, Hq, T, K]
+    logits = logits.masked_fill(~mask[:, None], float("-inf"))
+    sink = sinks.to(logits.dtype)[None, :, None, None].expand(*logits.shape[:3], 1)
+    combined = torch.cat([logits, sink], dim=-1)
+    combined = combined - combined.max(dim=-1, keepdim=True).values
+    probs = combined.softmax(dim=-1)[..., :-1]                                     # the sink dropped
+    return torch.einsum("bhtk,bkd->bthd", probs.to(keys.dtype), keys)

@@ -1,0 +1,193 @@
+"""Many DeepSeek V4 sequences over one paged pool, planned by engine.batch's Scheduler.
+
+    batch = V4BatchEngine(model, max_context=4096, eos_ids={1})
+    seq = batch.submit(prompt_ids, request)
+    while batch.has_work:
+        for done in batch.step(): ...
+
+The scheduler, its block pool, prefix sharing and preemption (by recompute) are the batch engine's,
+unchanged: a V4 block is one unit for every part of the cache (engine.deepseek_v4.paged). Each step
+computes every planned piece (prompt chunks, replays, decode and verify rows) as its own forward
+over its sequence's blocks: a row's arithmetic depends on its sequence only, so a job's greedy
+output is the same alone or batched. That is the correctness layer; packing the pieces of a step
+into one pass (and MoE grouped across sequences) is the next (docs/deepseek_v4.md, "What remains").
+Speculation: prompt lookup, verified as extra rows and rolled back by length. Draft models are
+refused until the MTP layer is wired.
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable, Optional
+
+import torch
+
+from batchd.engine.batch.batch_engine import BatchOptions
+from batchd.engine.batch.scheduler import Scheduler, StepPlan
+from batchd.engine.batch.sequence import Sequence
+from batchd.engine.capabilities import capabilities_for
+from batchd.engine.deepseek_v4.model import DeepseekV4
+from batchd.engine.deepseek_v4.paged import PagedV4Pool
+from batchd.engine.errors import BadInputError, PromptTooLongError, UnsupportedFeatureError
+from batchd.engine.sampling import Sampler
+from batchd.engine.speculative.adaptive import best_width, check_width
+from batchd.engine.speculative.proposers import PromptLookupProposer
+from batchd.engine.speculative.verify import rejection_sample
+from batchd.engine.stopping import StopChecker
+from batchd.engine.types import GenerationRequest, Telemetry
+
+MAX_LOOKUP_WIDTH = 8
+
+
+class V4BatchEngine:
+    def __init__(self, model: DeepseekV4, *, max_context: int, eos_ids: set[int], block_size: int = 16,
+                 chunk: int = 64, num_blocks: Optional[int] = None, max_step_tokens: Optional[int] = None,
+                 max_running: int = 64, prefix_sharing: bool = True,
+                 decode_text: Optional[Callable[[list[int]], str]] = None):
+        """`num_blocks` None: room for eight sequences of the whole context (on CUDA, at most what
+        90% of the free memory holds). Prefix sharing needs
+        chunks that hold whole compression windows (a multiple of every rate): else it is off, with a note."""
+        if chunk % block_size:
+            raise ValueError(f"the prefill chunk ({chunk}) must be a multiple of the block size ({block_size})")
+        self.model, self.max_context, self.eos_ids, self.decode_text = model, max_context, eos_ids, decode_text
+        self.notes: list[str] = []
+        rates = {model.config.compress_rate(i) for i in range(model.config.num_layers)} - {0}
+        if prefix_sharing and any(chunk % m for m in rates):
+            prefix_sharing = False
+            self.notes.append(f"prefix sharing is off: a {chunk}-token chunk splits the compression windows "
+                              f"({sorted(rates)} tokens); use a multiple of {max(rates)}")
+        blocks_per_context = -(-max_context // block_size)
+        self.pool = PagedV4Pool.sized(model.config, block_size, model.device, model.dtype,
+                                      max_blocks=num_blocks or 8 * blocks_per_context)
+        self.scheduler = Scheduler(self.pool.blocks, chunk=chunk, max_step_tokens=max_step_tokens or chunk,
+                                   max_running=max_running, prefix_sharing=prefix_sharing)
+        # what engine.batch.generate.BatchSession and the worker read of a batch engine
+        self.options = BatchOptions(block_size=block_size, max_running=max_running, prefill_chunk=chunk,
+                                    prefix_sharing=prefix_sharing)
+        self.last_plan: Optional[StepPlan] = None
+        self._proposers: dict[int, PromptLookupProposer] = {}
+        self._next_id = 0
+        model.setup_rope(max_context)
+
+    @property
+    def cache(self) -> PagedV4Pool:
+        return self.pool
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    def submit(self, prompt_ids: list[int], request: GenerationRequest,
+               telemetry: Optional[Telemetry] = None) -> Sequence:
+        """Queue one request; BadInputError, UnsupportedFeatureError or PromptTooLongError for it alone."""
+        sampling, spec = request.sampling, request.speculation
+        if not prompt_ids:
+            raise BadInputError("the prompt is empty: give it some text")
+        if len(prompt_ids) + sampling.max_new_tokens > self.max_context:
+            raise PromptTooLongError(f"the prompt has {len(prompt_ids)} tokens and max_new_tokens is "
+                                     f"{sampling.max_new_tokens}: more than the {self.max_context}-token context; "
+                                     "shorten the document or lower max_new_tokens")
+        if spec.method == "draft":
+            raise UnsupportedFeatureError("--spec draft is not supported for deepseek_v4: "
+                                          + capabilities_for("deepseek_v4").reason("--spec draft"))
+        check_width(spec.width)
+        stopper = StopChecker(self.eos_ids, sampling.max_new_tokens, sampling.stop, decode=self.decode_text,
+                              ignore_eos=sampling.ignore_eos)
+        seq = Sequence(self._next_id, request, list(prompt_ids), Sampler(sampling, self.model.device), stopper)
+        self._next_id += 1
+        try:
+            self.scheduler.add(seq)
+        except ValueError as exc:
+            raise PromptTooLongError(f"the request does not fit the KV pool ({exc}); lower max_new_tokens") from None
+        if spec.method == "lookup":
+            self._proposers[seq.seq_id] = PromptLookupProposer(self.model.device)
+            if spec.drafter_path and telemetry is not None:
+                telemetry.notes.append("--drafter has no effect with --spec lookup")
+        return seq
+
+    def cancel(self, seq: Sequence) -> None:
+        seq.cancelled = True
+
+    # ---- one step --------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def step(self) -> list[Sequence]:
+        """Run one step; return the sequences that finished in it (cancelled ones included)."""
+        plan = self.last_plan = self.scheduler.plan(self._drafts_for)
+        finished = list(plan.finished)
+        began = time.perf_counter()   # the marks engine.batch.generate turns into telemetry
+        for seq in [c.seq for c in plan.chunks] + [s for s, *_ in plan.replay] + [s for s, _ in plan.decode]:
+            if seq.first_scheduled_at is None:
+                seq.first_scheduled_at = began
+        for chunk in plan.chunks:
+            seq = chunk.seq
+            logits = self._forward(seq, seq.prompt_ids[chunk.start : chunk.end], chunk.start, last_only=True)
+            self.scheduler.chunk_done(seq, chunk.end)
+            if chunk.end == seq.prompt_len:
+                seq.prompt_done_at = time.perf_counter()
+                if not seq.generated:  # a recompute after preemption already has its tokens
+                    self._accept(seq, [int(seq.sampler.sample(logits[-1]))], finished)
+        for seq, start, end in plan.replay:
+            self._forward(seq, [seq.token(p) for p in range(start, end)], start, last_only=True)
+            seq.computed = end
+        for seq, drafts in plan.decode:
+            seq.batch_sizes.append(len(plan.decode))
+            self._decode(seq, drafts, finished)
+        for seq in finished:
+            seq.finished_at = time.perf_counter()
+            self._proposers.pop(seq.seq_id, None)
+        return finished
+
+    def _forward(self, seq: Sequence, tokens: list[int], start: int, last_only: bool = False) -> torch.Tensor:
+        """Positions [start, start + len(tokens)) of `seq` over its blocks -> logits [T, V] float32."""
+        view = self.pool.view(seq.blocks, start)
+        ids = torch.tensor([tokens], dtype=torch.long, device=self.model.device)
+        return self.model(ids, view, last_only=last_only)[0]
+
+    def _decode(self, seq: Sequence, drafts: list[int], finished: list[Sequence]) -> None:
+        """The last token and any drafts as rows; accept the longest verified prefix (greedy) or
+        rejection-sample (arXiv 2211.17192). Rejected rows are forgotten by `computed` alone."""
+        lanes = self._forward(seq, [seq.generated[-1], *drafts], seq.computed)        # [1 + q, V]
+        if seq.sampler.greedy:
+            target = lanes.argmax(-1).tolist()
+            accepted = 0
+            while accepted < len(drafts) and drafts[accepted] == target[accepted]:
+                accepted += 1
+            new = target[: accepted + 1]
+        elif drafts:
+            verdict = rejection_sample(seq.sampler.probabilities(lanes), torch.tensor(drafts, device=lanes.device),
+                                       None, seq.sampler)
+            accepted, new = verdict.accepted, verdict.tokens
+        else:
+            accepted, new = 0, [int(seq.sampler.sample(lanes[0]))]
+        if drafts:
+            _record_speculation(seq, len(drafts), accepted)
+        seq.computed += 1 + accepted
+        self._accept(seq, new, finished)
+
+    def _drafts_for(self, seq: Sequence) -> list[int]:
+        proposer = self._proposers.get(seq.seq_id)
+        if proposer is None:
+            return []
+        room = seq.request.sampling.max_new_tokens - len(seq.generated) - 1
+        fixed = seq.request.speculation.width
+        width = min(fixed if fixed is not None else min(best_width(seq.spec_alpha, 0.05), MAX_LOOKUP_WIDTH), room)
+        return proposer.propose(seq.tokens(), width).tokens.tolist() if width >= 1 else []
+
+    def _accept(self, seq: Sequence, new_tokens: list[int], finished: list[Sequence]) -> None:
+        reason = seq.stopper.accept(seq.generated, new_tokens)
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
+            finished.append(seq)
+
+
+def _record_speculation(seq: Sequence, offered: int, accepted: int) -> None:
+    """Acceptance as the batch engine counts it: per step, per lane, and a moving estimate."""
+    seq.spec_alpha = 0.7 * seq.spec_alpha + 0.3 * (accepted / (accepted + (accepted < offered)) if accepted else 0.0)
+    seq.spec_steps += 1
+    seq.spec_offered += offered
+    seq.spec_accepted += accepted
+    while len(seq.spec_offered_at) < offered:
+        seq.spec_offered_at.append(0), seq.spec_accepted_at.append(0)
+    for lane in range(offered):
+        seq.spec_offered_at[lane] += 1
+        seq.spec_accepted_at[lane] += lane < accepted

@@ -1,0 +1,76 @@
+"""Manifold-constrained hyper-connections (mHC, paper §2.2): the residual is `hc_mult` streams.
+
+Around each attention and MoE block, a small projection of the (normed, flattened) streams gives
+three mixes per token: `pre` [n] collapses the streams into the block's input, `post` [n] spreads
+the block's output back over them, and `comb` [n, n], projected onto doubly-stochastic matrices by
+Sinkhorn-Knopp, mixes the incoming streams into the outgoing ones:
+
+    streams' = post ⊗ block(sum_j pre_j streams_j) + combᵀ streams
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from batchd.engine.deepseek_v4.config import V4Config
+from batchd.engine.deepseek_v4.norms import unweighted_rms_norm
+
+
+class HyperConnection(nn.Module):
+    """fn [(2 + n) n, n H], base [(2 + n) n], scale [3] (pre, post, comb)."""
+
+    def __init__(self, config: V4Config):
+        super().__init__()
+        n = self.n = config.hc_mult
+        self.iters, self.hc_eps, self.norm_eps = config.hc_sinkhorn_iters, config.hc_eps, config.rms_norm_eps
+        self.fn = nn.Parameter(torch.empty((2 + n) * n, n * config.hidden_size))
+        self.base = nn.Parameter(torch.zeros((2 + n) * n))
+        self.scale = nn.Parameter(torch.ones(3))
+
+    def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """streams [B, T, n, H] -> (post [B, T, n], comb [B, T, n, n], the block input [B, T, H])."""
+        n = self.n
+        mixes = F.linear(unweighted_rms_norm(streams.flatten(2).float(), self.norm_eps), self.fn.float())
+        pre_w, post_w, comb_w = mixes.split([n, n, n * n], dim=-1)
+        pre_b, post_b, comb_b = self.base.split([n, n, n * n])
+        pre_s, post_s, comb_s = self.scale.unbind(0)
+        pre = torch.sigmoid(pre_w * pre_s + pre_b) + self.hc_eps
+        post = 2 * torch.sigmoid(post_w * post_s + post_b)
+        comb = torch.softmax(comb_w.unflatten(-1, (n, n)) * comb_s + comb_b.view(n, n), dim=-1) + self.hc_eps
+        comb = sinkhorn(comb, self.iters, self.hc_eps)
+        collapsed = (pre.unsqueeze(-1) * streams).sum(dim=2).to(streams.dtype)
+        return post, comb, collapsed
+
+    @staticmethod
+    def merge(streams: torch.Tensor, block_out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+        """streams [B, T, n, H], block_out [B, T, H] -> the next streams [B, T, n, H]."""
+        dtype = streams.dtype
+        return post.to(dtype).unsqueeze(-1) * block_out.unsqueeze(-2) + comb.to(dtype).transpose(-1, -2) @ streams
+
+
+def sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+    """[..., n, n] positive -> nearly doubly stochastic: columns, then rows and columns iters - 1 times."""
+    comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    for _ in range(iters - 1):
+        comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    return comb
+
+
+class HyperHead(nn.Module):
+    """The final collapse of the streams before the model's norm: hc_fn [n, n H], hc_base [n], hc_scale [1]."""
+
+    def __init__(self, config: V4Config):
+        super().__init__()
+        n = config.hc_mult
+        self.hc_eps, self.norm_eps = config.hc_eps, config.rms_norm_eps
+        self.hc_fn = nn.Parameter(torch.empty(n, n * config.hidden_size))
+        self.hc_base = nn.Parameter(torch.zeros(n))
+        self.hc_scale = nn.Parameter(torch.ones(1))
+
+    def forward(self, streams: torch.Tensor) -> torch.Tensor:
+        """streams [B, T, n, H] -> [B, T, H]."""
+        mixes = F.linear(unweighted_rms_norm(streams.flatten(2).float(), self.norm_eps), self.hc_fn.float())
+        pre = torch.sigmoid(mixes * self.hc_scale.float() + self.hc_base.float()) + self.hc_eps
+        return (pre.unsqueeze(-1) * streams).sum(dim=2).to(streams.dtype)

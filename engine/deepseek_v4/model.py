@@ -1,0 +1,131 @@
+"""The DeepSeek V4 token-id model: embeddings spread over `hc_mult` residual streams, blocks of
+attention (sliding / CSA / HCA) and MoE joined by hyper-connections, a final stream collapse, norm
+and head. Parameter names are transformers' (DeepseekV4ForCausalLM without `model.`), except the
+indexer's `scorer.weights_proj`, which is `weights_proj` here; engine.deepseek_v4.weights maps a
+checkpoint's names onto them.
+
+One `forward` serves a prefill chunk, a decode row and q verify rows: it computes positions
+[cache.length, cache.length + T), writes them into the cache (engine.deepseek_v4.cache) and
+returns their logits. A rejected draft is rolled back with `cache.truncate`.
+"""
+from __future__ import annotations
+
+from typing import Iterable, Optional
+
+import torch
+from torch import nn
+
+from batchd.engine.deepseek_v4.attention import Attention
+from batchd.engine.deepseek_v4.cache import LayerCache, V4Cache
+from batchd.engine.deepseek_v4.config import SLIDING, V4Config
+from batchd.engine.deepseek_v4.hyper_connections import HyperConnection, HyperHead
+from batchd.engine.deepseek_v4.moe import MoE
+from batchd.engine.deepseek_v4.norms import RMSNorm
+from batchd.engine.deepseek_v4.rope import RopeTable
+
+# parameters kept in float32 whatever the model's dtype (transformers' _keep_in_fp32_modules_strict)
+FLOAT32_PARTS = ("attn_hc.", "ffn_hc.", "hc_head.", "sinks", "position_bias", "e_score_correction_bias",
+                 "q_a_norm.", "kv_norm.", "input_layernorm.", "post_attention_layernorm.", "norm.")
+
+
+class Block(nn.Module):
+    def __init__(self, config: V4Config, layer: int):
+        super().__init__()
+        self.self_attn = Attention(config, layer)
+        self.mlp = MoE(config, layer)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.attn_hc = HyperConnection(config)
+        self.ffn_hc = HyperConnection(config)
+        self.rope_family = "main" if config.layer_types[layer] == SLIDING else "compress"
+
+    def forward(self, streams, token_ids, positions, cache: LayerCache, start: int, rope: RopeTable):
+        """streams [B, T, n, H], token_ids [B, T], positions [T] -> the next streams [B, T, n, H]."""
+        post, comb, x = self.attn_hc(streams)
+        attn = self.self_attn(self.input_layernorm(x), positions, cache, start, rope)
+        streams = HyperConnection.merge(streams, attn, post, comb)
+        post, comb, x = self.ffn_hc(streams)
+        return HyperConnection.merge(streams, self.mlp(self.post_attention_layernorm(x), token_ids), post, comb)
+
+
+class DeepseekV4(nn.Module):
+    def __init__(self, config: V4Config):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(Block(config, i) for i in range(config.num_layers))
+        self.hc_head = HyperHead(config)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.rope: dict[str, RopeTable] = {}
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    def new_cache(self, max_len: int, batch_size: int = 1) -> V4Cache:
+        return V4Cache(self.config, max_len, self.device, self.dtype, batch_size)
+
+    def setup_rope(self, max_len: int) -> None:
+        """Both rope families' tables for `max_len` positions, on the model's device."""
+        if not self.rope or self.rope["main"].cos.shape[0] < max_len:
+            c = self.config
+            self.rope = {"main": RopeTable(c.rope_main, c.rope_dim, max_len, self.device),
+                         "compress": RopeTable(c.rope_compress, c.rope_dim, max_len, self.device)}
+
+    @torch.inference_mode()
+    def forward(self, tokens: torch.Tensor, cache: V4Cache, *, last_only: bool = False) -> torch.Tensor:
+        """tokens [B, T] at positions [cache.length, cache.length + T) -> logits [B, T, V] float32
+        ([B, 1, V] with last_only); the T positions are in the cache afterwards."""
+        B, T = tokens.shape
+        start = cache.length
+        cache.reserve(T)
+        self.setup_rope(cache.max_len)
+        positions = torch.arange(start, start + T, device=tokens.device)
+        streams = self.embed_tokens(tokens).unsqueeze(2).expand(-1, -1, self.config.hc_mult, -1).contiguous()
+        for layer, layer_cache in zip(self.layers, cache.layers):
+            streams = layer(streams, tokens, positions, layer_cache, start, self.rope[layer.rope_family])
+        cache.advance(T)
+        if last_only:
+            streams = streams[:, -1:]
+        return self.lm_head(self.norm(self.hc_head(streams))).float()
+
+
+def build_model(config: V4Config, device="cpu", dtype: torch.dtype = torch.float32,
+                tensors: Optional[dict[str, torch.Tensor]] = None, source: str = "checkpoint") -> DeepseekV4:
+    """The model on `device`: weights in `dtype` (routing tables stay integers, the parts transformers
+    keeps in float32 stay float32), loaded from `tensors` named as engine.deepseek_v4.weights
+    expects (checkpoint or transformers names), or left uninitialised for the caller to fill."""
+    from batchd.engine.deepseek_v4.weights import load_tensors
+
+    with torch.device("meta"):
+        model = DeepseekV4(config)
+    model = model.to_empty(device=device)
+    for name, param in model.named_parameters():
+        param.data = param.data.to(torch.float32 if keeps_float32(name) else dtype)
+    if tensors is not None:
+        load_tensors(model, tensors, source)
+    return model.eval().requires_grad_(False)
+
+
+def keeps_float32(name: str) -> bool:
+    return any(part in name for part in FLOAT32_PARTS)
+
+
+@torch.inference_mode()
+def generate_greedy(model: DeepseekV4, prompt_ids: list[int], max_new_tokens: int, *,
+                    eos_ids: Iterable[int] = (), max_len: Optional[int] = None) -> list[int]:
+    """Greedy tokens after `prompt_ids`: one prefill, then one decode row per token."""
+    cache = model.new_cache(max_len or len(prompt_ids) + max_new_tokens)
+    logits = model(torch.tensor([prompt_ids], device=model.device), cache, last_only=True)
+    out, eos = [], set(eos_ids)
+    while len(out) < max_new_tokens:
+        out.append(int(logits[0, -1].argmax()))
+        if out[-1] in eos or len(out) == max_new_tokens:
+            break
+        logits = model(torch.tensor([[out[-1]]], device=model.device), cache)
+    return out

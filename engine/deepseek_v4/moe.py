@@ -1,0 +1,100 @@
+"""V4's mixture of experts (paper §2.1): routed experts plus one shared expert, every layer.
+
+A router picks `experts_per_token` experts per token and weighs them: learned top-k of
+score(x W_gate) + a correction bias (the bias only chooses, never weighs), or, in the first
+`hash_moe` layers, a frozen token id -> experts table (`tid2eid`) with the same learned weights.
+Weights are normalised over the chosen experts and scaled by `routed_scaling_factor`. Experts and
+the shared one are SwiGLU MLPs with clamped pre-activations (`swiglu_limit`).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from batchd.engine.deepseek_v4.config import V4Config
+
+SCORE_FUNCTIONS = {
+    "sqrtsoftplus": lambda logits: F.softplus(logits).sqrt(),
+    "softmax": lambda logits: logits.softmax(dim=-1),
+    "sigmoid": torch.sigmoid,
+}
+
+
+def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
+
+
+class Router(nn.Module):
+    """weight [E, H]; hashed: tid2eid [V, k] picks the experts; else e_score_correction_bias [E]."""
+
+    def __init__(self, config: V4Config, hashed: bool):
+        super().__init__()
+        self.hashed, self.top_k = hashed, config.experts_per_token
+        self.score = SCORE_FUNCTIONS[config.scoring_func]
+        self.scaling = config.routed_scaling_factor
+        self.weight = nn.Parameter(torch.empty(config.num_experts, config.hidden_size))
+        if hashed:
+            self.register_buffer("tid2eid", torch.zeros(config.vocab_size, self.top_k, dtype=torch.long))
+        else:
+            self.register_buffer("e_score_correction_bias", torch.zeros(config.num_experts))
+
+    def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [N, H], token_ids [N] -> (weights [N, k], expert ids [N, k])."""
+        scores = self.score(F.linear(x, self.weight))                                 # [N, E]
+        if self.hashed:
+            experts = self.tid2eid[token_ids].long()
+        else:
+            experts = torch.topk(scores + self.e_score_correction_bias, self.top_k, dim=-1, sorted=False).indices
+        weights = scores.gather(1, experts)
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * self.scaling, experts
+
+
+class Experts(nn.Module):
+    """gate_up_proj [E, 2I, H] (gate rows then up rows), down_proj [E, H, I]."""
+
+    def __init__(self, config: V4Config):
+        super().__init__()
+        E, H, I = config.num_experts, config.hidden_size, config.moe_intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, H))
+        self.down_proj = nn.Parameter(torch.empty(E, H, I))
+        self.limit = config.swiglu_limit
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """x [N, H], weights / experts [N, k] -> the weighted sum of each token's experts [N, H].
+        Tokens are grouped by expert, so each expert's weights are read once per step."""
+        out = torch.zeros_like(x)
+        for expert in experts.unique().tolist():
+            token, slot = torch.where(experts == expert)
+            gate, up = F.linear(x[token], self.gate_up_proj[expert]).chunk(2, dim=-1)
+            y = F.linear(clamped_swiglu(gate, up, self.limit), self.down_proj[expert])
+            out.index_add_(0, token, (y * weights[token, slot, None]).to(out.dtype))
+        return out
+
+
+class SharedExpert(nn.Module):
+    def __init__(self, config: V4Config):
+        super().__init__()
+        H, I = config.hidden_size, config.moe_intermediate_size
+        self.gate_proj = nn.Linear(H, I, bias=False)
+        self.up_proj = nn.Linear(H, I, bias=False)
+        self.down_proj = nn.Linear(I, H, bias=False)
+        self.limit = config.swiglu_limit
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(clamped_swiglu(self.gate_proj(x), self.up_proj(x), self.limit))
+
+
+class MoE(nn.Module):
+    def __init__(self, config: V4Config, layer: int):
+        super().__init__()
+        self.gate = Router(config, hashed=config.mlp_layer_types[layer] == "hash_moe")
+        self.experts = Experts(config)
+        self.shared_experts = SharedExpert(config)
+
+    def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+        """x [B, T, H], token_ids [B, T] (hash routing reads them) -> [B, T, H]."""
+        flat = x.reshape(-1, x.shape[-1])
+        weights, experts = self.gate(flat, token_ids.reshape(-1))
+        return self.experts(flat, weights, experts).view_as(x) + self.shared_experts(x)

@@ -236,6 +236,11 @@ class Engine:
         telemetry.spec_method = spec.method
         return generate_speculative(self, prompt_ids, sampler, stopper, spec, telemetry)
 
+    def compress_many(self, jobs: list[tuple[list[int], GenerationRequest, Telemetry]]) -> list:
+        """Jobs that arrived together (engine.batch.generate.BatchSession.add_many): each one's
+        `engine.pflash.Compressed` or its error; the compressing ones share drafter visits."""
+        return compress_requests(self, jobs)
+
     def compress(self, prompt_ids: list[int], request: GenerationRequest, telemetry: Telemetry) -> list[int]:
         """PFlash prompt compression when the job asks for it (engine.pflash). Sets
         `compress_drafter_sha256` to the drafter checkpoint's hash when this job was compressed."""

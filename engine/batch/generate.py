@@ -24,7 +24,7 @@ from typing import Iterable, Iterator, Union
 
 from batchd.engine.batch.sequence import Sequence
 from batchd.engine.errors import EngineError
-from batchd.engine.pflash import compress_requests, ensure_target_resident
+from batchd.engine.pflash import ensure_target_resident
 from batchd.engine.hashes import sha256_hex, token_ids_sha256
 from batchd.engine.whole_chars import output_text
 from batchd.engine.types import GenerationRequest, GenerationResult, Telemetry
@@ -89,7 +89,7 @@ class BatchSession:
                 continue
             handle.prompt_tokens = len(prompt_ids)
             encoded.append((i, handle, prompt_ids))
-        compressed = compress_requests(engine, [(ids, h.request, h.telemetry) for _, h, ids in encoded])
+        compressed = engine.compress_many([(ids, h.request, h.telemetry) for _, h, ids in encoded])
         for (i, handle, _), outcome in zip(encoded, compressed):
             if isinstance(outcome, Exception):
                 out[i] = outcome

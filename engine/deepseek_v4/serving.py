@@ -26,7 +26,7 @@ from batchd.engine.checkpoint.hf import _read_tokenizer, _weight_files
 from batchd.engine.deepseek_v4.batch import V4BatchEngine
 from batchd.engine.deepseek_v4.weights import load_folder
 from batchd.engine.errors import EngineError, UnsupportedFeatureError
-from batchd.engine.pflash import PromptCompressor
+from batchd.engine.pflash import Compressed, PromptCompressor
 from batchd.engine.residency import Residency
 from batchd.engine.text import TextCodec
 from batchd.engine.types import GenerationRequest, GenerationResult, Telemetry
@@ -77,8 +77,8 @@ class V4Engine:
         folder = Path(path).expanduser()
         dtype = parse_dtype(config.dtype, config.device)
         model, aside = load_folder(folder, config.device, dtype)
-        tokenizer, chat_template, bos, eos, _ = _read_tokenizer(folder, model.config)
-        codec = TextCodec(tokenizer, chat_template, bos, eos)
+        tokenizer, (chat_template, template_source), bos, eos, _ = _read_tokenizer(folder, model.config)
+        codec = TextCodec(tokenizer, chat_template, bos, eos, template_source=template_source)
         eos_ids = set(model.config.eos_token_ids) | ({codec.token_id(eos)} - {None})
         context = config.max_context or min(model.config.max_position_embeddings, DEFAULT_MAX_CONTEXT)
         sha = files_sha256(_weight_files(folder)[0])
@@ -102,6 +102,16 @@ class V4Engine:
         self.compress_drafter_sha256 = ""
         telemetry.notes += check_compression(ARCHITECTURE, str(self.device), request.compression)
         return prompt_ids
+
+    def compress_many(self, jobs: list[tuple[list[int], GenerationRequest, Telemetry]]) -> list:
+        """Each job's prompt unchanged (`Compressed`), or the refusal of its PFlash options."""
+        out = []
+        for prompt_ids, request, telemetry in jobs:
+            try:
+                out.append(Compressed(self.compress(prompt_ids, request, telemetry), "", None))
+            except EngineError as exc:
+                out.append(exc)
+        return out
 
     def fingerprint(self, request: GenerationRequest) -> dict:
         s, spec = request.sampling, request.speculation

@@ -2,6 +2,9 @@
 
 Each pass:
 1. expires pending/queued jobs whose deadline (`expires_at`) passed;
+   and takes `queued` rows that no publisher wrote back to `pending`: batchd always gives a
+   queued job a queue lease in the statement that queues it, so a `queued` row without one
+   was inserted (or set) by SQL and has no message anywhere;
 2. publishes `pending` jobs (written by SQL INSERT, or by a submit that could not reach the
    broker) and marks them `queued`;
 3. requeues `running` jobs whose worker lease expired (the worker was killed or lost) and
@@ -80,6 +83,7 @@ class Relay:
     def run_once(self) -> RelayReport:
         report = RelayReport()
         report.expired = self.expire_overdue()
+        self.unqueue_unpublished()
         report.published = self.publisher.publish_pending(on_sent=self._log_published)
         report.requeued, report.lost = self.requeue_lost_running()
         report.republished = self.republish_lost_queued()
@@ -123,6 +127,27 @@ class Relay:
                 session.execute(insert(JobEvent), [{"job_id": i, "event": "expired", "at": now} for i in ids])
         if ids:
             log.info("relay: expired %d job(s) whose deadline to start passed: %s", len(ids), id_list(ids))
+        return len(ids)
+
+    def unqueue_unpublished(self) -> int:
+        """`queued` rows without a queue lease -> `pending` (then published by this pass): every
+        publisher of batchd sets the lease with the status, so such a row was written by SQL."""
+        now = utcnow()
+        with session_scope(self.settings.database_url) as session:
+            ids = list(session.scalars(
+                select(Job.id).where(Job.status == JobStatus.QUEUED, Job.lease_expires_at.is_(None))
+                .limit(MARK_CHUNK).with_for_update(skip_locked=True)))
+            if ids:
+                session.execute(update(Job).where(Job.id.in_(ids), Job.status == JobStatus.QUEUED,
+                                                  Job.lease_expires_at.is_(None))
+                                .values(status=JobStatus.PENDING, queued_at=None))
+                session.execute(insert(JobEvent), [
+                    {"job_id": i, "event": "pending", "at": now,
+                     "detail": "written as queued without being published (no queue lease): published by the relay"}
+                    for i in ids])
+        if ids:
+            log.info("relay: %d job(s) were queued by SQL without a message; publishing them as pending: %s",
+                     len(ids), id_list(ids))
         return len(ids)
 
     def requeue_lost_running(self) -> tuple[int, int]:

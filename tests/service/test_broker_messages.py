@@ -69,3 +69,17 @@ def test_cancel_with_the_broker_away_still_cancels(settings, redis_client, queue
     assert "cancelled 1 job(s)" in out.stdout.decode()
     assert "does not answer" in out.stderr.decode() and "drops them" in out.stderr.decode()
 
+
+def test_submit_with_the_broker_away_stores_the_jobs_for_the_relay(settings, redis_client, queue_prefix, tmp_path):
+    lines = "\n".join(f'{{"custom_id": "doc-{i}", "prompt": "text {i}"}}' for i in range(3))
+    env = service_env(settings.database_url, "redis://:secret@127.0.0.1:1/0", tmp_path / "data", queue_prefix)
+    out = batchd_cli(["submit", "-", "--batch", "offline"], env, input=lines.encode())
+    assert out.returncode == 0, out.stderr.decode()
+    said = out.stdout.decode()
+    assert "3 new job(s); new jobs are stored as pending: the broker redis://:***@127.0.0.1:1/0 does not answer" in said
+    assert "they run when it is back" in said and "secret" not in said + out.stderr.decode()
+    with session_scope(settings.database_url) as session:
+        assert set(session.scalars(select(Job.status))) == {JobStatus.PENDING}
+    relay, _ = make_relay(settings)   # the broker is back
+    assert relay.run_once().published == 3
+    assert len(job_ids_in_queue(redis_client, settings.queue_name)) == 3

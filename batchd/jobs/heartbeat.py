@@ -51,8 +51,8 @@ class UnservedModel:
                 else "no worker has served it")
         ends = (f"they expire by {self.expires_at:%Y-%m-%d %H:%M} UTC" if self.expires_at
                 else "they have no deadline (submit with --expires-in)")
-        return (f"{jobs} wait for model {self.model}, which no worker serves ({seen}; {ends}): start "
-                f"`batchd worker --model-name {self.model}`, or `batchd cancel` them")
+        return (f"{jobs} wait for model {self.model}, which no worker serves ({seen}; {ends}): start a "
+                f"worker with `--model-name {self.model}`, or `batchd cancel` them")
 
 
 def unserved_models(url: str, batch_id: int, default_model: str, unserved_after_s: float) -> list[UnservedModel]:
@@ -61,9 +61,9 @@ def unserved_models(url: str, batch_id: int, default_model: str, unserved_after_
     since = utcnow() - timedelta(seconds=unserved_after_s)
     model = func.coalesce(Job.model, default_model)   # a pending row without a model gets the relay's default
     with read_scope(url) as session:
-        waiting = session.execute(
+        waiting = session.execute(   # pending_at: when it was submitted, or retried
             select(model, func.count(), func.count(Job.expires_at), func.max(Job.expires_at))
-            .where(Job.batch_id == batch_id, Job.status.in_(WAITING), Job.pending_at < since)   # pending_at: submit or retry
+            .where(Job.batch_id == batch_id, Job.status.in_(WAITING), Job.pending_at < since)
             .group_by(model)).all()
         if not waiting:
             return []

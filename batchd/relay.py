@@ -41,6 +41,7 @@ from batchd.db.models import Job, JobEvent, JobStatus
 from batchd.db.session import session_scope
 from batchd.db.types import utcnow
 from batchd.jobs.publish import MARK_CHUNK, Publisher
+from batchd.queue.broker import BROKER_UNREACHABLE
 
 log = logging.getLogger(__name__)
 
@@ -124,17 +125,28 @@ class Relay:
             log.info("relay: published %d pending job(s) to %s: %s", len(ids), queue, id_list(ids))
 
     def expire_overdue(self) -> int:
+        """pending/queued jobs past their deadline -> expired, and the queued ones' messages taken
+        out of their queues (as `batchd cancel` does)."""
         now = utcnow()
+        waiting = (JobStatus.PENDING, JobStatus.QUEUED)
         with session_scope(self.settings.database_url) as session:
-            ids = list(session.scalars(
-                select(Job.id).where(Job.status.in_((JobStatus.PENDING, JobStatus.QUEUED)), Job.expires_at < now)
-                .limit(MARK_CHUNK).with_for_update(skip_locked=True)))
+            rows = session.execute(
+                select(Job.id, Job.model, Job.status).where(Job.status.in_(waiting), Job.expires_at < now)
+                .limit(MARK_CHUNK).with_for_update(skip_locked=True)).all()
+            ids = [row.id for row in rows]
             if ids:
-                session.execute(update(Job).where(Job.id.in_(ids), Job.status.in_((JobStatus.PENDING, JobStatus.QUEUED)))
+                session.execute(update(Job).where(Job.id.in_(ids), Job.status.in_(waiting))
                                 .values(status=JobStatus.EXPIRED, expired_at=now, lease_expires_at=None))
                 session.execute(insert(JobEvent), [{"job_id": i, "event": "expired", "at": now} for i in ids])
         if ids:
             log.info("relay: expired %d job(s) whose deadline to start passed: %s", len(ids), id_list(ids))
+        queued = [(row.id, row.model) for row in rows if row.status == JobStatus.QUEUED]
+        if queued:
+            try:
+                self.publisher.remove_messages(queued)
+            except BROKER_UNREACHABLE:   # that costs nothing: a worker that draws one of them drops it
+                log.warning("relay: could not remove the messages of %d expired job(s): the broker does not answer",
+                            len(queued))
         return len(ids)
 
     def unqueue_unpublished(self) -> int:

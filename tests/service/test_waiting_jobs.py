@@ -88,9 +88,11 @@ def test_jobs_of_a_model_no_worker_serves_expire_at_their_deadline(settings, red
     assert "they expire by" in model.line()
     with session_scope(settings.database_url) as session:   # the deadline passes
         session.execute(update(Job).where(Job.id.in_(ids)).values(expires_at=utcnow() - timedelta(seconds=1)))
+    assert redis_client.llen(f"{settings.queue_prefix}.llama-70b") == 2   # published, and nobody draws them
     assert relay.run_once().expired == 2
     with session_scope(settings.database_url) as session:
         assert set(session.scalars(select(Job.status).where(Job.id.in_(ids)))) == {JobStatus.EXPIRED}
+    assert redis_client.llen(f"{settings.queue_prefix}.llama-70b") == 0   # their messages went with them
 
 
 def _batch_of(settings, job_id: int) -> int:

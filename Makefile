@@ -23,6 +23,10 @@ $(STAMP): pyproject.toml
 
 demo: install
 	$(BIN)/python scripts/demo.py
+	@echo
+	@echo "batchd is installed in $(VENV)/bin; to put it on your PATH in this shell:"
+	@echo "  source $(VENV)/bin/activate        # or: export PATH=\"\$$PWD/$(VENV)/bin:\$$PATH\""
+	@echo "then, for example: batchd results --batch demo-aclsum"
 
 # one pytest worker per core (at most 4), a test file's tests on one worker (its module fixtures load
 # once); tests/conftest.py gives each worker its share of the cores for torch and BLAS.

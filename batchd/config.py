@@ -61,6 +61,7 @@ class Settings:
     cancel_poll_s: float = 1.0  # how often a worker looks for cancelled jobs among its own
     drafters: tuple[tuple[str, str], ...] = ()  # (name, checkpoint path): the drafters jobs may name
     metrics_port: Optional[int] = None  # Prometheus /metrics of a worker or the relay; None: not served
+    unserved_after_s: float = 600.0  # `status` names waiting jobs whose model no worker served for this long
 
     @property
     def queue_name(self) -> str:
@@ -125,7 +126,7 @@ class Settings:
         }
         for name, convert in (("job_time_limit_s", float), ("lease_s", float), ("queue_lease_s", float),
                               ("max_attempts", int), ("relay_interval_s", float), ("drain_grace_s", float),
-                              ("cancel_poll_s", float)):
+                              ("cancel_poll_s", float), ("unserved_after_s", float)):
             value = get(name)
             if value is not None:
                 fields[name] = convert(value)
@@ -141,6 +142,8 @@ class Settings:
             raise ValueError("BATCHD_LEASE_S, BATCHD_QUEUE_LEASE_S and BATCHD_JOB_TIME_LIMIT_S must be positive")
         if self.max_jobs is not None and self.max_jobs < 1:
             raise ValueError("--max-jobs (BATCHD_MAX_JOBS) must be at least 1")
+        if self.unserved_after_s <= 0:
+            raise ValueError("BATCHD_UNSERVED_AFTER_S must be positive (seconds)")
         if self.drain_grace_s < 0 or self.cancel_poll_s <= 0:
             raise ValueError("BATCHD_DRAIN_GRACE_S must be >= 0 and BATCHD_CANCEL_POLL_S > 0")
         if self.max_attempts < 1:

@@ -2,13 +2,20 @@
 
 Each pass:
 1. expires pending/queued jobs whose deadline (`expires_at`) passed;
+   and takes `queued` rows that no publisher wrote back to `pending`: batchd always gives a
+   queued job a queue lease in the statement that queues it, so a `queued` row without one
+   was inserted (or set) by SQL and has no message anywhere;
 2. publishes `pending` jobs (written by SQL INSERT, or by a submit that could not reach the
    broker) and marks them `queued`;
 3. requeues `running` jobs whose worker lease expired (the worker was killed or lost) and
    republishes them; after `max_attempts` losses the job fails as `worker_lost`;
 4. republishes `queued` jobs whose queue lease expired when their model's Redis list holds
    fewer messages than there are queued jobs: a message was lost (a broker restart without
-   persistence, a purge), and at most that many oldest jobs are sent again.
+   persistence, a purge), and at most that many oldest jobs are sent again;
+5. when the broker lost everything (it restarted empty, or was flushed), does step 4 at once for
+   every queued job, leases or not, so that workers do not idle until the queue leases run out.
+   It knows by a mark it keeps in the broker (`<prefix>.broker-mark`): gone with the data, it is
+   set again once the queues are whole. On a fresh broker this finds nothing missing.
 
 PostgreSQL: rows are taken with FOR UPDATE SKIP LOCKED, so any number of relays share the work.
 SQLite: every transaction is BEGIN IMMEDIATE (one writer at a time), so one relay is correct and
@@ -34,6 +41,7 @@ from batchd.db.models import Job, JobEvent, JobStatus
 from batchd.db.session import session_scope
 from batchd.db.types import utcnow
 from batchd.jobs.publish import MARK_CHUNK, Publisher
+from batchd.queue.broker import BROKER_UNREACHABLE
 
 log = logging.getLogger(__name__)
 
@@ -80,9 +88,14 @@ class Relay:
     def run_once(self) -> RelayReport:
         report = RelayReport()
         report.expired = self.expire_overdue()
+        self.unqueue_unpublished()
         report.published = self.publisher.publish_pending(on_sent=self._log_published)
         report.requeued, report.lost = self.requeue_lost_running()
-        report.republished = self.republish_lost_queued()
+        if self.publisher.broker_is_marked():
+            report.republished = self.republish_lost_queued()
+        else:
+            report.republished = self.republish_lost_queued(broker_emptied=True)
+            self.publisher.mark_broker()
         if self.metrics is not None:
             self.metrics.observe_pass(report)
         return report
@@ -112,17 +125,49 @@ class Relay:
             log.info("relay: published %d pending job(s) to %s: %s", len(ids), queue, id_list(ids))
 
     def expire_overdue(self) -> int:
+        """pending/queued jobs past their deadline -> expired, and the queued ones' messages taken
+        out of their queues (as `batchd cancel` does)."""
         now = utcnow()
+        waiting = (JobStatus.PENDING, JobStatus.QUEUED)
         with session_scope(self.settings.database_url) as session:
-            ids = list(session.scalars(
-                select(Job.id).where(Job.status.in_((JobStatus.PENDING, JobStatus.QUEUED)), Job.expires_at < now)
-                .limit(MARK_CHUNK).with_for_update(skip_locked=True)))
+            rows = session.execute(
+                select(Job.id, Job.model, Job.status).where(Job.status.in_(waiting), Job.expires_at < now)
+                .limit(MARK_CHUNK).with_for_update(skip_locked=True)).all()
+            ids = [row.id for row in rows]
             if ids:
-                session.execute(update(Job).where(Job.id.in_(ids), Job.status.in_((JobStatus.PENDING, JobStatus.QUEUED)))
+                session.execute(update(Job).where(Job.id.in_(ids), Job.status.in_(waiting))
                                 .values(status=JobStatus.EXPIRED, expired_at=now, lease_expires_at=None))
                 session.execute(insert(JobEvent), [{"job_id": i, "event": "expired", "at": now} for i in ids])
         if ids:
             log.info("relay: expired %d job(s) whose deadline to start passed: %s", len(ids), id_list(ids))
+        queued = [(row.id, row.model) for row in rows if row.status == JobStatus.QUEUED]
+        if queued:
+            try:
+                self.publisher.remove_messages(queued)
+            except BROKER_UNREACHABLE:   # that costs nothing: a worker that draws one of them drops it
+                log.warning("relay: could not remove the messages of %d expired job(s): the broker does not answer",
+                            len(queued))
+        return len(ids)
+
+    def unqueue_unpublished(self) -> int:
+        """`queued` rows without a queue lease -> `pending` (then published by this pass): every
+        publisher of batchd sets the lease with the status, so such a row was written by SQL."""
+        now = utcnow()
+        with session_scope(self.settings.database_url) as session:
+            ids = list(session.scalars(
+                select(Job.id).where(Job.status == JobStatus.QUEUED, Job.lease_expires_at.is_(None))
+                .limit(MARK_CHUNK).with_for_update(skip_locked=True)))
+            if ids:
+                session.execute(update(Job).where(Job.id.in_(ids), Job.status == JobStatus.QUEUED,
+                                                  Job.lease_expires_at.is_(None))
+                                .values(status=JobStatus.PENDING, queued_at=None))
+                session.execute(insert(JobEvent), [
+                    {"job_id": i, "event": "pending", "at": now,
+                     "detail": "written as queued without being published (no queue lease): published by the relay"}
+                    for i in ids])
+        if ids:
+            log.info("relay: %d job(s) were queued by SQL without a message; publishing them as pending: %s",
+                     len(ids), id_list(ids))
         return len(ids)
 
     def requeue_lost_running(self) -> tuple[int, int]:
@@ -165,36 +210,42 @@ class Relay:
                         self.settings.max_attempts, id_list(i for i, _, _ in lost))
         return len(requeue), len(lost)
 
-    def republish_lost_queued(self) -> int:
+    def republish_lost_queued(self, broker_emptied: bool = False) -> int:
+        """Send again, per model, as many of the oldest queued jobs as its queue lacks messages.
+        Only jobs whose queue lease expired, unless the broker lost its data (then any)."""
         now = utcnow()
+        overdue = Job.status == JobStatus.QUEUED
+        if not broker_emptied:
+            overdue &= Job.lease_expires_at < now
+        why = ("the broker lost its messages (it restarted empty or was flushed)" if broker_emptied
+               else "queue lease expired and the queue holds fewer messages than queued jobs")
         with session_scope(self.settings.database_url) as session:
-            overdue_models = session.execute(
-                select(Job.model, func.count()).where(Job.status == JobStatus.QUEUED, Job.lease_expires_at < now)
-                .group_by(Job.model)).all()
-        sent = 0
-        for model, _ in overdue_models:
+            overdue_models = session.scalars(select(Job.model).where(overdue).distinct()).all()
+        return sum(self._republish_missing(model, overdue, why, now) for model in overdue_models)
+
+    def _republish_missing(self, model: Optional[str], overdue, why: str, now) -> int:
+        """Chunk by chunk, oldest first: as many `overdue` jobs of the model as its queue lacks."""
+        sent, after_id = 0, 0
+        while True:
             with session_scope(self.settings.database_url) as session:
                 queued = session.scalar(select(func.count()).where(Job.status == JobStatus.QUEUED, Job.model == model))
             deficit = queued - self.publisher.queue_length(model)
             if deficit <= 0:
-                continue
+                return sent
             with session_scope(self.settings.database_url) as session:
                 ids = list(session.scalars(
-                    select(Job.id).where(Job.status == JobStatus.QUEUED, Job.model == model, Job.lease_expires_at < now)
+                    select(Job.id).where(overdue, Job.model == model, Job.id > after_id)
                     .order_by(Job.id).limit(min(deficit, MARK_CHUNK)).with_for_update(skip_locked=True)))
                 if not ids:
-                    continue
+                    return sent
                 session.execute(update(Job).where(Job.id.in_(ids), Job.status == JobStatus.QUEUED)
                                 .values(lease_expires_at=now + timedelta(seconds=self.settings.queue_lease_s)))
-                session.execute(insert(JobEvent), [
-                    {"job_id": i, "event": "republished", "at": now,
-                     "detail": "queue lease expired and the queue holds fewer messages than queued jobs"}
-                    for i in ids])
+                session.execute(insert(JobEvent), [{"job_id": i, "event": "republished", "at": now, "detail": why}
+                                                   for i in ids])
             self.publisher.send([(i, model) for i in ids])
-            log.info("relay: republished %d queued job(s) to %s (the queue held fewer messages than queued jobs): %s",
-                     len(ids), self.publisher.queue_for(model), id_list(ids))
-            sent += len(ids)
-        return sent
+            log.info("relay: republished %d queued job(s) to %s (%s): %s", len(ids),
+                     self.publisher.queue_for(model), why, id_list(ids))
+            sent, after_id = sent + len(ids), ids[-1]
 
 
 def start_relay_thread(relay: Relay) -> tuple[threading.Thread, threading.Event]:

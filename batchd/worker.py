@@ -28,7 +28,7 @@ from typing import Callable, Optional
 from celery.signals import worker_shutting_down
 
 from batchd.config import Settings
-from batchd.jobs import lifecycle
+from batchd.jobs import heartbeat, lifecycle
 from batchd.jobs.engine_loop import EngineLoop
 from batchd.jobs.publish import Publisher
 from batchd.jobs.runner import JobRunner, set_current_runner
@@ -77,8 +77,9 @@ def default_max_jobs(engine) -> int:
 
 class LeaseKeeper(threading.Thread):
     """Every `cancel_poll_s`: jobs no longer ours (cancelled, expired, taken over) leave the batch.
-    Every `lease_s / 3`: the leases of the jobs in flight are renewed. A job past the hard time
-    limit ends the process (the relay then requeues its jobs, and counts the attempt)."""
+    Every `lease_s / 3`: the leases of the jobs in flight are renewed, and the worker's heartbeat
+    (batchd.jobs.heartbeat: which model is served) is refreshed, busy or idle. A job past the hard
+    time limit ends the process (the relay then requeues its jobs, and counts the attempt)."""
 
     def __init__(self, runner: JobRunner, loop: EngineLoop, settings: Settings):
         super().__init__(name="batchd-lease", daemon=True)
@@ -88,8 +89,11 @@ class LeaseKeeper(threading.Thread):
     def run(self) -> None:
         renew_every = self.settings.lease_s / 3
         poll = min(self.settings.cancel_poll_s, renew_every)
-        last_renewal = time.monotonic()
+        last_renewal = last_beat = time.monotonic()
         while not self.stop_event.wait(poll):
+            if time.monotonic() - last_beat >= renew_every:
+                last_beat = time.monotonic()
+                self.beat()
             jobs = self.runner.in_flight()
             if not jobs:
                 continue
@@ -115,6 +119,12 @@ class LeaseKeeper(threading.Thread):
                     log.warning("job %s is no longer ours (cancelled or taken over): out of the batch", job_id)
                     self.loop.cancel(job_id, "cancelled")
 
+    def beat(self) -> None:
+        try:
+            heartbeat.beat(self.settings.database_url, self.runner.worker_id)
+        except Exception:   # the database is down: the next beat says it again
+            log.warning("could not record this worker's heartbeat", exc_info=True)
+
 
 def run_worker(settings: Settings, engine, broker_url: str, *, relay: bool = True,
                stop_when: Optional[Callable[[], bool]] = None, loglevel: str = "INFO", quiet: bool = False) -> None:
@@ -124,6 +134,7 @@ def run_worker(settings: Settings, engine, broker_url: str, *, relay: bool = Tru
     import batchd.queue.tasks  # noqa: F401  registers the task on the app
 
     worker_id = new_worker_id(settings.model_name)
+    heartbeat.register_worker(settings.database_url, worker_id, settings.model_name)
     metrics = start_worker_metrics(settings, worker_id, max_jobs)   # None unless BATCHD_METRICS_PORT
     loop = EngineLoop(engine, on_step=metrics.observe_loop if metrics else None)
     loop.start()

@@ -60,7 +60,7 @@ def print_telemetry(database_url: str, batch: str) -> None:
         print(f"{r['custom_id']:<20} {r['output_sha256']} {r['prompt_tokens']:>5} {r['generated_tokens']:>4} "
               f"{r['queue_wait_s']:>7.2f} {r['prefill_s']:>9.2f} {r['prefill_tokens_per_s']:>8.0f} "
               f"{r['decode_s']:>8.2f} {r['decode_tokens_per_s']:>6.1f} {r['total_s']:>7.2f} {r['device']}")
-    print("\nQuery them yourself:  sqlite3 <data dir>/batchd.db \"SELECT custom_id, output_text FROM job_results\"")
+    print(f"\nEvery column is in SQL too: the job_results view of {database_url}")
 
 
 def main() -> int:

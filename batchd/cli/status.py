@@ -8,6 +8,8 @@ from typing import Optional
 import click
 
 from batchd.cli.context import CliContext, pass_cli
+from batchd.config import Settings
+from batchd.jobs.heartbeat import unserved_models
 from batchd.jobs.progress import BatchProgress, all_batches, batch_progress, workers_in_flight
 from batchd.report.totals import format_duration, status_counts
 
@@ -51,20 +53,30 @@ def status(cli: CliContext, batch_name: Optional[str], watch: Optional[bool], in
             click.echo("no batches yet: `batchd submit FILES --batch NAME`")
         for p in batches:
             click.echo(progress_line(p))
+            echo_unserved(settings, p)
         for load in workers_in_flight(settings.database_url):
             click.echo(worker_line(load))
         return
     watch = sys.stdout.isatty() if watch is None else watch
-    while True:
+    p = batch_progress(settings.database_url, batch_name)
+    if not watch:
+        click.echo(progress_line(p))
+    echo_unserved(settings, p)
+    while watch:
         p = batch_progress(settings.database_url, batch_name)
-        if not watch:
-            click.echo(progress_line(p))
-            return
         click.echo("\r\x1b[2K" + progress_line(p), nl=False)
         if p.done:
             click.echo()
             return
         time.sleep(interval)
+
+
+def echo_unserved(settings: Settings, p: BatchProgress) -> None:
+    """A line per model that the batch's waiting jobs name and no live worker serves."""
+    if p.done:
+        return
+    for model in unserved_models(settings.database_url, p.batch_id, settings.model_name, settings.unserved_after_s):
+        click.echo(f"  {model.line()}")
 
 
 COMMANDS = [status]

@@ -2,16 +2,18 @@
 from __future__ import annotations
 
 from datetime import datetime, timezone
+from typing import Optional
 
 import click
 
 from batchd.cli.context import CliContext, echo_err, pass_cli
 from batchd.cli.options import generation_options, params_from_options, submit_options
-from batchd.config import Settings
+from batchd.config import Settings, redact_url
 from batchd.embedded import broker_url_for
 from batchd.jobs.inputs import DEFAULT_TEMPLATE, read_inputs
 from batchd.jobs.publish import Publisher
 from batchd.jobs.submit import SubmitReport, submit_jobs
+from batchd.queue.broker import broker_problem
 from batchd.queue.celery_app import configure
 
 
@@ -23,18 +25,22 @@ def do_submit(settings: Settings, options: dict, *, publish: bool = True) -> Sub
     batch_name = options.get("batch_name") or datetime.now(timezone.utc).strftime("batch-%Y%m%d-%H%M%S")
     inputs = read_inputs(list(options["inputs"]), template=template, fmt=options.get("fmt") or "auto",
                          model_aliases=options.get("model_aliases") or {})
-    publisher = None
+    publisher, broker_away = None, None
     with broker_url_for(settings, start=False) as broker_url:
         if publish and broker_url:
-            publisher = Publisher(settings, configure(settings, broker_url))
+            broker_away = broker_problem(broker_url)   # then the jobs are stored as pending, not lost
+            if broker_away is None:
+                publisher = Publisher(settings, configure(settings, broker_url))
         report = submit_jobs(settings, batch_name, inputs, defaults=params, model=options.get("job_model"),
                              expires_in_s=options.get("expires_in"), publisher=publisher,
                              replace=bool(options.get("replace")))
-    print_report(report, publisher is not None)
+        report.unpublished_because = report.unpublished_because or broker_away
+    print_report(report, publisher is not None and report.unpublished_because is None,
+                 redact_url(broker_url) if broker_url else None)
     return report
 
 
-def print_report(report: SubmitReport, published: bool) -> None:
+def print_report(report: SubmitReport, published: bool, broker: Optional[str] = None) -> None:
     for source, message in report.duplicates:
         echo_err(f"skipped {source}: {message}")
     for custom_id, message in report.rejected:
@@ -59,6 +65,11 @@ def print_report(report: SubmitReport, published: bool) -> None:
         parts.append(f"{report.already_present} already in the batch")
     if report.duplicates:
         parts.append(f"{len(report.duplicates)} duplicate(s) skipped")
+    if report.unpublished_because is not None:
+        click.echo(f"batch {report.batch_name}: {', '.join(parts)}; new jobs are stored as pending: the broker "
+                   f"{broker} does not answer ({report.unpublished_because}); they run when it is back (a worker's "
+                   "relay, or `batchd relay`, publishes them)")
+        return
     where = "queued" if published else "pending (a worker's relay publishes them)"
     click.echo(f"batch {report.batch_name}: {', '.join(parts)}; new jobs are {where}")
 

@@ -1,4 +1,4 @@
-"""SQLAlchemy models: batches, jobs, results, job_events (docs/design.md sections 1 and 2).
+"""SQLAlchemy models: batches, jobs, results, job_events, workers (docs/design.md sections 1 and 2).
 
 A job moves pending -> queued -> running -> succeeded | failed | cancelled | expired, and each
 state has its own timestamp column. Column names in `results` are the field names of
@@ -197,3 +197,16 @@ class JobEvent(Base):
     event: Mapped[str] = mapped_column(String(32))
     worker_id: Mapped[Optional[str]] = mapped_column(String(255))
     detail: Mapped[Optional[str]] = mapped_column(Text)
+
+
+class Worker(Base):
+    """One row per worker process, beaten by its lease keeper: which model it serves and when it
+    was last alive. `batchd status` reads it to say which waiting jobs no worker serves."""
+
+    __tablename__ = "workers"
+
+    worker_id: Mapped[str] = mapped_column(String(255), primary_key=True)
+    model: Mapped[str] = mapped_column(String(64), index=True)
+    host: Mapped[str] = mapped_column(String(255))
+    started_at: Mapped[datetime] = mapped_column(server_default=func.current_timestamp())
+    last_seen_at: Mapped[datetime] = mapped_column(server_default=func.current_timestamp())

@@ -38,20 +38,29 @@ def _job_filter(session, batch: Optional[str], job_ids: Optional[Sequence[int]])
     return Job.id.in_(list(job_ids or []))
 
 
-def cancel(url: str, *, batch: Optional[str] = None, job_ids: Optional[Sequence[int]] = None) -> int:
+@dataclass(frozen=True)
+class CancelledJob:
+    id: int
+    model: Optional[str]
+    was: JobStatus   # a `queued` job's message waits in its model's queue (Publisher.remove_messages)
+
+
+def cancel(url: str, *, batch: Optional[str] = None, job_ids: Optional[Sequence[int]] = None) -> list[CancelledJob]:
     """pending/queued/running -> cancelled. A running job's worker finds it cancelled when it
     tries to save the result, and discards the result."""
     now = utcnow()
     with session_scope(url) as session:
         where = _job_filter(session, batch, job_ids)
-        ids = list(session.scalars(select(Job.id).where(where, Job.status.in_(CANCELLABLE)).with_for_update()))
+        rows = session.execute(select(Job.id, Job.model, Job.status).where(where, Job.status.in_(CANCELLABLE))
+                               .with_for_update()).all()
+        ids = [row.id for row in rows]
         if ids:
             session.execute(update(Job).where(Job.id.in_(ids), Job.status.in_(CANCELLABLE))
                             .values(status=JobStatus.CANCELLED, cancelled_at=now, lease_expires_at=None))
             session.execute(insert(JobEvent), [{"job_id": i, "event": "cancelled", "at": now} for i in ids])
         if batch is not None:
             session.execute(update(Batch).where(Batch.name == batch).values(cancelled_at=now))
-    return len(ids)
+    return [CancelledJob(row.id, row.model, JobStatus(row.status)) for row in rows]
 
 
 @dataclass

@@ -7,6 +7,7 @@ Sending is pipelined (one Redis round trip per `SEND_BATCH` messages).
 """
 from __future__ import annotations
 
+import json
 import logging
 from collections import defaultdict
 from datetime import timedelta
@@ -121,3 +122,62 @@ class Publisher:
         """Messages waiting in a model's Redis list (not counting ones a worker holds unacked)."""
         with self.app.connection_for_write() as connection:
             return int(connection.default_channel.client.llen(self.queue_for(model)))
+
+    @property
+    def broker_mark_key(self) -> str:
+        return f"{self.settings.queue_prefix}.broker-mark"
+
+    def broker_is_marked(self) -> bool:
+        """Whether the mark the relay leaves in the broker is there. A broker that restarted empty
+        (no persistence) or was flushed lost it together with every message it held."""
+        with self.app.connection_for_write() as connection:
+            return bool(connection.default_channel.client.exists(self.broker_mark_key))
+
+    def mark_broker(self) -> None:
+        with self.app.connection_for_write() as connection:
+            connection.default_channel.client.set(self.broker_mark_key, utcnow().isoformat())
+
+    def remove_messages(self, jobs: Sequence[tuple[int, Optional[str]]]) -> int:
+        """Take these jobs' waiting messages out of their models' queues (a cancelled or deleted
+        job's message would otherwise wait there until a worker drew it only to drop it); how many
+        were removed. A message a worker already holds is not in the list: its claim finds the job
+        finished and acknowledges it."""
+        by_queue: dict[str, set[int]] = defaultdict(set)
+        for job_id, model in jobs:
+            by_queue[self.queue_for(model)].add(job_id)
+        removed = 0
+        with self.app.connection_for_write() as connection:
+            client = connection.default_channel.client
+            for queue, job_ids in by_queue.items():
+                removed += _remove_from_list(client, queue, job_ids)
+        return removed
+
+
+def _remove_from_list(client, queue: str, job_ids: set[int]) -> int:
+    """LREM each message of `job_ids` from a kombu Redis list, read a chunk at a time. Workers pop
+    from the other end and publishers push at the head (which only makes a chunk be read twice),
+    so a concurrent consumer neither blocks this nor loses a message to it."""
+    removed, start = 0, 0
+    while True:
+        chunk = client.lrange(queue, start, start + SEND_BATCH - 1)
+        if not chunk:
+            return removed
+        doomed = [raw for raw in chunk if message_job_id(raw) in job_ids]
+        if doomed:
+            pipeline = client.pipeline(transaction=False)
+            for raw in doomed:
+                pipeline.lrem(queue, 1, raw)
+            gone = sum(pipeline.execute())
+            removed += gone
+        else:
+            gone = 0
+        start += len(chunk) - gone
+
+
+def message_job_id(raw: bytes) -> Optional[int]:
+    """The job id a task message of ours carries (its `argsrepr` header, `[17]`), else None."""
+    try:
+        argsrepr = json.loads(raw)["headers"]["argsrepr"]
+        return int(argsrepr.strip("[](), "))
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return None

@@ -32,6 +32,7 @@ from batchd.db.types import utcnow
 from batchd.jobs.inputs import MAX_CUSTOM_ID, InputError, JobInput, fit_custom_id
 from batchd.jobs.params import validate_input, validate_params
 from batchd.jobs.storable import scrubbed, scrubbed_text, text_problem
+from batchd.queue.broker import BROKER_UNREACHABLE
 from batchd.engine.errors import BadInputError
 
 INSERT_CHUNK = 2000
@@ -87,6 +88,7 @@ class SubmitReport:
     duplicates: list[tuple[str, str]] = field(default_factory=list)  # (source, message): not inserted
     ignored_models: Counter = field(default_factory=Counter)  # OpenAI body.model -> lines that named it
     published: int = 0
+    unpublished_because: Optional[str] = None  # the broker could not be reached: the jobs wait as pending
 
     @property
     def inserted(self) -> int:
@@ -145,6 +147,10 @@ def submit_jobs(settings: Settings, batch_name: str, inputs: Iterable[JobInput],
     if publisher is not None and ids:
         try:
             publisher.send([(job_id, plan.rows[custom_id]["model"]) for custom_id, job_id in ids.items()])
+        except BROKER_UNREACHABLE as exc:   # stored all the same: pending, for the relay to publish
+            publisher.unmark(report.job_ids)
+            report.unpublished_because = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            return report
         except Exception:
             publisher.unmark(report.job_ids)
             raise

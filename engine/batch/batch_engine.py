@@ -244,7 +244,6 @@ class BatchEngine:
         than any paged pass at 4K rows) and is copied into the pool; the chunks that continue a
         prompt run together in one pass over the pool (engine.batch.chunks, kernels.paged_prefill).
         The path follows from the chunk alone, so a row's bits never depend on the rest of the step."""
-        now = time.perf_counter()
         logits: dict[int, torch.Tensor] = {}
         continuing = [c for c in chunks if c.start > 0]
         for chunk in chunks:
@@ -260,9 +259,10 @@ class BatchEngine:
             seq = chunk.seq
             self.scheduler.chunk_done(seq, chunk.end)
             if chunk.end == seq.prompt_len:
-                seq.prompt_done_at = now
                 if not seq.generated:  # a recompute after preemption already has its tokens
                     self._accept(seq, [seq.sampler.sample(logits[id(chunk)]).item()], finished)
+                # after the first token's read-back: the prompt's rows are computed by then
+                seq.prompt_done_at = time.perf_counter()
 
     def _prefill_first_chunk(self, chunk: PromptChunk) -> torch.Tensor:
         """Positions [0, end) through the one-sequence prefill on the scratch cache, then into the

@@ -4,6 +4,7 @@ or on a cancelled neighbour."""
 from __future__ import annotations
 
 import random
+import time
 from dataclasses import replace
 
 import pytest
@@ -173,3 +174,19 @@ def test_greedy_ids_are_those_of_the_one_sequence_engine(engine, alone):
     for i, request in enumerate(reqs):
         if request.sampling.temperature == 0:
             assert engine.generate_one(request).token_ids == alone[i], i
+
+
+def test_prefill_seconds_cover_the_prompt_computation(engine, monkeypatch):
+    """prefill_s runs from the first step that scheduled the job to its first token: a prompt
+    that takes at least 0.2 s to compute shows at least 0.2 s (it once read 0.00 s)."""
+    batch = engine.batch_engine()
+    original = batch._prefill_first_chunk
+
+    def slow_prefill(chunk):
+        time.sleep(0.2)
+        return original(chunk)
+
+    monkeypatch.setattr(batch, "_prefill_first_chunk", slow_prefill)
+    result = engine.generate(requests()[1])
+    assert result.telemetry.prefill_s >= 0.2
+    assert result.telemetry.prefill_tokens_per_s <= result.prompt_tokens / 0.2

@@ -10,15 +10,30 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from batchd.engine.architectures import HF_ARCHITECTURE_NAMES, SUPPORTED_ARCHITECTURES, architecture
-from batchd.engine.errors import CheckpointError
+import torch
 
-__all__ = ["ConfigValueError", "ModelConfig", "HF_ARCHITECTURE_NAMES", "SUPPORTED_ARCHITECTURES"]
+from batchd.engine.architectures import HF_ARCHITECTURE_NAMES, SUPPORTED_ARCHITECTURES, architecture
+from batchd.engine.errors import BadInputError, CheckpointError
+
+__all__ = ["ConfigValueError", "DTYPES", "ModelConfig", "parse_dtype", "HF_ARCHITECTURE_NAMES", "SUPPORTED_ARCHITECTURES"]
 
 # Field -> the Hugging Face config.json key it comes from, where the names differ (the GGUF
 # loader has its own map): errors name the key a person can find in their file.
 HF_KEYS = {"num_layers": "num_hidden_layers", "num_heads": "num_attention_heads",
            "num_kv_heads": "num_key_value_heads"}
+
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16, "f16": torch.float16}
+
+
+def parse_dtype(name: Optional[str], device: str) -> torch.dtype:
+    if name is None:
+        return torch.bfloat16 if device.startswith("cuda") else torch.float32
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise BadInputError(f"unknown dtype {name!r}; use one of {', '.join(sorted(DTYPES))}") from None
 
 
 class ConfigValueError(CheckpointError):

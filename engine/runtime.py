@@ -23,7 +23,7 @@ import torch
 from batchd.engine.batch import BatchEngine, BatchOptions, generate_many
 from batchd.engine.capabilities import check_features
 from batchd.engine.checkpoint import load_checkpoint
-from batchd.engine.config import ModelConfig
+from batchd.engine.config import DTYPES, ModelConfig, parse_dtype  # noqa: F401 - DTYPES: re-exported
 from batchd.engine.errors import BadInputError, DeviceOutOfMemoryError, EngineError, PromptTooLongError
 from batchd.engine.fused import kernels_for
 from batchd.engine.generate import TokenOutput, generate_plain, synchronize
@@ -40,18 +40,7 @@ from batchd.engine.whole_chars import output_text
 from batchd.engine.text import TextCodec
 from batchd.engine.types import GenerationRequest, GenerationResult, SamplingParams, Telemetry
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-          "float16": torch.float16, "fp16": torch.float16, "f16": torch.float16}
 DEFAULT_MAX_CONTEXT = 8192
-
-
-def parse_dtype(name: Optional[str], device: str) -> torch.dtype:
-    if name is None:
-        return torch.bfloat16 if device.startswith("cuda") else torch.float32
-    try:
-        return DTYPES[name]
-    except KeyError:
-        raise BadInputError(f"unknown dtype {name!r}; use one of {', '.join(sorted(DTYPES))}") from None
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ folder, text in and out, as the worker uses it).
 """
 from batchd.engine.deepseek_v4.cache import V4Cache
 from batchd.engine.deepseek_v4.config import V4Config
-from batchd.engine.deepseek_v4.model import DeepseekV4, build_model, generate_greedy
-from batchd.engine.deepseek_v4.weights import load_folder, load_tensors
+from batchd.engine.deepseek_v4.model import DeepseekV4, build_model, generate_greedy, load_folder
+from batchd.engine.deepseek_v4.weights import load_tensors
 
 __all__ = ["DeepseekV4", "V4Cache", "V4Config", "build_model", "generate_greedy", "load_folder", "load_tensors"]

@@ -10,11 +10,13 @@ returns their logits. A rejected draft is rolled back with `cache.truncate`.
 """
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Iterable, Optional
 
 import torch
 from torch import nn
 
+from batchd.engine.checkpoint.hf import _read_json, _weight_files, read_safetensors_header
 from batchd.engine.deepseek_v4.attention import Attention
 from batchd.engine.deepseek_v4.cache import LayerCache, V4Cache
 from batchd.engine.deepseek_v4.config import SLIDING, V4Config
@@ -22,6 +24,7 @@ from batchd.engine.deepseek_v4.hyper_connections import HyperConnection, HyperHe
 from batchd.engine.deepseek_v4.moe import MoE
 from batchd.engine.deepseek_v4.norms import RMSNorm
 from batchd.engine.deepseek_v4.rope import RopeTable
+from batchd.engine.deepseek_v4.weights import load_tensors, read_tensors_as_stored
 
 # parameters kept in float32 whatever the model's dtype (transformers' _keep_in_fp32_modules_strict)
 FLOAT32_PARTS = ("attn_hc.", "ffn_hc.", "hc_head.", "sinks", "position_bias", "e_score_correction_bias",
@@ -100,8 +103,6 @@ def build_model(config: V4Config, device="cpu", dtype: torch.dtype = torch.float
     """The model on `device`: weights in `dtype` (routing tables stay integers, the parts transformers
     keeps in float32 stay float32), loaded from `tensors` named as engine.deepseek_v4.weights
     expects (checkpoint or transformers names), or left uninitialised for the caller to fill."""
-    from batchd.engine.deepseek_v4.weights import load_tensors
-
     with torch.device("meta"):
         model = DeepseekV4(config)
     model = model.to_empty(device=device)
@@ -129,3 +130,19 @@ def generate_greedy(model: DeepseekV4, prompt_ids: list[int], max_new_tokens: in
             break
         logits = model(torch.tensor([[out[-1]]], device=model.device), cache)
     return out
+
+
+def load_folder(folder: str | Path, device="cpu", dtype: torch.dtype = torch.float32):
+    """A Hugging Face folder holding a deepseek_v4 config.json and safetensors -> (model, SetAside).
+    Token ids only: the tokenizer, if any, is the caller's."""
+    folder = Path(folder)
+    config = V4Config.from_hf_dict(_read_json(folder / "config.json"), source=str(folder / "config.json"))
+    tensors = {}
+    for path in _weight_files(folder)[0]:
+        names = set(read_safetensors_header(path))
+        # integers (the hash routing table) keep their type; floats come in float32, cast by build_model
+        tensors.update({n: t if not t.is_floating_point() else t.float()
+                        for n, t in read_tensors_as_stored(path, names).items()})
+    model = build_model(config, device, dtype)
+    aside = load_tensors(model, tensors, str(folder))
+    return model, aside

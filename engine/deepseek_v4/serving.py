@@ -22,9 +22,10 @@ import torch
 from batchd.engine.batch.generate import generate_many
 from batchd.engine.capabilities import check_compression, check_features
 from batchd.engine.checkpoint.base import files_sha256
+from batchd.engine.config import parse_dtype
 from batchd.engine.checkpoint.hf import _read_tokenizer, _weight_files
 from batchd.engine.deepseek_v4.batch import V4BatchEngine
-from batchd.engine.deepseek_v4.weights import load_folder
+from batchd.engine.deepseek_v4.model import load_folder
 from batchd.engine.errors import EngineError, UnsupportedFeatureError
 from batchd.engine.pflash import Compressed, PromptCompressor
 from batchd.engine.residency import Residency
@@ -72,8 +73,6 @@ class V4Engine:
     @classmethod
     def load(cls, path, config) -> "V4Engine":
         """The V4 checkpoint folder at `path`, its tokenizer beside it."""
-        from batchd.engine.runtime import parse_dtype
-
         folder = Path(path).expanduser()
         dtype = parse_dtype(config.dtype, config.device)
         model, aside = load_folder(folder, config.device, dtype)

@@ -120,27 +120,7 @@ def load_tensors(model, tensors: dict[str, torch.Tensor], source: str = "checkpo
     return aside
 
 
-def load_folder(folder: str | Path, device="cpu", dtype: torch.dtype = torch.float32):
-    """A Hugging Face folder holding a deepseek_v4 config.json and safetensors -> (model, SetAside).
-    Token ids only: the tokenizer, if any, is the caller's."""
-    from batchd.engine.checkpoint.hf import _read_json, _weight_files, read_safetensors_header
-    from batchd.engine.deepseek_v4.config import V4Config
-    from batchd.engine.deepseek_v4.model import build_model
-
-    folder = Path(folder)
-    config = V4Config.from_hf_dict(_read_json(folder / "config.json"), source=str(folder / "config.json"))
-    tensors = {}
-    for path in _weight_files(folder)[0]:
-        names = set(read_safetensors_header(path))
-        # integers (the hash routing table) keep their type; floats come in float32, cast by build_model
-        tensors.update({n: t if not t.is_floating_point() else t.float()
-                        for n, t in _read_tensors_as_stored(path, names).items()})
-    model = build_model(config, device, dtype)
-    aside = load_tensors(model, tensors, str(folder))
-    return model, aside
-
-
-def _read_tensors_as_stored(path: Path, names: set[str]) -> dict[str, torch.Tensor]:
+def read_tensors_as_stored(path: Path, names: set[str]) -> dict[str, torch.Tensor]:
     from safetensors import safe_open
 
     try:

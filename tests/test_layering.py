@@ -147,6 +147,16 @@ def test_layers_point_one_way():
     assert layer_violations(GRAPH) == []
 
 
+def test_the_cli_imports_no_engine_until_a_command_runs_one():
+    """`batchd status`, `submit`, `export`... must not pay torch's import (seconds): only the
+    commands that load a model (worker, run, generate) import the engine, inside the command."""
+    import subprocess
+
+    code = "import sys, batchd.cli.main; print(sorted(m for m in ('torch', 'triton', 'batchd.worker') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]", out
+
+
 if __name__ == "__main__":
     for package in (ENGINE, KERNELS):
         found = cycles(GRAPH, package)

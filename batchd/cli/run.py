@@ -17,7 +17,6 @@ from batchd.cli.worker import exit_now, model_settings
 from batchd.embedded import broker_url_for
 from batchd.jobs.export import result_rows
 from batchd.jobs.progress import batch_progress
-from batchd.worker import load_engine, run_worker
 
 
 @click.command("run")
@@ -31,6 +30,8 @@ from batchd.worker import load_engine, run_worker
 def run(cli: CliContext, show_results: bool, loglevel: str, **options) -> None:
     """Submit INPUTS, run a worker (and relay, and broker) until the batch is done, print results."""
     settings = model_settings(cli, options)
+    from batchd.worker import load_engine, run_worker   # torch and the engine: only for the commands that run it
+
     engine = load_engine(settings)
     with broker_url_for(settings, start=True) as broker_url:
         report = do_submit(settings, options)

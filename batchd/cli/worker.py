@@ -14,7 +14,6 @@ from batchd.cli.options import MODEL_OPTIONS, model_options
 from batchd.config import Settings
 from batchd.embedded import broker_url_for
 from batchd.relay import show_relay_logs
-from batchd.worker import load_engine, run_worker
 
 
 def checked_model_path(settings: Settings) -> Settings:
@@ -51,6 +50,8 @@ def worker(cli: CliContext, relay: bool, loglevel: str, metrics_port, **options)
     settings = model_settings(cli, options).replace(metrics_port=metrics_port)
     if relay:
         show_relay_logs()
+    from batchd.worker import load_engine, run_worker   # torch and the engine: only for the commands that run it
+
     engine = load_engine(settings)
     with broker_url_for(settings, start=True) as broker_url:
         click.echo(f"worker for model {settings.model_name} on {settings.device}, queue {settings.queue_name}", err=True)

@@ -429,24 +429,11 @@ class BatchEngine:
             else:
                 accepted, new = 0, [seq.sampler.sample(lanes[0]).item()]
             if drafts:
-                self._record_spec(seq, len(drafts), accepted)
+                seq.record_speculation(len(drafts), accepted)
             seq.computed += 1 + accepted
             if drafts and seq.seq_id in self._draft_states:
                 self._draft_states[seq.seq_id].verified(seq)
             self._accept(seq, new, finished)
-
-    def _record_spec(self, seq: Sequence, offered: int, accepted: int) -> None:
-        # P(a draft is accepted | the ones before it were), a moving average over recent steps
-        seq.spec_alpha = 0.7 * seq.spec_alpha + 0.3 * (accepted / (accepted + (accepted < offered)) if accepted
-                                                          or offered else 0.0)
-        seq.spec_steps += 1
-        seq.spec_offered += offered
-        seq.spec_accepted += accepted
-        while len(seq.spec_offered_at) < offered:
-            seq.spec_offered_at.append(0), seq.spec_accepted_at.append(0)
-        for lane in range(offered):
-            seq.spec_offered_at[lane] += 1
-            seq.spec_accepted_at[lane] += lane < accepted
 
     def _accept(self, seq: Sequence, new_tokens: list[int], finished: list[Sequence]) -> None:
         reason = seq.stopper.accept(seq.generated, new_tokens)

@@ -81,3 +81,17 @@ class Sequence:
     @property
     def decoding(self) -> bool:
         return self.status is SequenceStatus.RUNNING and self.computed == self.num_tokens - 1 and self.generated
+
+    def record_speculation(self, offered: int, accepted: int) -> None:
+        """One verify step's drafts: counts per step and per lane, and a moving estimate of
+        P(a draft is accepted | the ones before it were) over recent steps."""
+        rate = accepted / (accepted + (accepted < offered)) if accepted else 0.0
+        self.spec_alpha = 0.7 * self.spec_alpha + 0.3 * rate
+        self.spec_steps += 1
+        self.spec_offered += offered
+        self.spec_accepted += accepted
+        while len(self.spec_offered_at) < offered:
+            self.spec_offered_at.append(0), self.spec_accepted_at.append(0)
+        for lane in range(offered):
+            self.spec_offered_at[lane] += 1
+            self.spec_accepted_at[lane] += lane < accepted

@@ -160,7 +160,7 @@ class V4BatchEngine:
         else:
             accepted, new = 0, [int(seq.sampler.sample(lanes[0]))]
         if drafts:
-            _record_speculation(seq, len(drafts), accepted)
+            seq.record_speculation(len(drafts), accepted)
         seq.computed += 1 + accepted
         self._accept(seq, new, finished)
 
@@ -178,16 +178,3 @@ class V4BatchEngine:
         if reason is not None:
             self.scheduler.finish(seq, reason)
             finished.append(seq)
-
-
-def _record_speculation(seq: Sequence, offered: int, accepted: int) -> None:
-    """Acceptance as the batch engine counts it: per step, per lane, and a moving estimate."""
-    seq.spec_alpha = 0.7 * seq.spec_alpha + 0.3 * (accepted / (accepted + (accepted < offered)) if accepted else 0.0)
-    seq.spec_steps += 1
-    seq.spec_offered += offered
-    seq.spec_accepted += accepted
-    while len(seq.spec_offered_at) < offered:
-        seq.spec_offered_at.append(0), seq.spec_accepted_at.append(0)
-    for lane in range(offered):
-        seq.spec_offered_at[lane] += 1
-        seq.spec_accepted_at[lane] += lane < accepted

@@ -107,7 +107,7 @@ class V4Engine:
         out = []
         for prompt_ids, request, telemetry in jobs:
             try:
-                out.append(Compressed(self.compress(prompt_ids, request, telemetry), "", None))
+                out.append(Compressed(self.compress(prompt_ids, request, telemetry), ""))
             except EngineError as exc:
                 out.append(exc)
         return out

@@ -39,8 +39,8 @@ from batchd.engine.types import CompressionOptions, GenerationRequest, Telemetry
 
 PADDED_SCORING_MAX = 32768   # drafter tokens: longer prompts keep the chunked path (no graph per length)
 
-__all__ = ["PromptCompressor", "CompressionReport", "ScoringWindow", "DEFAULT_SCORING_WINDOW", "compress_for_request", "compress_requests", "CompressJob", "Compressed",
-           "check_compression_options", "drafter_architecture",
+__all__ = ["PromptCompressor", "CompressionReport", "ScoringWindow", "DEFAULT_SCORING_WINDOW", "compress_for_request",
+           "compress_requests", "CompressJob", "Compressed", "check_compression_options", "drafter_architecture",
            "ensure_target_resident", "default_scoring_chunk"]
 
 
@@ -69,8 +69,7 @@ class CompressJob:
 @dataclass
 class Compressed:
     ids: list[int]            # the effective target prompt
-    drafter_sha256: str       # the drafter checkpoint's hash (its "#layers=N" view suffix dropped)
-    report: Optional[CompressionReport]   # None: not compressed
+    drafter_sha256: str       # the drafter checkpoint's hash (its "#layers=N" view suffix dropped); "": not compressed
 
 
 def share_visit(telemetry: Telemetry, visit: Telemetry, jobs: int) -> None:
@@ -140,21 +139,18 @@ class PromptCompressor:
                                                  prompt_tokens=max(len(job.prompt_ids) for job in jobs))
         except Exception as exc:  # noqa: BLE001 - with_drafter raises the group's EngineError
             scored = [exc] * len(jobs)
-        overhead = time.perf_counter() - started - sum(job.telemetry.scoring_s for job in jobs)
+        # the visit's seconds that were no job's scoring (load, park, unpark), shared equally
+        visit_share_s = (time.perf_counter() - started - sum(job.telemetry.scoring_s for job in jobs)) / len(jobs)
         out = []
         for job, outcome in zip(jobs, scored):
             share_visit(job.telemetry, visit, len(jobs))
             if isinstance(outcome, Exception):
                 out.append(outcome)
                 continue
-            job_started = time.perf_counter()
             try:
-                out.append(self._select(engine, job, *outcome, drafter_path))
+                out.append(self._select(engine, job, *outcome, visit_share_s))
             except Exception as exc:  # noqa: BLE001 - a bug in one job's selection fails that job only
                 out.append(exc)
-                continue
-            job.telemetry.compress_s = (job.telemetry.scoring_s + overhead / len(jobs)
-                                        + time.perf_counter() - job_started)
         return out
 
     def _score_one(self, engine, drafter: Drafter, job: "CompressJob", chunk: int, drafter_path: str):
@@ -177,7 +173,8 @@ class PromptCompressor:
             return Residency.job_error(exc, drafter_path)
 
     def _select(self, engine, job: "CompressJob", view: DrafterView, scores, drafter_sha256: str,
-                drafter_path: str) -> "Compressed":
+                visit_share_s: float) -> "Compressed":
+        started = time.perf_counter()
         prompt_ids, telemetry = job.prompt_ids, job.telemetry
         selection = select_chunks(view.ids, scores, replace(self.selection, keep_ratio=job.options.keep_ratio))
         ids, info = target_ids_after(view, selection.spans, engine.codec, prompt_ids,
@@ -195,10 +192,12 @@ class PromptCompressor:
                                    "re-appended it whole")
         if len(ids) >= len(prompt_ids):
             telemetry.notes.append(f"PFlash kept all {len(prompt_ids)} prompt tokens: nothing was compressed")
+        telemetry.compress_s = telemetry.scoring_s + visit_share_s + time.perf_counter() - started
         self.last_report = CompressionReport(len(prompt_ids), len(view.ids), info.drafter_tokens_kept, len(ids),
-                                             info.instruction_reappended, telemetry.scoring_s, selection, view,
-                                             drafter_path, drafter_sha256, windowed)
-        return Compressed(ids, drafter_sha256.partition("#")[0], self.last_report)
+                                             info.instruction_reappended, telemetry.compress_s, selection, view,
+                                             job.options.drafter_path or engine.checkpoint_path, drafter_sha256,
+                                             windowed)
+        return Compressed(ids, drafter_sha256.partition("#")[0])
 
     def _graphed(self, drafter: Drafter, tokens: int) -> bool:
         """CUDA prompts scored exactly in one padded forward (engine.pflash.scoring.PaddedScorer):
@@ -244,10 +243,11 @@ def compress_requests(engine, jobs: list[tuple[list[int], GenerationRequest, Tel
         except Exception as exc:  # noqa: BLE001 - the gate's refusal is this job's error
             out[i] = exc
             continue
-        if options.mode == "auto" and len(prompt_ids) < options.threshold_tokens:
+        if options.mode == "off":
+            out[i] = Compressed(prompt_ids, "")
+        elif options.mode == "auto" and len(prompt_ids) < options.threshold_tokens:
             telemetry.notes.append(f"not compressed: {len(prompt_ids)} tokens < threshold {options.threshold_tokens}")
-        if options.mode == "off" or (options.mode == "auto" and len(prompt_ids) < options.threshold_tokens):
-            out[i] = Compressed(prompt_ids, "", None)
+            out[i] = Compressed(prompt_ids, "")
         else:
             waiting[i] = CompressJob(prompt_ids, options, telemetry)
     if waiting:

@@ -88,3 +88,43 @@ def linear_config(values: str):
     bn, bk, splits, stages, *extra = (int(v) for v in items if ":" not in v)
     fields = dict(num_warps=4, num_stages=stages, swap=True, preload=extra[0] if extra else 0)
     return SmallLinearConfig(bn, bk, splits, **{**fields, **named})
+
+
+class PhaseTimer:
+    """Seconds spent inside chosen methods, each call synchronised before and after: where a run's
+    time goes (a profile: the synchronisation itself slows the run, so never quote it as a figure).
+
+        timer = PhaseTimer(); timer.wrap(batch_engine, "_run_rows"); ...; print(timer.table())
+    """
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+        self.calls: dict[str, int] = {}
+        self._wrapped: list[tuple[object, str, object]] = []
+
+    def wrap(self, owner, name: str, label: str | None = None) -> None:
+        """Replace owner.name (an object's method or a module's function) by a timed twin."""
+        fn, label = getattr(owner, name), label or name
+
+        sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+
+        def timed(*args, **kwargs):
+            sync()
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                sync()
+                self.seconds[label] = self.seconds.get(label, 0.0) + time.perf_counter() - start
+                self.calls[label] = self.calls.get(label, 0) + 1
+
+        self._wrapped.append((owner, name, fn))
+        setattr(owner, name, timed)
+
+    def restore(self) -> None:
+        for owner, name, fn in reversed(self._wrapped):
+            setattr(owner, name, fn)
+        self._wrapped.clear()
+
+    def table(self) -> str:
+        return ", ".join(f"{k} {v:.2f} s/{self.calls[k]}" for k, v in sorted(self.seconds.items(), key=lambda kv: -kv[1]))

@@ -37,7 +37,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import print_table  # noqa: E402
+from bench.common import PhaseTimer, print_table  # noqa: E402
 from bench.random_checkpoint import write_checkpoint  # noqa: E402
 from batchd.config import Settings  # noqa: E402
 from batchd.db import migrate  # noqa: E402
@@ -82,18 +82,37 @@ def requests_for(texts: list[str], args, compression: CompressionOptions | None)
             for t in texts]
 
 
-def engine_alone(engine: Engine, requests: list[GenerationRequest]) -> float:
+def engine_alone(engine: Engine, requests: list[GenerationRequest], phases: bool = False) -> float:
     session = BatchSession(engine)
+    if phases:   # a second, synchronised run: where the time goes
+        import batchd.engine.batch.batch_engine as batch_module
+
+        timer = PhaseTimer()
+        batch = engine.batch_engine()
+        timer.wrap(engine, "compress_many", "compress")
+        for name in ("_catch_up_drafters", "_prefill_chunks", "_prefill_first_chunk", "_propose_drafts", "_run_rows"):
+            timer.wrap(batch, name)
+        timer.wrap(batch.scheduler, "plan")
+        timer.wrap(batch_module, "forward_chunks", "continuing chunks")
     synchronize(engine)
     started = time.perf_counter()
     for request in requests:
         session.add(request)
-    done = 0
+    synchronize(engine)
+    added = time.perf_counter()
+    done = steps = 0
     while session.has_work:
         done += len(session.step())
+        steps += 1
     synchronize(engine)
     assert done == len(requests)
-    return time.perf_counter() - started
+    finished = time.perf_counter()
+    print(f"engine alone: encoding and compressing {added - started:.2f} s, then {steps} steps {finished - added:.2f} s",
+          flush=True)
+    if phases:
+        print("phases (synchronised):", timer.table(), flush=True)
+        timer.restore()
+    return finished - started
 
 
 def through_service(engine: Engine, settings: Settings, broker_url: str, batch: str, texts: list[str],
@@ -157,6 +176,7 @@ def main() -> None:
     parser.add_argument("--drafter-shape", default="qwen2.5-0.5b")
     parser.add_argument("--max-jobs", type=int, default=None, help="the worker's --max-jobs (default: its own)")
     parser.add_argument("--pflash-only", action="store_true", help="skip the rows without PFlash")
+    parser.add_argument("--phases", action="store_true", help="then a synchronised PFlash run, timed by phase")
     parser.add_argument("--slab", type=int, default=None, help="rows of every decode projection (default: the engine's)")
     args = parser.parse_args()
     tokenizer_dir = Path(args.tokenizer_dir)
@@ -202,6 +222,8 @@ def main() -> None:
             engine_alone(engine, requests_for(warm, args, compression))   # loads the drafter, warms its shapes
             p_alone = engine_alone(engine, requests_for(p_texts, args, compression))
             rows.append(row(f"PFlash keep {args.keep}: engine alone", args.pflash_docs, p_alone))
+            if args.phases:
+                engine_alone(engine, requests_for(p_texts, args, compression), phases=True)
             # jobs name drafters the worker serves (batchd.jobs.job_request), never a path
             p_settings = settings.replace(drafters=(("pflash-drafter", str(drafter)),))
             p_params = {**params, "compress": "always", "keep_ratio": args.keep, "compress_drafter": "pflash-drafter"}

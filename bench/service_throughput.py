@@ -96,8 +96,9 @@ def engine_alone(engine: Engine, requests: list[GenerationRequest], phases: bool
         timer.wrap(batch_module, "forward_chunks", "continuing chunks")
     synchronize(engine)
     started = time.perf_counter()
-    for request in requests:
-        session.add(request)
+    outcomes = session.add_many(requests)   # as the worker's loop takes the jobs waiting for it
+    errors = [o for o in outcomes if isinstance(o, Exception)]
+    assert not errors, errors[:3]
     synchronize(engine)
     added = time.perf_counter()
     done = steps = 0
@@ -176,6 +177,7 @@ def main() -> None:
     parser.add_argument("--drafter-shape", default="qwen2.5-0.5b")
     parser.add_argument("--max-jobs", type=int, default=None, help="the worker's --max-jobs (default: its own)")
     parser.add_argument("--pflash-only", action="store_true", help="skip the rows without PFlash")
+    parser.add_argument("--engine-only", action="store_true", help="the engine-alone rows only (tuning runs)")
     parser.add_argument("--phases", action="store_true", help="then a synchronised PFlash run, timed by phase")
     parser.add_argument("--slab", type=int, default=None, help="rows of every decode projection (default: the engine's)")
     args = parser.parse_args()
@@ -224,6 +226,8 @@ def main() -> None:
             rows.append(row(f"PFlash keep {args.keep}: engine alone", args.pflash_docs, p_alone))
             if args.phases:
                 engine_alone(engine, requests_for(p_texts, args, compression), phases=True)
+            if args.engine_only:
+                return print_table(rows)
             # jobs name drafters the worker serves (batchd.jobs.job_request), never a path
             p_settings = settings.replace(drafters=(("pflash-drafter", str(drafter)),))
             p_params = {**params, "compress": "always", "keep_ratio": args.keep, "compress_drafter": "pflash-drafter"}

@@ -79,13 +79,10 @@ class BatchSession:
         engine = self.engine
         out: list = [None] * len(requests)
         encoded = []   # (index, handle, prompt ids)
-        for i, request in enumerate(requests):
+        for i, (request, prompt_ids) in enumerate(zip(requests, engine.codec.encode_requests(requests))):
             handle = Handle(request, Telemetry(device=str(engine.device), notes=list(engine.notes) + self.batch.notes))
-            try:
-                prompt_ids = engine.codec.encode_request(request.prompt, request.messages, request.chat,
-                                                         request.continue_final_message)
-            except Exception as exc:  # noqa: BLE001 - this request's error
-                out[i] = exc
+            if isinstance(prompt_ids, Exception):   # this request's error
+                out[i] = prompt_ids
                 continue
             handle.prompt_tokens = len(prompt_ids)
             encoded.append((i, handle, prompt_ids))

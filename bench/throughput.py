@@ -124,7 +124,7 @@ def main() -> None:
                         help="skip the batch-dependent variant")
     parser.add_argument("--chunk", type=int, default=4096, help="prefill chunk (tokens)")
     parser.add_argument("--step-tokens", type=int, default=8192, help="prompt tokens a step")
-    parser.add_argument("--slab", type=int, default=64, help="rows of every decode projection")
+    parser.add_argument("--slab", type=int, default=BatchOptions.slab_rows, help="rows of every decode projection")
     parser.add_argument("--phases", action="store_true", help="also time prefill and decode steps apart (synchronised)")
     parser.add_argument("--only-batched", action="store_true", help="the batched rows only (tuning runs)")
     args = parser.parse_args()

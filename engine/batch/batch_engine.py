@@ -22,6 +22,7 @@ import torch
 
 from batchd.engine.batch.chunks import ChunkBatch, forward_chunks
 from batchd.engine.batch.drafting import DraftState, PooledDrafter
+from batchd.engine.batch.first_chunks import FirstChunkRunner
 from batchd.engine.batch.graphs import RowRunner
 from batchd.engine.batch.paged_cache import PagedKVCache, bytes_per_block
 from batchd.engine.batch.scheduler import PromptChunk, Scheduler, StepPlan
@@ -68,7 +69,7 @@ class BatchOptions:
     block_size: int = 16
     max_step_tokens: Optional[int] = None
     max_running: int = 256
-    slab_rows: int = 64
+    slab_rows: int = 128
     kv_memory_fraction: float = 0.9
     max_blocks: Optional[int] = None
     prefix_sharing: bool = True
@@ -108,6 +109,7 @@ class BatchEngine:
         self.chunk = chunk
         slab = options.slab_rows if options.batch_invariant else None
         self.rows = RowRunner(model, self.cache, max_context=max_context, slab_rows=slab, cuda_graphs=options.cuda_graphs)
+        self.first_chunks = FirstChunkRunner(model, scratch, self.cache, cuda_graphs=options.cuda_graphs)
         self._next_id = 0
         self._proposers: dict[int, PromptLookupProposer] = {}
         # draft-model speculation: a pool per drafter (by drafter_path), a state per sequence
@@ -201,6 +203,7 @@ class BatchEngine:
     def drop_graphs(self) -> None:
         """Forget every captured row graph, the drafters' too (parking moved the weights they read)."""
         self.rows.drop_graphs()
+        self.first_chunks.drop_graphs()
         for pooled in self._pooled.values():
             pooled.drop_graphs()
 
@@ -266,12 +269,8 @@ class BatchEngine:
 
     def _prefill_first_chunk(self, chunk: PromptChunk) -> torch.Tensor:
         """Positions [0, end) through the one-sequence prefill on the scratch cache, then into the
-        sequence's blocks; the last row's logits [V] float32."""
-        seq, end = chunk.seq, chunk.end
-        tokens = torch.tensor([seq.prompt_ids[:end]], dtype=torch.long, device=self.device)
-        logits = self.model.forward_at(tokens, self.scratch, 0, last_only=True)   # [1, 1, V]
-        self.cache.store_from_scratch(self.scratch, seq.blocks, 0, end)
-        return logits[0, -1]
+        sequence's blocks (engine.batch.first_chunks); the last row's logits [V] float32."""
+        return self.first_chunks.run(chunk.seq.prompt_ids[:chunk.end], chunk.seq.blocks)
 
     # ---- speculation in the batch ------------------------------------------------------------
     #

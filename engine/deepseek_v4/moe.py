@@ -66,7 +66,7 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """x [N, H], weights / experts [N, k] -> the weighted sum of each token's experts [N, H]."""
-        if self.backend is not None or x.is_cuda:
+        if self.backend is not None or (x.is_cuda and x.dtype == self.down_proj.dtype):
             return moe_experts(x, weights, experts, self.gate_up_proj, self.down_proj, self.limit,
                                backend=self.backend or "auto")
         return self.loop_over_experts(x, weights, experts)

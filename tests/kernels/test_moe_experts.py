@@ -89,8 +89,9 @@ def test_triton_matches_reference(N, H, I, E, k, dtype):
 
 @needs_triton
 @pytest.mark.triton
-def test_a_tokens_output_is_bitwise_the_same_alone_and_in_a_batch():
-    x, weights, experts, gate_up, down = make(21, 32, 24, 4, 2, torch.float32)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_a_tokens_output_is_bitwise_the_same_alone_and_in_a_batch(dtype):
+    x, weights, experts, gate_up, down = make(21, 32, 24, 4, 2, dtype)
     batch = run_kernel(x, weights, experts, gate_up, down)
     for i in (0, 7, 20):
         alone = run_kernel(x[i:i + 1], weights[i:i + 1], experts[i:i + 1], gate_up, down)

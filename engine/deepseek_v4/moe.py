@@ -46,7 +46,9 @@ class Router(nn.Module):
         if self.hashed:
             experts = self.tid2eid[token_ids].long()
         else:
-            experts = torch.topk(scores + self.e_score_correction_bias, self.top_k, dim=-1, sorted=False).indices
+            # sorted: slot = rank, so the kernel's slot-ordered sum of a token's experts is one order
+            # whatever the batch (unsorted top-k's order may follow the algorithm the batch size picks)
+            experts = torch.topk(scores + self.e_score_correction_bias, self.top_k, dim=-1, sorted=True).indices
         weights = scores.gather(1, experts)
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
         return weights * self.scaling, experts

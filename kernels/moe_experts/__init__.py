@@ -45,6 +45,8 @@ def moe_experts(
     "auto" runs Triton on CUDA and the reference elsewhere; "triton" also runs on the CPU under
     TRITON_INTERPRET=1. Mixed dtypes (x not in the weights' dtype) take the reference."""
     check_moe_inputs(x, weights, experts, gate_up, down)
+    if x.shape[0] == 0:
+        return torch.empty_like(x)
     if resolve_backend(backend, x.device) == "reference" or not x.dtype == gate_up.dtype == down.dtype:
         return moe_experts_reference(x, weights, experts, gate_up, down, limit)
     from batchd.kernels.moe_experts.triton_kernel import moe_experts_triton

@@ -131,6 +131,13 @@ def test_tiles_cover_each_pair_once_within_one_expert():
     assert sum(e > b for b, e in zip(plan.begin.tolist(), plan.end.tolist())) == 7   # 0, 1, 2, 5: a tile each; 3 (5 pairs): 3 tiles
 
 
+@needs_triton
+@pytest.mark.triton
+def test_no_tokens_give_an_empty_result():
+    x, weights, experts, gate_up, down = make(2, 16, 16, 3, 2, torch.float32)
+    assert run_kernel(x[:0], weights[:0], experts[:0], gate_up, down).shape == (0, 16)
+
+
 def test_wrong_shapes_say_what_fits():
     x, weights, experts, gate_up, down = make(2, 16, 8, 3, 2, torch.float32)
     with pytest.raises(ValueError, match="do not fit"):

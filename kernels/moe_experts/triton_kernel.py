@@ -71,7 +71,8 @@ def plan_blocks(experts: torch.Tensor, num_experts: int, block_m: int) -> Expert
     flat = experts.reshape(-1).long()
     P = flat.numel()
     sorted_pairs = torch.sort(flat, stable=True).indices.to(torch.int32)
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))       # [E] pairs an expert (bincount would sync)
     ends = counts.cumsum(0)                                   # [E] one past each expert's last sorted pair
     tiles = (counts + block_m - 1) // block_m
     tile_ends = tiles.cumsum(0)                               # [E]
@@ -114,7 +115,7 @@ def _gate_up_kernel(X, W, Act, SortedPairs, Expert, Begin, End, H, I, limit,
             k_ok = ks < H
             x = tl.load(X + tokens[:, None] * stride_x + ks[None, :], mask=ok[:, None] & k_ok[None, :], other=0.0)
             w_ok = k_ok[:, None] & col_ok[None, :]
-            wg = tl.load(w + cols[None, :].to(tl.int64) * stride_wn + ks[:, None], mask=w_ok, other=0.0)       # [BK, BN]
+            wg = tl.load(w + cols[None, :].to(tl.int64) * stride_wn + ks[:, None], mask=w_ok, other=0.0)  # [BK, BN]
             wu = tl.load(w + (cols[None, :] + I).to(tl.int64) * stride_wn + ks[:, None], mask=w_ok, other=0.0)
             if UPCAST:
                 x, wg, wu = x.to(tl.float32), wg.to(tl.float32), wu.to(tl.float32)

@@ -128,7 +128,8 @@ def test_tiles_cover_each_pair_once_within_one_expert():
     assert sorted(seen) == list(range(10))
     used = {e for e, b, end in zip(plan.expert.tolist(), plan.begin.tolist(), plan.end.tolist()) if end > b}
     assert used == {0, 1, 2, 3, 5}                                 # expert 4 gets no tile: never read
-    assert sum(e > b for b, e in zip(plan.begin.tolist(), plan.end.tolist())) == 7   # 0, 1, 2, 5: a tile each; 3 (5 pairs): 3 tiles
+    # experts 0, 1, 2, 5: a tile each; 3 (5 pairs): 3 tiles
+    assert sum(e > b for b, e in zip(plan.begin.tolist(), plan.end.tolist())) == 7
 
 
 @needs_triton

@@ -11,6 +11,9 @@ Run on the H200:  python bench/decode.py            (all shapes)
                   python bench/decode.py --shapes smollm2-135m --no-long
                   python bench/decode.py --compare-pdl   (adds tok/s with programmatic dependent
                                                           launch off, KernelOptions(pdl=False), same weights)
+                  python bench/decode.py --v4-layers 4   (a DeepSeek V4-Flash-shaped model of 4 layers,
+                                                          random bf16 weights: bench/v4_decode.py)
+Smoke on a CPU:   python bench/decode.py --v4-layers 2 --v4-smoke --prompt 16 --new-tokens 4
 """
 from __future__ import annotations
 
@@ -128,7 +131,16 @@ def main() -> None:
     parser.add_argument("--no-hf", dest="hf", action="store_false")
     parser.add_argument("--no-fusion", dest="fusion", action="store_false")
     parser.add_argument("--compare-pdl", action="store_true", help="also time with kernel_options(pdl=False)")
+    parser.add_argument("--v4-layers", type=int, default=0,
+                        help="time a DeepSeek V4-Flash-shaped model of this many layers instead of --shapes")
+    parser.add_argument("--v4-smoke", action="store_true", help="with --v4-layers: tiny sizes on the CPU")
     args = parser.parse_args()
+    if args.v4_layers:
+        from bench.v4_decode import bench_v4
+
+        bandwidth = None if args.v4_smoke else copy_bandwidth()
+        print_table([bench_v4(args.v4_layers, args.prompt, args.new_tokens, bandwidth, args.v4_smoke)])
+        return
     torch.manual_seed(0)
     # --no-fusion changes nothing: the engine picks its kernels when built (engine.fused.kernels_for),
     # as the first Engine turned fusion on before

@@ -9,6 +9,8 @@
 - small_linear: a projection of up to 32 rows whose per-row result does not depend on the row
   count (decode and verify agree bitwise), faster than cuBLAS at decode shapes.
 - rms_norm: RMSNorm (after an optional residual add), one program and reduction order per row.
+- moe_experts: MoE routed experts (DeepSeek V4's clamped SwiGLU) as a grouped GEMM over tokens sorted
+  by expert, reading only the chosen experts; a token's output independent of the batch.
 - rope_and_store: q/k rotary embedding (and qwen3's q/k norm) plus the k/v cache write, one launch.
 
 backend="auto" runs Triton on CUDA and the reference elsewhere. This package imports neither
@@ -16,6 +18,7 @@ backend="auto" runs Triton on CUDA and the reference elsewhere. This package imp
 """
 from batchd.kernels.chunk_scoring import score_tail_queries
 from batchd.kernels.decode_attention import decode_attention
+from batchd.kernels.moe_experts import moe_experts
 from batchd.kernels.rms_norm import rms_norm
 from batchd.kernels.rope_cache import rope_and_store
 from batchd.kernels.small_matmul import small_linear
@@ -23,6 +26,7 @@ from batchd.kernels.sparse_attention import BlockKeySummary, sparse_decode_atten
 
 __all__ = [
     "decode_attention",
+    "moe_experts",
     "sparse_decode_attention",
     "sparse_is_worthwhile",
     "BlockKeySummary",

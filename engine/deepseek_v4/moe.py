@@ -5,6 +5,10 @@ score(x W_gate) + a correction bias (the bias only chooses, never weighs), or, i
 `hash_moe` layers, a frozen token id -> experts table (`tid2eid`) with the same learned weights.
 Weights are normalised over the chosen experts and scaled by `routed_scaling_factor`. Experts and
 the shared one are SwiGLU MLPs with clamped pre-activations (`swiglu_limit`).
+
+On CUDA the routed experts run as one grouped GEMM (kernels.moe_experts: tokens grouped by expert,
+only the chosen experts' weights read, a token's output independent of the batch); elsewhere as
+the loop over experts below, which the kernel's reference twin restates token by token.
 """
 from __future__ import annotations
 
@@ -13,16 +17,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from batchd.engine.deepseek_v4.config import V4Config
+from batchd.kernels.moe_experts import clamped_swiglu, moe_experts
 
 SCORE_FUNCTIONS = {
     "sqrtsoftplus": lambda logits: F.softplus(logits).sqrt(),
     "softmax": lambda logits: logits.softmax(dim=-1),
     "sigmoid": torch.sigmoid,
 }
-
-
-def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
-    return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
 
 
 class Router(nn.Module):
@@ -45,7 +46,9 @@ class Router(nn.Module):
         if self.hashed:
             experts = self.tid2eid[token_ids].long()
         else:
-            experts = torch.topk(scores + self.e_score_correction_bias, self.top_k, dim=-1, sorted=False).indices
+            # sorted: slot = rank, so the kernel's slot-ordered sum of a token's experts is one order
+            # whatever the batch (unsorted top-k's order may follow the algorithm the batch size picks)
+            experts = torch.topk(scores + self.e_score_correction_bias, self.top_k, dim=-1, sorted=True).indices
         weights = scores.gather(1, experts)
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
         return weights * self.scaling, experts
@@ -60,10 +63,19 @@ class Experts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, H))
         self.down_proj = nn.Parameter(torch.empty(E, H, I))
         self.limit = config.swiglu_limit
+        self.backend: str | None = None   # None: the grouped kernel on CUDA, the loop elsewhere;
+                                          # "triton" forces the kernel (the CPU under TRITON_INTERPRET=1)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        """x [N, H], weights / experts [N, k] -> the weighted sum of each token's experts [N, H].
-        Tokens are grouped by expert, so each expert's weights are read once per step."""
+        """x [N, H], weights / experts [N, k] -> the weighted sum of each token's experts [N, H]."""
+        if self.backend is not None or (x.is_cuda and x.dtype == self.down_proj.dtype):
+            return moe_experts(x, weights, experts, self.gate_up_proj, self.down_proj, self.limit,
+                               backend=self.backend or "auto")
+        return self.loop_over_experts(x, weights, experts)
+
+    def loop_over_experts(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """The plain torch path: tokens grouped by expert, so each expert's weights are read once per
+        step; a token's k products are added as their experts come up."""
         out = torch.zeros_like(x)
         for expert in experts.unique().tolist():
             token, slot = torch.where(experts == expert)

@@ -74,10 +74,13 @@ class FirstChunkRunner:
         blocks.copy_(staged[1], non_blocking=True)
         offsets.copy_(staged[2], non_blocking=True)
         last.fill_(T - 1)
-        if graph is None:   # the CPU: the body itself
-            return self._forward(tokens, last, blocks, offsets)[0]
-        graph.replay()
-        return logits[0]
+        if graph is None:   # the CPU: the graph's body itself, into the same kind of output buffer
+            logits.copy_(self._forward(tokens, last, blocks, offsets))
+        else:
+            graph.replay()
+        # a copy: the next chunk of this length replays into the same buffer before the step
+        # samples this one's token
+        return logits[0].clone()
 
     def _forward(self, tokens, last, blocks, offsets) -> torch.Tensor:
         """The graph's body: tokens [1, L] -> logits [1, V] float32 of row `last` ([1] long)."""
@@ -100,7 +103,9 @@ class FirstChunkRunner:
         blocks = torch.full((L,), self.cache.pad_block, dtype=torch.long, device=device)
         offsets = torch.arange(L, device=device) % self.cache.block_size
         if not self.cuda_graphs:
-            return None, tokens, last, blocks, offsets, None
+            logits = torch.empty((1, self.model.config.vocab_size), dtype=torch.float32, device=device)
+            self._graphs[L] = (None, tokens, last, blocks, offsets, logits)
+            return self._graphs[L]
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):   # compile, autotune and allocate outside the capture

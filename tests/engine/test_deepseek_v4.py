@@ -182,7 +182,7 @@ def test_mtp_weights_are_set_aside_and_reported(tmp_path):
     tensors["mtp.0.enorm.weight"] = torch.ones(TINY["hidden_size"])
     save_file(tensors, str(tmp_path / "model.safetensors"))
     _, aside = load_folder(tmp_path)
-    assert aside.mtp == ["mtp.0.enorm.weight"] and "not wired as a drafter" in aside.notes[0]
+    assert list(aside.mtp) == ["mtp.0.enorm.weight"] and "drafter of --spec draft" in aside.notes[0]
 
 
 def test_missing_tensor_names_the_layout(tmp_path):

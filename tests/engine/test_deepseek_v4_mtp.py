@@ -213,3 +213,28 @@ def test_a_checkpoint_without_mtp_says_so_and_refuses_draft(tmp_path):
     with pytest.raises(UnsupportedFeatureError, match="MTP layer.*has none.*--spec lookup"):
         engine.submit(ids(10, 14), request("draft"))
     assert run(engine, [(ids(10, 14), request("lookup"))])[0].generated   # the rest still runs
+
+
+def test_a_served_v4_folder_with_mtp_drafts_and_reports_acceptance(tmp_path):
+    """Engine.load on a folder with a tokenizer and mtp.*: the load notes say the MTP layer drafts;
+    a --spec draft job has the plain job's tokens and the speculation telemetry."""
+    from safetensors.torch import load_file, save_file
+
+    from batchd.engine.runtime import Engine, EngineConfig
+    from tests.engine.test_checkpoint_builders import TEXT, tiny_tokenizer, write_hf_folder
+
+    vocab = 320
+    folder = write_hf_folder(tmp_path / "served", reference_model(vocab_size=vocab), tiny_tokenizer(vocab))
+    save_file(load_file(str(folder / "model.safetensors")) | mtp_tensors(tmp_path), str(folder / "model.safetensors"),
+              metadata={"format": "pt"})
+    engine = Engine.load(str(folder), EngineConfig(device="cpu", max_context=256))
+    assert engine.mtp is not None and any("drafter of --spec draft" in note for note in engine.notes)
+    sampling = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    plain = engine.generate(GenerationRequest(prompt=TEXT[:300], sampling=sampling))
+    drafted = engine.generate(GenerationRequest(prompt=TEXT[:300], sampling=sampling,
+                                                speculation=SpeculationOptions(method="draft", width=2)))
+    assert drafted.token_ids == plain.token_ids
+    t = drafted.telemetry
+    assert t.spec_method == "draft" and t.spec_steps > 0 and t.spec_draft_tokens_offered >= t.spec_steps
+    assert t.acceptance_rate == t.spec_draft_tokens_accepted / t.spec_draft_tokens_offered
+    assert drafted.fingerprint["drafter_path"] == "mtp.0"

@@ -112,7 +112,8 @@ def run(model, mtp, prompt: list[int], new: int, method: str, width) -> dict:
         steps += 1
     synchronize(model.device)
     seconds = time.perf_counter() - began
-    return {"mode": method if method != "none" else "plain", "width": width or ("adaptive" if method == "draft" else ""),
+    return {"mode": "plain" if method == "none" else method,
+            "width": width or ("adaptive" if method == "draft" else ""),
             "steps": steps, "ms/step": 1e3 * seconds / steps, "mtp ms/step": 1e3 * spent[0] / steps,
             "tok/s": (len(seq.generated) - 1) / seconds, "offered": seq.spec_offered, "accepted": seq.spec_accepted,
             "ids": seq.generated}

@@ -123,7 +123,8 @@ class V4Engine:
             "dtype": str(self.model.dtype).removeprefix("torch."), "kv_dtype": str(self.model.dtype).removeprefix("torch."),
             "device": str(self.device), "host": socket.gethostname(), "temperature": s.temperature, "top_k": s.top_k,
             "top_p": s.top_p, "seed": s.seed, "max_new_tokens": s.max_new_tokens, "spec_method": spec.method,
-            "spec_width": spec.width, "drafter_path": "mtp.0" if spec.method == "draft" else None, "compress": "off", "keep_ratio": None,
+            "spec_width": spec.width, "drafter_path": "mtp.0" if spec.method == "draft" else None,
+            "compress": "off", "keep_ratio": None,
             "scoring_window": None, "attention": "dense", "decode_mlp": "moe-reference",
             "compress_drafter_sha256": None, "architecture": ARCHITECTURE,
         }

@@ -33,7 +33,8 @@ def mtp_tensors(tmp_path, kind: str = SLIDING, seed: int = 5) -> dict[str, torch
 
     folder = tmp_path / f"mtp-block-{kind}"
     reference_model(seed, num_hidden_layers=1, layer_types=[kind], mlp_layer_types=["moe"]).save_pretrained(folder)
-    block = {name.removeprefix("model.layers.0."): value for name, value in load_file(str(folder / "model.safetensors")).items()
+    saved = load_file(str(folder / "model.safetensors"))
+    block = {name.removeprefix("model.layers.0."): value for name, value in saved.items()
              if name.startswith("model.layers.0.")}
     H, n = TINY["hidden_size"], TINY["hc_mult"]
     g = torch.Generator().manual_seed(seed)

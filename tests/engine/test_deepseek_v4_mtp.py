@@ -216,19 +216,29 @@ def test_a_checkpoint_without_mtp_says_so_and_refuses_draft(tmp_path):
     assert run(engine, [(ids(10, 14), request("lookup"))])[0].generated   # the rest still runs
 
 
+VOCAB = 320
+
+
+def served_folder(folder, *, with_mtp: bool):
+    """A TINY target with a tokenizer (as a worker serves it), with or without random mtp.*."""
+    from safetensors.torch import load_file, save_file
+
+    from tests.engine.test_checkpoint_builders import tiny_tokenizer, write_hf_folder
+
+    folder = write_hf_folder(folder, reference_model(vocab_size=VOCAB), tiny_tokenizer(VOCAB))
+    if with_mtp:
+        tensors = load_file(str(folder / "model.safetensors")) | mtp_tensors(folder)
+        save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    return folder
+
+
 def test_a_served_v4_folder_with_mtp_drafts_and_reports_acceptance(tmp_path):
     """Engine.load on a folder with a tokenizer and mtp.*: the load notes say the MTP layer drafts;
     a --spec draft job has the plain job's tokens and the speculation telemetry."""
-    from safetensors.torch import load_file, save_file
-
     from batchd.engine.runtime import Engine, EngineConfig
-    from tests.engine.test_checkpoint_builders import TEXT, tiny_tokenizer, write_hf_folder
+    from tests.engine.test_checkpoint_builders import TEXT
 
-    vocab = 320
-    folder = write_hf_folder(tmp_path / "served", reference_model(vocab_size=vocab), tiny_tokenizer(vocab))
-    save_file(load_file(str(folder / "model.safetensors")) | mtp_tensors(tmp_path), str(folder / "model.safetensors"),
-              metadata={"format": "pt"})
-    engine = Engine.load(str(folder), EngineConfig(device="cpu", max_context=256))
+    engine = Engine.load(str(served_folder(tmp_path, with_mtp=True)), EngineConfig(device="cpu", max_context=256))
     assert engine.mtp is not None and any("drafter of --spec draft" in note for note in engine.notes)
     sampling = SamplingParams(max_new_tokens=8, ignore_eos=True)
     plain = engine.generate(GenerationRequest(prompt=TEXT[:300], sampling=sampling))
@@ -239,3 +249,19 @@ def test_a_served_v4_folder_with_mtp_drafts_and_reports_acceptance(tmp_path):
     assert t.spec_method == "draft" and t.spec_steps > 0 and t.spec_draft_tokens_offered >= t.spec_steps
     assert t.acceptance_rate == t.spec_draft_tokens_accepted / t.spec_draft_tokens_offered
     assert drafted.fingerprint["drafter_path"] == "mtp.0"
+
+
+def test_batchd_generate_spec_draft_on_a_v4_folder_needs_no_drafter(tmp_path):
+    """The CLI: a V4 folder drafts with its MTP layer; one without mtp.* refuses with the reason."""
+    import json
+
+    from click.testing import CliRunner
+
+    from batchd.cli.generate import generate
+
+    args = ["--prompt", "Name a colour.", "--max-new-tokens", "4", "--ignore-eos", "--spec", "draft", "--json"]
+    result = CliRunner().invoke(generate, ["--model", str(served_folder(tmp_path / "mtp", with_mtp=True)), *args])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output)["telemetry"]["spec_method"] == "draft"
+    result = CliRunner().invoke(generate, ["--model", str(served_folder(tmp_path / "plain", with_mtp=False)), *args])
+    assert isinstance(result.exception, UnsupportedFeatureError) and "has none" in str(result.exception)

@@ -188,14 +188,13 @@ class MTPDrafter:
         context = len(tokens) - 1
         if width < 1 or state.logits is None or state.cache.length != context:
             return []
-        drafts = [int(state.logits.argmax())]
+        drafts = [state.logits.argmax().view(1, 1)]          # [1, 1] each, kept on the device: one sync
         streams = state.streams
         for _ in range(width - 1):
-            ids = torch.tensor([[drafts[-1]]], device=self.layer.device)
-            streams, logits = self.layer(self.target, streams, ids, state.cache)
-            drafts.append(int(logits[0].argmax()))
+            streams, logits = self.layer(self.target, streams, drafts[-1], state.cache)
+            drafts.append(logits.argmax(dim=-1).view(1, 1))
         state.cache.truncate(context)   # the chained rows were guesses; the target's streams replace them
-        return drafts
+        return torch.cat(drafts, dim=1)[0].tolist()
 
     def _catch_up(self, state: MTPState, tokens: list[int]) -> None:
         """Run the pending rows whose next token is known (all of them but, after a prompt's last

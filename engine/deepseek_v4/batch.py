@@ -191,8 +191,10 @@ class V4BatchEngine:
                 accepted += 1
             new = target[: accepted + 1]
         elif drafts:
+            state = self._mtp_states.get(seq.seq_id)
+            draft_probs = state.probs if state is not None else None     # None: one-hot (lookup)
             verdict = rejection_sample(seq.sampler.probabilities(lanes), torch.tensor(drafts, device=lanes.device),
-                                       None, seq.sampler)
+                                       draft_probs, seq.sampler)
             accepted, new = verdict.accepted, verdict.tokens
         else:
             accepted, new = 0, [int(seq.sampler.sample(lanes[0]))]
@@ -213,7 +215,7 @@ class V4BatchEngine:
             width = min(fixed if fixed is not None else min(best_width(seq.spec_alpha, 0.05), MAX_LOOKUP_WIDTH), room)
             return proposer.propose(seq.tokens(), width).tokens.tolist() if width >= 1 else []
         adaptive = min(best_width(seq.spec_alpha, draft_cost(self.model.config)), MAX_ADAPTIVE_WIDTH)
-        return self.mtp.propose(state, seq.tokens(), min(fixed if fixed is not None else adaptive, room))
+        return self.mtp.propose(state, seq.tokens(), min(fixed if fixed is not None else adaptive, room), seq.sampler)
 
     def _accept(self, seq: Sequence, new_tokens: list[int], finished: list[Sequence]) -> None:
         reason = seq.stopper.accept(seq.generated, new_tokens)

@@ -36,6 +36,7 @@ from batchd.engine.deepseek_v4.hyper_connections import HyperHead
 from batchd.engine.deepseek_v4.model import Block, DeepseekV4, keeps_float32
 from batchd.engine.deepseek_v4.norms import RMSNorm
 from batchd.engine.deepseek_v4.weights import canonical_name, load_tensors
+from batchd.engine.sampling import Sampler
 
 # the MTP block's own parts (checkpoint names after `mtp.0.`); everything else is its V4 block
 OWN_PARTS = ("e_proj.", "h_proj.", "enorm.", "hnorm.", "norm.", "hc_head_fn", "hc_head_base", "hc_head_scale")
@@ -142,6 +143,7 @@ class MTPState:
     pending: list[torch.Tensor] = field(default_factory=list)   # [T_i, n, H] each, in position order
     logits: Optional[torch.Tensor] = None    # [V]: the row at cache.length - 1 guessing x_{length + 1}
     streams: Optional[torch.Tensor] = None   # [1, 1, n, H]: that row's output, which draft 2 reads
+    probs: Optional[torch.Tensor] = None     # [k, V]: the latest sampled drafts' distributions (None: greedy)
     preemptions: int = 0                     # the sequence's preemption count this state holds for
 
     @property
@@ -181,19 +183,30 @@ class MTPDrafter:
         state.pending.append(streams)
         self._catch_up(state, tokens)
 
-    def propose(self, state: MTPState, tokens: list[int], width: int) -> list[int]:
-        """Up to `width` greedy drafts for the tokens after `tokens` (whose last one, at position
-        C = len(tokens) - 1, the target computes next); the MTP's cache is left at length C."""
+    def propose(self, state: MTPState, tokens: list[int], width: int, sampler: Optional[Sampler] = None) -> list[int]:
+        """Up to `width` drafts for the tokens after `tokens` (whose last one, at position
+        C = len(tokens) - 1, the target computes next); the MTP's cache is left at length C.
+        Greedy (the MTP's argmax), or drawn from the MTP's distribution filtered by a sampling
+        job's `sampler`, which `state.probs` keeps for rejection sampling."""
         self._catch_up(state, tokens)
+        state.probs = None
         context = len(tokens) - 1
         if width < 1 or state.logits is None or state.cache.length != context:
             return []
-        drafts = [state.logits.argmax().view(1, 1)]          # [1, 1] each, kept on the device: one sync
-        streams = state.streams
-        for _ in range(width - 1):
-            streams, logits = self.layer(self.target, streams, drafts[-1], state.cache)
-            drafts.append(logits.argmax(dim=-1).view(1, 1))
+        sampled = sampler is not None and not sampler.greedy
+        drafts, probs = [], []                                # [1, 1] each, kept on the device: one sync
+        logits, streams = state.logits, state.streams
+        for i in range(width):
+            if i:
+                streams, rows = self.layer(self.target, streams, drafts[-1], state.cache)
+                logits = rows[0]
+            if sampled:
+                probs.append(sampler.probabilities(logits))                                   # [V]
+                drafts.append(sampler.draw(probs[-1]).view(1, 1))
+            else:
+                drafts.append(logits.argmax().view(1, 1))
         state.cache.truncate(context)   # the chained rows were guesses; the target's streams replace them
+        state.probs = torch.stack(probs) if sampled else None
         return torch.cat(drafts, dim=1)[0].tolist()
 
     def _catch_up(self, state: MTPState, tokens: list[int]) -> None:

@@ -86,8 +86,8 @@ def with_oracle_drafts(engine: V4BatchEngine, jobs: dict[int, tuple[list[int], l
     drafts by the target's greedy tokens. `jobs`: seq_id -> (prompt, generate_greedy's tokens)."""
     propose = engine.mtp.propose
 
-    def oracle(state, tokens, width):
-        drafts = propose(state, tokens, width)
+    def oracle(state, tokens, width, sampler=None):
+        drafts = propose(state, tokens, width, sampler)
         seq_id = next(i for i, s in engine._mtp_states.items() if s is state)
         prompt, expected = jobs[seq_id]
         truth = expected[len(tokens) - len(prompt) : len(tokens) - len(prompt) + right]
@@ -205,6 +205,26 @@ def test_a_sampled_job_drafting_with_the_mtp_is_reproducible(loaded):
     runs = [run(V4BatchEngine(model, max_context=128, eos_ids=set(), chunk=16, mtp=mtp), [job])[0] for _ in range(2)]
     assert runs[0].generated == runs[1].generated and len(runs[0].generated) == NEW_TOKENS
     assert runs[0].spec_offered > 0
+
+
+def test_sampled_drafts_come_with_the_distributions_they_were_drawn_from(loaded):
+    """A sampling job's drafts are drawn from the MTP's filtered distribution (kept for rejection
+    sampling); a greedy job's are its argmax, with no distributions."""
+    from batchd.engine.sampling import Sampler
+
+    model, mtp = loaded
+    tokens = ids(30, 15)
+    streams = model.hidden(torch.tensor([tokens]), model.new_cache(30))[0]
+    drafter = MTPDrafter(model, mtp)
+    state = drafter.new_state(40)
+    drafter.observe(state, 0, streams, tokens)
+    sampler = Sampler(SamplingParams(temperature=0.8, top_k=20, seed=1), "cpu")
+    drafts = drafter.propose(state, tokens, 3, sampler)
+    assert state.probs.shape == (3, TINY["vocab_size"]) and state.cache.length == 29
+    assert torch.allclose(state.probs.sum(-1), torch.ones(3)) and all((state.probs > 0).sum(-1) <= 20)
+    assert all(state.probs[i, d] > 0 for i, d in enumerate(drafts))
+    greedy = drafter.propose(state, tokens, 3)
+    assert state.probs is None and greedy[0] == int(state.logits.argmax())
 
 
 def test_a_checkpoint_without_mtp_says_so_and_refuses_draft(tmp_path):

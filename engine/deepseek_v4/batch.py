@@ -61,8 +61,11 @@ class V4BatchEngine:
             self.notes.append(f"prefix sharing is off: a {chunk}-token chunk splits the compression windows "
                               f"({sorted(rates)} tokens); use a multiple of {max(rates)}")
         blocks_per_context = -(-max_context // block_size)
+        # the MTP's caches live outside the pool (one per drafting sequence): leave them room
+        mtp_bytes = max_running * mtp.new_cache(max_context + MAX_WIDTH, "meta").nbytes if mtp is not None else 0
         self.pool = PagedV4Pool.sized(model.config, block_size, model.device, model.dtype,
-                                      max_blocks=num_blocks or 8 * blocks_per_context)
+                                      max_blocks=num_blocks or 8 * blocks_per_context,
+                                      reserve_bytes=(1 << 30) + mtp_bytes)
         self.scheduler = Scheduler(self.pool.blocks, chunk=chunk, max_step_tokens=max_step_tokens or chunk,
                                    max_running=max_running, prefix_sharing=prefix_sharing)
         # what engine.batch.generate.BatchSession and the worker read of a batch engine

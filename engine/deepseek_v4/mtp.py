@@ -63,8 +63,9 @@ class MTPLayer(nn.Module):
     def device(self) -> torch.device:
         return self.e_proj.weight.device
 
-    def new_cache(self, max_len: int) -> V4Cache:
-        return V4Cache(self.config, max_len, self.device, self.e_proj.weight.dtype)
+    def new_cache(self, max_len: int, device=None) -> V4Cache:
+        """Its own cache (`device` "meta": only its size, `nbytes`)."""
+        return V4Cache(self.config, max_len, device or self.device, self.e_proj.weight.dtype)
 
     @torch.inference_mode()
     def forward(self, target: DeepseekV4, hidden: torch.Tensor, next_tokens: torch.Tensor,

@@ -6,8 +6,9 @@ V4-Flash's), its 43 layers, and fewer experts (--experts 16, not 256) so that it
 token reads 6 of them whatever the count, so the MTP's cost against a step stays the real ratio. Random
 weights make the MTP's drafts nearly always rejected: the rows measure what drafting and a verify
 of 1 + k rows cost against a plain decode step (acceptance is in the table; it is not the real
-model's). Every row checks that its tokens equal plain decoding's (in bf16 they may differ where
-a verify row's projections round differently from a decode row's: docs/deepseek_v4.md, "Chunking").
+model's). Every row checks that its tokens equal plain decoding's (the head's weights are spread so
+that greedy picks are far from ties; were one close, bf16 could still round a verify row apart from
+a decode row: docs/deepseek_v4.md, "Chunking"; --dtype float32 holds exactly).
 
 Per row: one prompt of --prompt random tokens -> --new greedy tokens (EOS ignored). Columns: steps
 (decode steps), ms/step (wall, all of it), mtp ms/step (the MTP's catch-up and chained drafts,
@@ -15,6 +16,7 @@ synchronised), tok/s, drafts offered and accepted.
 
 Run on the H200:  python bench/v4_mtp.py
                   python bench/v4_mtp.py --layers 8 --widths 1 2 4 --new 64
+CPU smoke (real shape, minutes):  python bench/v4_mtp.py --device cpu --layers 2 --experts 6 --prompt 40 --new 5
 """
 from __future__ import annotations
 
@@ -49,7 +51,8 @@ def flash_shape(layers: int, experts: int) -> V4Config:
 
 
 def randomise(module: torch.nn.Module, vocab: int, experts: int) -> None:
-    """Weights ~ N(0, 0.02), norms 1, biases and bases 0, hash routing tables random."""
+    """Weights ~ N(0, 0.02), norms 1, biases and bases 0, hash routing tables random; the head
+    ~ N(0, 0.5), which spreads the logits so that greedy picks are far from bf16 ties."""
     with torch.no_grad():
         for name, param in module.named_parameters():
             if name.endswith("norm.weight"):
@@ -58,6 +61,8 @@ def randomise(module: torch.nn.Module, vocab: int, experts: int) -> None:
                 param.zero_()
             elif name.endswith("scale"):
                 param.fill_(1.0)
+            elif name == "lm_head.weight":
+                param.normal_(0, 0.5)
             else:
                 param.normal_(0, 0.02)
         for name, buffer in module.named_buffers():
@@ -127,19 +132,22 @@ def main() -> None:
     parser.add_argument("--new", type=int, default=48)
     parser.add_argument("--widths", type=int, nargs="+", default=[1, 2, 3])
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                        help="float32: 'same ids' holds exactly (bf16 rounds a verify row apart from a decode row)")
     args = parser.parse_args()
     torch.manual_seed(0)
-    config = flash_shape(args.layers, args.experts)
-    model = build_model(config, args.device, torch.bfloat16)
+    config, dtype = flash_shape(args.layers, args.experts), getattr(torch, args.dtype)
+    model = build_model(config, args.device, dtype)
     randomise(model, config.vocab_size, config.num_experts)
-    mtp = random_mtp(config, args.device, torch.bfloat16)
+    mtp = random_mtp(config, args.device, dtype)
     prompt = torch.randint(0, config.vocab_size, (args.prompt,)).tolist()
     plain = run(model, None, prompt, args.new, "none", None)
     rows = [plain] + [run(model, mtp, prompt, args.new, "draft", w) for w in [*args.widths, None]]
     plain_ids = plain["ids"]
     for row in rows:
         row["same ids"] = row.pop("ids") == plain_ids
-    print(f"V4 shape: {args.layers} layers, {args.experts} experts, prompt {args.prompt}, {args.new} new tokens, "
+    print(f"V4 shape, {args.dtype}: {args.layers} layers, {args.experts} experts, prompt {args.prompt}, "
+          f"{args.new} new tokens, "
           f"{torch.cuda.get_device_name() if args.device.startswith('cuda') else args.device}")
     print_table(rows)
 

@@ -135,6 +135,8 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
                         help="float32: 'same ids' holds exactly (bf16 rounds a verify row apart from a decode row)")
     args = parser.parse_args()
+    if args.experts < 6:
+        parser.error("--experts must be at least 6: V4 routes each token to 6")
     torch.manual_seed(0)
     config, dtype = flash_shape(args.layers, args.experts), getattr(torch, args.dtype)
     model = build_model(config, args.device, dtype)

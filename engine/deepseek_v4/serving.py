@@ -28,7 +28,7 @@ from batchd.engine.checkpoint.hf import _read_tokenizer, _weight_files
 from batchd.engine.deepseek_v4.batch import V4BatchEngine
 from batchd.engine.deepseek_v4.model import load_folder
 from batchd.engine.deepseek_v4.mtp import MTPLayer, build_mtp
-from batchd.engine.errors import EngineError, UnsupportedFeatureError
+from batchd.engine.errors import CheckpointError, EngineError, UnsupportedFeatureError
 from batchd.engine.pflash import Compressed, PromptCompressor
 from batchd.engine.residency import Residency
 from batchd.engine.text import TextCodec
@@ -79,14 +79,18 @@ class V4Engine:
         folder = Path(path).expanduser()
         dtype = parse_dtype(config.dtype, config.device)
         model, aside = load_folder(folder, config.device, dtype)
-        mtp = build_mtp(model, aside.mtp, str(folder))
+        notes = aside.notes
+        try:
+            mtp = build_mtp(model, aside.mtp, str(folder))
+        except CheckpointError as err:   # the target serves; only its drafter is unusable
+            mtp, notes = None, [f"the checkpoint's MTP layer cannot be built, so --spec draft is refused: {err}"]
         tokenizer, (chat_template, template_source), bos, eos, _ = _read_tokenizer(folder, model.config)
         codec = TextCodec(tokenizer, chat_template, bos, eos, template_source=template_source)
         eos_ids = set(model.config.eos_token_ids) | ({codec.token_id(eos)} - {None})
         context = config.max_context or min(model.config.max_position_embeddings, DEFAULT_MAX_CONTEXT)
         sha = files_sha256(_weight_files(folder)[0])
         return cls(model, codec, replace(config, max_context=context), eos_ids=eos_ids, checkpoint_sha256=sha,
-                   checkpoint_path=str(path), notes=aside.notes, mtp=mtp)
+                   checkpoint_path=str(path), notes=notes, mtp=mtp)
 
     # ---- the job ---------------------------------------------------------------------------
 

@@ -285,3 +285,17 @@ def test_batchd_generate_spec_draft_on_a_v4_folder_needs_no_drafter(tmp_path):
     assert json.loads(result.output)["telemetry"]["spec_method"] == "draft"
     result = CliRunner().invoke(generate, ["--model", str(served_folder(tmp_path / "plain", with_mtp=False)), *args])
     assert isinstance(result.exception, UnsupportedFeatureError) and "has none" in str(result.exception)
+
+
+def test_an_incomplete_mtp_layer_leaves_the_target_serving_and_says_why(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from batchd.engine.runtime import Engine, EngineConfig
+
+    folder = served_folder(tmp_path, with_mtp=False)
+    tensors = load_file(str(folder / "model.safetensors"))
+    tensors["mtp.0.enorm.weight"] = torch.ones(TINY["hidden_size"])
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    engine = Engine.load(str(folder), EngineConfig(device="cpu", max_context=256))
+    assert engine.mtp is None and "cannot be built" in engine.notes[0] and "missing" in engine.notes[0]
+    assert engine.generate(GenerationRequest(prompt="Name a colour.", sampling=SamplingParams(max_new_tokens=2)))

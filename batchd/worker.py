@@ -57,6 +57,8 @@ def load_engine(settings: Settings):
                          max_context=settings.max_context, attention=settings.attention,
                          sparse_top_k_blocks=settings.sparse_top_k_blocks))
     log.info("loaded %s on %s in %.1f s", settings.model_path, settings.device, time.perf_counter() - started)
+    for note in engine.notes:   # what the checkpoint lacks or sets aside (a V4 MTP layer, or none), at start
+        log.info("note: %s", note)
     if engine.device.type == "cuda":
         log.info("warmed up (kernels compiled, decode graph captured) in %.1f s", engine.warm_up())
     pool = engine.batch_engine().cache

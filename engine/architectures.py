@@ -77,17 +77,18 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
                  Capabilities(*_ALL, "Qwen3 (RMSNorm on q and k)"), qk_norm=True),
     # DeepSeek V4 (engine.deepseek_v4, docs/deepseek_v4.md), served by its own engine
     # (engine.deepseek_v4.serving.V4Engine, which Engine.load returns for a V4 folder). What this
-    # build runs: prompt lookup (verify rows and rollback work for every part of its cache). Not
-    # yet: draft speculation (its drafter is the MTP layer) and PFlash (text-level, so it will apply
-    # with a dense drafter). Never: batchd's block-sparse decode, or V4 scoring prompts for PFlash.
+    # build runs: prompt lookup (verify rows and rollback work for every part of its cache) and
+    # draft speculation with the checkpoint's own MTP layer (engine.deepseek_v4.mtp; a checkpoint
+    # without mtp.* weights refuses it). Not yet: PFlash (text-level, so it will apply with a dense
+    # drafter). Never: batchd's block-sparse decode, or V4 scoring prompts for PFlash.
     Architecture("deepseek_v4", "DeepseekV4ForCausalLM", "", Capabilities(
-        ("lookup",), False, ("dense",), ("cpu", "cuda"),
+        ("lookup", "draft"), False, ("dense",), ("cpu", "cuda"),
         "DeepSeek V4 (sliding window + CSA/HCA compressed attention, MoE, hyper-connections): engine.deepseek_v4, "
-        "its batch engine over the scheduler and a paged pool; the MTP layer (mtp.* weights) is not wired as a "
-        "drafter yet (issue 37)",
+        "its batch engine over the scheduler and a paged pool; --spec draft drafts with the checkpoint's MTP "
+        "layer (mtp.* weights)",
         pflash_drafter=False, reasons=(
-            ("--spec draft", "its drafter is its MTP layer (mtp.* weights), which is not wired yet (issue 37); "
-                             "use --spec lookup"),
+            ("--spec draft", "its drafter is the checkpoint's own MTP layer (mtp.* weights), and this checkpoint "
+                             "has none (the load notes say so at start); use --spec lookup"),
             ("--compress", "PFlash is not wired into V4's engine yet (issue 37; it will take a small dense "
                            "--compress-drafter); submit with --compress off"),
             ("--attention sparse", "V4 already attends sparsely (a 128-row window, the indexer's top-k of "

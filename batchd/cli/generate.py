@@ -42,8 +42,13 @@ def generate(model_path: str, prompt: Optional[str], prompt_file: Optional[str],
     if not Path(model_path).exists():
         raise click.ClickException(f"no checkpoint at {model_path}: give --model PATH (a GGUF file or a HF folder)")
     params = params_from_options(options)
-    request = resolve_drafters(build_request(prompt, None, params), local_drafters(params))
+    from batchd.engine.deepseek_v4.serving import is_v4_folder
     from batchd.engine.runtime import Engine, EngineConfig
+
+    # a V4 folder drafts with its own MTP layer (--spec draft needs no --drafter; the engine
+    # refuses it, with the reason, for a V4 checkpoint that has none)
+    request = build_request(prompt, None, params, own_drafter=is_v4_folder(model_path))
+    request = resolve_drafters(request, local_drafters(params))
 
     engine = Engine.load(model_path, EngineConfig(device=device, dtype=dtype, max_context=max_context,
                          attention=attention, sparse_top_k_blocks=sparse_top_k_blocks))

@@ -39,8 +39,10 @@ COMPRESS_MODES = ("off", "auto", "always")
 MAX_SEED = 2**63 - 1
 
 
-def validate_params(params: Any) -> dict[str, Any]:
-    """The params with types checked and ranges enforced; raises BadInputError naming the key."""
+def validate_params(params: Any, *, own_drafter: bool = False) -> dict[str, Any]:
+    """The params with types checked and ranges enforced; raises BadInputError naming the key.
+    `own_drafter`: the target is known to draft for itself (a DeepSeek V4 folder, whose MTP layer
+    drafts), so spec='draft' needs no params.drafter."""
     if params is None:
         return {}
     if not isinstance(params, dict):
@@ -59,14 +61,14 @@ def validate_params(params: Any) -> dict[str, Any]:
         if isinstance(value, bool) and bool not in types or not isinstance(value, types):
             raise BadInputError(f"param {key}={value!r}: expected {expected}")
         clean[key] = value
-    _check_ranges(clean)
+    _check_ranges(clean, own_drafter)
     check_integer_limits(clean)
     if isinstance(clean.get("stop"), str):
         clean["stop"] = [clean["stop"]]
     return clean
 
 
-def _check_ranges(p: dict[str, Any]) -> None:
+def _check_ranges(p: dict[str, Any], own_drafter: bool = False) -> None:
     def bad(key: str) -> BadInputError:
         return BadInputError(f"param {key}={p[key]!r}: expected {PARAM_TYPES[key][1]}")
 
@@ -92,7 +94,7 @@ def _check_ranges(p: dict[str, Any]) -> None:
         raise bad("compress_threshold")
     if "keep_ratio" in p and not (0 < p["keep_ratio"] <= 1):
         raise bad("keep_ratio")
-    if p.get("spec") == "draft" and not p.get("drafter"):
+    if p.get("spec") == "draft" and not p.get("drafter") and not own_drafter:
         raise BadInputError("param spec='draft' needs a drafter checkpoint: set params.drafter")
     # names, never paths: the worker maps them to its own checkpoints (batchd.jobs.job_request)
     if "drafter" in p:
@@ -134,8 +136,9 @@ def validate_input(prompt: Any, messages: Any, params: Optional[dict[str, Any]] 
         raise BadInputError("continue_final_message: the last message is empty; give the text to continue")
 
 
-def build_request(prompt: Optional[str], messages: Optional[list[dict]], params: dict[str, Any]) -> GenerationRequest:
-    p = validate_params(params)
+def build_request(prompt: Optional[str], messages: Optional[list[dict]], params: dict[str, Any], *,
+                  own_drafter: bool = False) -> GenerationRequest:
+    p = validate_params(params, own_drafter=own_drafter)
     validate_input(prompt, messages, p)
     defaults = SamplingParams()
     sampling = SamplingParams(

@@ -8,9 +8,9 @@
 The modules: config (V4Config), rope (partial interleaved, main / compress families), attention
 (sliding window + compressed entries + sinks), compressor (CSA/HCA entries, the indexer's top-k),
 moe (routed + shared experts, hash routing), hyper_connections (mHC), model (DeepseekV4), cache
-(V4Cache), weights (checkpoint names); paged (the cache in the batch engine's blocks), batch
-(V4BatchEngine over the batch Scheduler), serving (V4Engine: what Engine.load returns for a V4
-folder, text in and out, as the worker uses it).
+(V4Cache), weights (checkpoint names), mtp (the MTP layer: `--spec draft`'s drafter); paged (the
+cache in the batch engine's blocks), batch (V4BatchEngine over the batch Scheduler), serving
+(V4Engine: what Engine.load returns for a V4 folder, text in and out, as the worker uses it).
 """
 from batchd.engine.deepseek_v4.cache import V4Cache
 from batchd.engine.deepseek_v4.config import V4Config

@@ -11,8 +11,10 @@ computes every planned piece (prompt chunks, replays, decode and verify rows) as
 over its sequence's blocks: a row's arithmetic depends on its sequence only, so a job's greedy
 output is the same alone or batched. That is the correctness layer; packing the pieces of a step
 into one pass (and MoE grouped across sequences) is the next (docs/deepseek_v4.md, "What remains").
-Speculation: prompt lookup, verified as extra rows and rolled back by length. Draft models are
-refused until the MTP layer is wired.
+Speculation: prompt lookup, or (`--spec draft`) the checkpoint's MTP layer (engine.deepseek_v4.mtp,
+which keeps its own cache per sequence and reads the target's last-layer streams of every position
+the target computes); both verified as extra rows and rolled back by length. A checkpoint without
+an MTP layer refuses `--spec draft`.
 """
 from __future__ import annotations
 
@@ -23,13 +25,14 @@ import torch
 
 from batchd.engine.batch.batch_engine import BatchOptions
 from batchd.engine.batch.scheduler import Scheduler, StepPlan
-from batchd.engine.batch.sequence import Sequence
+from batchd.engine.batch.sequence import Sequence, SequenceStatus
 from batchd.engine.capabilities import capabilities_for
 from batchd.engine.deepseek_v4.model import DeepseekV4
+from batchd.engine.deepseek_v4.mtp import MAX_ADAPTIVE_WIDTH, MTPDrafter, MTPLayer, MTPState, draft_cost
 from batchd.engine.deepseek_v4.paged import PagedV4Pool
 from batchd.engine.errors import BadInputError, PromptTooLongError, UnsupportedFeatureError
 from batchd.engine.sampling import Sampler
-from batchd.engine.speculative.adaptive import best_width, check_width
+from batchd.engine.speculative.adaptive import MAX_WIDTH, best_width, check_width
 from batchd.engine.speculative.proposers import PromptLookupProposer
 from batchd.engine.speculative.verify import rejection_sample
 from batchd.engine.stopping import StopChecker
@@ -42,10 +45,12 @@ class V4BatchEngine:
     def __init__(self, model: DeepseekV4, *, max_context: int, eos_ids: set[int], block_size: int = 16,
                  chunk: int = 64, num_blocks: Optional[int] = None, max_step_tokens: Optional[int] = None,
                  max_running: int = 64, prefix_sharing: bool = True,
-                 decode_text: Optional[Callable[[list[int]], str]] = None):
+                 decode_text: Optional[Callable[[list[int]], str]] = None, mtp: Optional[MTPLayer] = None):
         """`num_blocks` None: room for eight sequences of the whole context (on CUDA, at most what
         90% of the free memory holds). Prefix sharing needs
-        chunks that hold whole compression windows (a multiple of every rate): else it is off, with a note."""
+        chunks that hold whole compression windows (a multiple of every rate): else it is off, with a note.
+        `mtp`: the checkpoint's MTP layer (engine.deepseek_v4.mtp.build_mtp), the drafter of
+        `--spec draft`; None refuses it."""
         if chunk % block_size:
             raise ValueError(f"the prefill chunk ({chunk}) must be a multiple of the block size ({block_size})")
         self.model, self.max_context, self.eos_ids, self.decode_text = model, max_context, eos_ids, decode_text
@@ -56,8 +61,11 @@ class V4BatchEngine:
             self.notes.append(f"prefix sharing is off: a {chunk}-token chunk splits the compression windows "
                               f"({sorted(rates)} tokens); use a multiple of {max(rates)}")
         blocks_per_context = -(-max_context // block_size)
+        # the MTP's caches live outside the pool (one per drafting sequence): leave them room
+        mtp_bytes = max_running * mtp.new_cache(max_context + MAX_WIDTH, "meta").nbytes if mtp is not None else 0
         self.pool = PagedV4Pool.sized(model.config, block_size, model.device, model.dtype,
-                                      max_blocks=num_blocks or 8 * blocks_per_context)
+                                      max_blocks=num_blocks or 8 * blocks_per_context,
+                                      reserve_bytes=(1 << 30) + mtp_bytes)
         self.scheduler = Scheduler(self.pool.blocks, chunk=chunk, max_step_tokens=max_step_tokens or chunk,
                                    max_running=max_running, prefix_sharing=prefix_sharing)
         # what engine.batch.generate.BatchSession and the worker read of a batch engine
@@ -65,6 +73,8 @@ class V4BatchEngine:
                                     prefix_sharing=prefix_sharing)
         self.last_plan: Optional[StepPlan] = None
         self._proposers: dict[int, PromptLookupProposer] = {}
+        self.mtp = MTPDrafter(model, mtp) if mtp is not None else None
+        self._mtp_states: dict[int, MTPState] = {}
         self._next_id = 0
         model.setup_rope(max_context)
 
@@ -86,8 +96,8 @@ class V4BatchEngine:
             raise PromptTooLongError(f"the prompt has {len(prompt_ids)} tokens and max_new_tokens is "
                                      f"{sampling.max_new_tokens}: more than the {self.max_context}-token context; "
                                      "shorten the document or lower max_new_tokens")
-        if spec.method == "draft":
-            raise UnsupportedFeatureError("--spec draft is not supported for deepseek_v4: "
+        if spec.method == "draft" and self.mtp is None:
+            raise UnsupportedFeatureError("--spec draft is not supported for this deepseek_v4 checkpoint: "
                                           + capabilities_for("deepseek_v4").reason("--spec draft"))
         check_width(spec.width)
         stopper = StopChecker(self.eos_ids, sampling.max_new_tokens, sampling.stop, decode=self.decode_text,
@@ -102,6 +112,11 @@ class V4BatchEngine:
             self._proposers[seq.seq_id] = PromptLookupProposer(self.model.device)
             if spec.drafter_path and telemetry is not None:
                 telemetry.notes.append("--drafter has no effect with --spec lookup")
+        elif spec.method == "draft":
+            # room for the prompt, every generated token and the widest chain of draft rows
+            self._mtp_states[seq.seq_id] = self.mtp.new_state(len(prompt_ids) + sampling.max_new_tokens + MAX_WIDTH)
+            if spec.drafter_path and telemetry is not None:
+                telemetry.notes.append("--drafter has no effect for deepseek_v4: it drafts with its own MTP layer")
         return seq
 
     def cancel(self, seq: Sequence) -> None:
@@ -120,33 +135,58 @@ class V4BatchEngine:
                 seq.first_scheduled_at = began
         for chunk in plan.chunks:
             seq = chunk.seq
-            logits = self._forward(seq, seq.prompt_ids[chunk.start : chunk.end], chunk.start, last_only=True)
+            logits, streams = self._forward(seq, seq.prompt_ids[chunk.start : chunk.end], chunk.start, last_only=True)
             self.scheduler.chunk_done(seq, chunk.end)
             if chunk.end == seq.prompt_len:
                 seq.prompt_done_at = time.perf_counter()
                 if not seq.generated:  # a recompute after preemption already has its tokens
                     self._accept(seq, [int(seq.sampler.sample(logits[-1]))], finished)
+            self._observe(seq, chunk.start, streams)
         for seq, start, end in plan.replay:
-            self._forward(seq, [seq.token(p) for p in range(start, end)], start, last_only=True)
+            _, streams = self._forward(seq, [seq.token(p) for p in range(start, end)], start, last_only=True)
             seq.computed = end
+            self._observe(seq, start, streams)
         for seq, drafts in plan.decode:
             seq.batch_sizes.append(len(plan.decode))
             self._decode(seq, drafts, finished)
         for seq in finished:
             seq.finished_at = time.perf_counter()
             self._proposers.pop(seq.seq_id, None)
+            self._mtp_states.pop(seq.seq_id, None)
         return finished
 
-    def _forward(self, seq: Sequence, tokens: list[int], start: int, last_only: bool = False) -> torch.Tensor:
-        """Positions [start, start + len(tokens)) of `seq` over its blocks -> logits [T, V] float32."""
+    def _forward(self, seq: Sequence, tokens: list[int], start: int,
+                 last_only: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Positions [start, start + len(tokens)) of `seq` over its blocks -> (logits [T, V] float32
+        ([1, V] with last_only), and for a sequence drafting with the MTP layer the target's
+        last-layer streams [T, n, H], else None)."""
         view = self.pool.view(seq.blocks, start)
         ids = torch.tensor([tokens], dtype=torch.long, device=self.model.device)
-        return self.model(ids, view, last_only=last_only)[0]
+        if seq.seq_id not in self._mtp_states:
+            return self.model(ids, view, last_only=last_only)[0], None
+        streams = self.model.hidden(ids, view)[0]
+        return self.model.head(streams[None, -1:] if last_only else streams[None])[0], streams
+
+    def _mtp_state(self, seq: Sequence) -> Optional[MTPState]:
+        """`seq`'s MTP state, emptied when the sequence was preempted since (its rows are recomputed)."""
+        state = self._mtp_states.get(seq.seq_id)
+        if state is not None and state.preemptions != seq.preemptions:
+            state.reset()
+            state.preemptions = seq.preemptions
+        return state
+
+    def _observe(self, seq: Sequence, start: int, streams: Optional[torch.Tensor]) -> None:
+        """Hand the target's streams of positions [start, ...) of `seq` to its MTP (once the tokens
+        they were computed for are the sequence's: after acceptance)."""
+        state = self._mtp_state(seq)
+        if state is not None and streams is not None and seq.status is not SequenceStatus.FINISHED:
+            self.mtp.observe(state, start, streams, seq.tokens())
 
     def _decode(self, seq: Sequence, drafts: list[int], finished: list[Sequence]) -> None:
         """The last token and any drafts as rows; accept the longest verified prefix (greedy) or
         rejection-sample (arXiv 2211.17192). Rejected rows are forgotten by `computed` alone."""
-        lanes = self._forward(seq, [seq.generated[-1], *drafts], seq.computed)        # [1 + q, V]
+        start = seq.computed
+        lanes, streams = self._forward(seq, [seq.generated[-1], *drafts], start)       # [1 + q, V]
         if seq.sampler.greedy:
             target = lanes.argmax(-1).tolist()
             accepted = 0
@@ -154,8 +194,10 @@ class V4BatchEngine:
                 accepted += 1
             new = target[: accepted + 1]
         elif drafts:
+            state = self._mtp_states.get(seq.seq_id)
+            draft_probs = state.probs if state is not None else None     # None: one-hot (lookup)
             verdict = rejection_sample(seq.sampler.probabilities(lanes), torch.tensor(drafts, device=lanes.device),
-                                       None, seq.sampler)
+                                       draft_probs, seq.sampler)
             accepted, new = verdict.accepted, verdict.tokens
         else:
             accepted, new = 0, [int(seq.sampler.sample(lanes[0]))]
@@ -163,15 +205,20 @@ class V4BatchEngine:
             seq.record_speculation(len(drafts), accepted)
         seq.computed += 1 + accepted
         self._accept(seq, new, finished)
+        if streams is not None:
+            self._observe(seq, start, streams[: 1 + accepted])   # the rejected rows' streams are dropped
 
     def _drafts_for(self, seq: Sequence) -> list[int]:
-        proposer = self._proposers.get(seq.seq_id)
-        if proposer is None:
+        proposer, state = self._proposers.get(seq.seq_id), self._mtp_state(seq)
+        if proposer is None and state is None:
             return []
         room = seq.request.sampling.max_new_tokens - len(seq.generated) - 1
         fixed = seq.request.speculation.width
-        width = min(fixed if fixed is not None else min(best_width(seq.spec_alpha, 0.05), MAX_LOOKUP_WIDTH), room)
-        return proposer.propose(seq.tokens(), width).tokens.tolist() if width >= 1 else []
+        if proposer is not None:
+            width = min(fixed if fixed is not None else min(best_width(seq.spec_alpha, 0.05), MAX_LOOKUP_WIDTH), room)
+            return proposer.propose(seq.tokens(), width).tokens.tolist() if width >= 1 else []
+        adaptive = min(best_width(seq.spec_alpha, draft_cost(self.model.config)), MAX_ADAPTIVE_WIDTH)
+        return self.mtp.propose(state, seq.tokens(), min(fixed if fixed is not None else adaptive, room), seq.sampler)
 
     def _accept(self, seq: Sequence, new_tokens: list[int], finished: list[Sequence]) -> None:
         reason = seq.stopper.accept(seq.generated, new_tokens)

@@ -84,6 +84,13 @@ class DeepseekV4(nn.Module):
     def forward(self, tokens: torch.Tensor, cache: V4Cache, *, last_only: bool = False) -> torch.Tensor:
         """tokens [B, T] at positions [cache.length, cache.length + T) -> logits [B, T, V] float32
         ([B, 1, V] with last_only); the T positions are in the cache afterwards."""
+        streams = self.hidden(tokens, cache)
+        return self.head(streams[:, -1:] if last_only else streams)
+
+    @torch.inference_mode()
+    def hidden(self, tokens: torch.Tensor, cache: V4Cache) -> torch.Tensor:
+        """tokens [B, T] -> the last layer's streams [B, T, n, H], before the head's collapse (what
+        the MTP layer, engine.deepseek_v4.mtp, reads); the T positions are in the cache afterwards."""
         B, T = tokens.shape
         start = cache.length
         cache.reserve(T)
@@ -93,8 +100,10 @@ class DeepseekV4(nn.Module):
         for layer, layer_cache in zip(self.layers, cache.layers):
             streams = layer(streams, tokens, positions, layer_cache, start, self.rope[layer.rope_family])
         cache.advance(T)
-        if last_only:
-            streams = streams[:, -1:]
+        return streams
+
+    def head(self, streams: torch.Tensor) -> torch.Tensor:
+        """streams [B, T, n, H] -> logits [B, T, V] float32 (stream collapse, norm, lm_head)."""
         return self.lm_head(self.norm(self.hc_head(streams))).float()
 
 

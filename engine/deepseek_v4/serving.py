@@ -6,8 +6,9 @@ It offers what the service uses of `engine.runtime.Engine` (`generate`, `generat
 engine.batch.generate.BatchSession, the worker's engine loop and `batchd generate` run V4 jobs
 unchanged: each request is encoded, queued in a `V4BatchEngine` (the batch scheduler over a paged
 pool) and comes back as a GenerationResult with its hashes and telemetry. What the capability row
-refuses (draft speculation until the MTP layer is wired, PFlash, block-sparse attention) is
-refused at start or for that job, with the reason.
+refuses (PFlash, block-sparse attention, and `--spec draft` for a checkpoint without an MTP
+layer: its MTP layer is its drafter, engine.deepseek_v4.mtp) is refused at start or for that job,
+with the reason.
 """
 from __future__ import annotations
 
@@ -26,7 +27,8 @@ from batchd.engine.config import parse_dtype
 from batchd.engine.checkpoint.hf import _read_tokenizer, _weight_files
 from batchd.engine.deepseek_v4.batch import V4BatchEngine
 from batchd.engine.deepseek_v4.model import load_folder
-from batchd.engine.errors import EngineError, UnsupportedFeatureError
+from batchd.engine.deepseek_v4.mtp import MTPLayer, build_mtp
+from batchd.engine.errors import CheckpointError, EngineError, UnsupportedFeatureError
 from batchd.engine.pflash import Compressed, PromptCompressor
 from batchd.engine.residency import Residency
 from batchd.engine.text import TextCodec
@@ -50,9 +52,10 @@ def is_v4_folder(path) -> bool:
 
 class V4Engine:
     def __init__(self, model, codec: Optional[TextCodec], config, *, eos_ids: set[int], checkpoint_sha256: str = "",
-                 checkpoint_path: str = "", notes: Optional[list[str]] = None):
-        """`config`: an engine.runtime.EngineConfig; its device and dtype are the model's."""
-        self.model, self.codec, self.eos_ids = model, codec, set(eos_ids)
+                 checkpoint_path: str = "", notes: Optional[list[str]] = None, mtp: Optional[MTPLayer] = None):
+        """`config`: an engine.runtime.EngineConfig; its device and dtype are the model's. `mtp`:
+        the checkpoint's MTP layer, the drafter of `--spec draft` (None: refused for this target)."""
+        self.model, self.codec, self.eos_ids, self.mtp = model, codec, set(eos_ids), mtp
         self.config = model.config
         self.device = model.device
         self.engine_config = config = replace(config, device=str(self.device),
@@ -63,8 +66,8 @@ class V4Engine:
         self.compress_drafter_sha256 = ""
         self.notes = list(notes or []) + check_features(ARCHITECTURE, self.device.type, attention=config.attention)
         if config.drafters:
-            raise UnsupportedFeatureError("drafters given for a deepseek_v4 target: "
-                                          + check_features_reason("--spec draft"))
+            raise UnsupportedFeatureError("drafter checkpoints given for a deepseek_v4 target: it drafts with "
+                                          "its own MTP layer (--spec draft), not a separate model")
         if self.device.type == "cuda" and config.cuda_graphs:
             self.notes.append("CUDA graphs requested: the deepseek_v4 path runs eagerly")
         self.compressor = PromptCompressor(Residency())   # never parks (PFlash is refused), but the loop asks
@@ -76,13 +79,18 @@ class V4Engine:
         folder = Path(path).expanduser()
         dtype = parse_dtype(config.dtype, config.device)
         model, aside = load_folder(folder, config.device, dtype)
+        notes = aside.notes
+        try:
+            mtp = build_mtp(model, aside.mtp, str(folder))
+        except CheckpointError as err:   # the target serves; only its drafter is unusable
+            mtp, notes = None, [f"the checkpoint's MTP layer cannot be built, so --spec draft is refused: {err}"]
         tokenizer, (chat_template, template_source), bos, eos, _ = _read_tokenizer(folder, model.config)
         codec = TextCodec(tokenizer, chat_template, bos, eos, template_source=template_source)
         eos_ids = set(model.config.eos_token_ids) | ({codec.token_id(eos)} - {None})
         context = config.max_context or min(model.config.max_position_embeddings, DEFAULT_MAX_CONTEXT)
         sha = files_sha256(_weight_files(folder)[0])
         return cls(model, codec, replace(config, max_context=context), eos_ids=eos_ids, checkpoint_sha256=sha,
-                   checkpoint_path=str(path), notes=aside.notes)
+                   checkpoint_path=str(path), notes=notes, mtp=mtp)
 
     # ---- the job ---------------------------------------------------------------------------
 
@@ -119,7 +127,8 @@ class V4Engine:
             "dtype": str(self.model.dtype).removeprefix("torch."), "kv_dtype": str(self.model.dtype).removeprefix("torch."),
             "device": str(self.device), "host": socket.gethostname(), "temperature": s.temperature, "top_k": s.top_k,
             "top_p": s.top_p, "seed": s.seed, "max_new_tokens": s.max_new_tokens, "spec_method": spec.method,
-            "spec_width": spec.width, "drafter_path": None, "compress": "off", "keep_ratio": None,
+            "spec_width": spec.width, "drafter_path": "mtp.0" if spec.method == "draft" else None,
+            "compress": "off", "keep_ratio": None,
             "scoring_window": None, "attention": "dense", "decode_mlp": "moe-reference",
             "compress_drafter_sha256": None, "architecture": ARCHITECTURE,
         }
@@ -140,7 +149,7 @@ class V4Engine:
             self._batch = V4BatchEngine(self.model, max_context=self.max_context, eos_ids=self.eos_ids,
                                         block_size=block_size, chunk=chunk,
                                         max_running=options.max_running if options is not None else 64,
-                                        decode_text=self.codec.decode if self.codec else None)
+                                        decode_text=self.codec.decode if self.codec else None, mtp=self.mtp)
         return self._batch
 
     @property

@@ -7,8 +7,8 @@ table (conversion_mapping.py, "deepseek_v4"), then each layer's per-expert w1/w3
 `gate_up_proj` [E, 2I, H] and `down_proj` [E, H, I].
 
 Set aside with a note: the multi-token-prediction layer (`mtp.*`, the drafter the seed server
-calls DSpark; not wired yet). Refused: quantised tensors (FP8/FP4 with scales), which are not
-dequantised yet.
+calls DSpark), kept for engine.deepseek_v4.mtp, which builds the drafter from it. Refused:
+quantised tensors (FP8/FP4 with scales), which are not dequantised yet.
 """
 from __future__ import annotations
 
@@ -52,14 +52,14 @@ def is_quantisation_scale(canonical: str) -> bool:
 class SetAside:
     """What a checkpoint holds that the model does not load (reported at start)."""
 
-    mtp: list[str] = field(default_factory=list)
+    mtp: dict[str, torch.Tensor] = field(default_factory=dict)   # checkpoint name -> tensor
 
     @property
     def notes(self) -> list[str]:
         if self.mtp:
-            return [f"the checkpoint's MTP layer ({len(self.mtp)} mtp.* tensors) is not wired as a drafter yet: "
-                    "--spec draft needs a separate drafter checkpoint"]
-        return ["the checkpoint has no MTP layer (mtp.* tensors): there is no built-in drafter"]
+            return [f"the checkpoint's MTP layer ({len(self.mtp)} mtp.* tensors) is the drafter of --spec draft"]
+        return ["the checkpoint has no MTP layer (mtp.* tensors): --spec draft is refused for it; "
+                "--spec lookup still speculates"]
 
 
 def canonical_name(name: str) -> str:
@@ -74,7 +74,7 @@ def canonical_tensors(tensors: dict[str, torch.Tensor], source: str) -> tuple[di
     out, experts, aside = {}, {}, SetAside()
     for name, value in tensors.items():
         if name.removeprefix("model.").startswith("mtp."):
-            aside.mtp.append(name)
+            aside.mtp[name.removeprefix("model.")] = value
             continue
         canonical = canonical_name(name)
         if is_quantisation_scale(canonical):

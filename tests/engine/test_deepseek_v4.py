@@ -182,7 +182,7 @@ def test_mtp_weights_are_set_aside_and_reported(tmp_path):
     tensors["mtp.0.enorm.weight"] = torch.ones(TINY["hidden_size"])
     save_file(tensors, str(tmp_path / "model.safetensors"))
     _, aside = load_folder(tmp_path)
-    assert aside.mtp == ["mtp.0.enorm.weight"] and "not wired as a drafter" in aside.notes[0]
+    assert list(aside.mtp) == ["mtp.0.enorm.weight"] and "drafter of --spec draft" in aside.notes[0]
 
 
 def test_missing_tensor_names_the_layout(tmp_path):
@@ -206,13 +206,14 @@ def test_a_v4_checkpoint_cannot_be_loaded_as_a_llama_style_model_or_drafter(tmp_
         load_checkpoint(tmp_path)
 
 
-def test_v4_admits_lookup_and_refuses_draft_until_its_mtp_layer_is_wired():
-    from batchd.engine.capabilities import check_features
-    from batchd.engine.errors import UnsupportedFeatureError
+def test_v4_admits_lookup_and_draft_whose_reason_says_it_needs_an_mtp_layer():
+    """The row admits draft (the MTP layer drafts); a checkpoint without one refuses it per job
+    with the row's reason (test_deepseek_v4_mtp.py)."""
+    from batchd.engine.capabilities import capabilities_for, check_features
 
     assert check_features("deepseek_v4", "cuda", spec="lookup") == []
-    with pytest.raises(UnsupportedFeatureError, match="--spec draft is not supported.*MTP layer"):
-        check_features("deepseek_v4", "cuda", spec="draft")
+    assert check_features("deepseek_v4", "cuda", spec="draft") == []
+    assert "MTP layer" in capabilities_for("deepseek_v4").reason("--spec draft")
 
 
 def test_v4_refuses_block_sparse_attention_and_says_why():

@@ -1,7 +1,7 @@
 """DeepSeek V4 in the batch engine's scheduler and a paged pool (engine.deepseek_v4.paged, .batch):
 a job's greedy output is the same alone (engine.deepseek_v4.generate_greedy, itself equal to
 transformers' in test_deepseek_v4.py), batched with others, preempted and recomputed, sharing a
-prompt prefix, and speculating with prompt lookup."""
+prompt prefix, and speculating with prompt lookup (with the MTP layer: test_deepseek_v4_mtp.py)."""
 from __future__ import annotations
 
 import pytest
@@ -101,7 +101,8 @@ def test_lookup_speculation_keeps_greedy_output_and_rolls_back_every_part(model)
     assert any(s.spec_accepted < s.spec_offered for s in seqs)   # something was rolled back
 
 
-def test_draft_speculation_is_refused_until_the_mtp_layer_is_wired(model):
+def test_draft_speculation_is_refused_without_an_mtp_layer(model):
+    """(test_deepseek_v4_mtp.py drafts with one.)"""
     engine = V4BatchEngine(model, max_context=128, eos_ids=set())
     with pytest.raises(UnsupportedFeatureError, match="MTP layer"):
         engine.submit(ids(10, 14), request("draft"))

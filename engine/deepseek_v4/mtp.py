@@ -1,0 +1,239 @@
+"""DeepSeek V4's multi-token-prediction (MTP) layer as a drafter (the seed server's DSpark).
+
+The checkpoint's `mtp.0.*` tensors (set aside by engine.deepseek_v4.weights) are one more V4 block
+with its own input and output parts (DeepSeek's inference/model.py, `MTPBlock`):
+
+    x      = e_proj(enorm(embed(x_{t+1})))[:, :, None] + h_proj(hnorm(h_t))     [B, T, n, H]
+    x      = Block(x)            attention + MoE + hyper-connections, over the MTP's own cache
+    logits = lm_head(norm(hc_head(x)))       the target's embed and lm_head, its own norm and hc_head
+
+h_t is the target's last-layer streams at position t ([n, H], before the head's collapse). The row
+lives at position t of the MTP's cache and its logits guess x_{t+2}. Drafts after the first read
+the MTP's own output streams in place of h (the chaining vLLM and SGLang use for k > 1).
+
+The drafting cycle of one sequence (`MTPDrafter`, driven by engine.deepseek_v4.batch):
+1. `observe`: the target computed positions [s, e) (a prompt chunk, a replay, or the accepted rows
+   of a verify); their streams are queued, and every queued row whose next token is known is run
+   through the MTP at once (its catch-up). After the sequence's last token x_C is known, the MTP's
+   row at C - 1 has been run, and its logits are the first draft.
+2. `propose`: width - 1 more rows at positions C, C + 1, ... chained on the MTP's own streams, then
+   the MTP's cache is rolled back to C: those rows were guesses, the target's streams of the
+   positions it accepts replace them at the next `observe`.
+So the MTP's cache, like the target's, holds exactly the positions below its length, and a
+rejection costs a length move (every kind of V4 cache rolls back that way: engine.deepseek_v4.cache).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Optional
+
+import torch
+from torch import nn
+
+from batchd.engine.deepseek_v4.cache import V4Cache
+from batchd.engine.deepseek_v4.config import CSA, HCA, SLIDING, V4Config
+from batchd.engine.deepseek_v4.hyper_connections import HyperHead
+from batchd.engine.deepseek_v4.model import Block, DeepseekV4, keeps_float32
+from batchd.engine.deepseek_v4.norms import RMSNorm
+from batchd.engine.deepseek_v4.weights import canonical_name, load_tensors
+from batchd.engine.sampling import Sampler
+
+# the MTP block's own parts (checkpoint names after `mtp.0.`); everything else is its V4 block
+OWN_PARTS = ("e_proj.", "h_proj.", "enorm.", "hnorm.", "norm.", "hc_head_fn", "hc_head_base", "hc_head_scale")
+MAX_ADAPTIVE_WIDTH = 4   # the layer was trained one token ahead; chained drafts fade fast
+
+
+class MTPLayer(nn.Module):
+    """Parameters as the model's: e_proj, h_proj [H, H], enorm, hnorm, norm [H], hc_head (HyperHead),
+    layers.0 (a V4 Block of `config`, a one-layer config of the MTP block's kind)."""
+
+    def __init__(self, config: V4Config):
+        super().__init__()
+        H = config.hidden_size
+        self.config = config
+        self.e_proj = nn.Linear(H, H, bias=False)
+        self.h_proj = nn.Linear(H, H, bias=False)
+        self.enorm = RMSNorm(H, config.rms_norm_eps)
+        self.hnorm = RMSNorm(H, config.rms_norm_eps)
+        self.norm = RMSNorm(H, config.rms_norm_eps)
+        self.hc_head = HyperHead(config)
+        self.layers = nn.ModuleList([Block(config, 0)])
+
+    @property
+    def device(self) -> torch.device:
+        return self.e_proj.weight.device
+
+    def new_cache(self, max_len: int, device=None) -> V4Cache:
+        """Its own cache (`device` "meta": only its size, `nbytes`)."""
+        return V4Cache(self.config, max_len, device or self.device, self.e_proj.weight.dtype)
+
+    @torch.inference_mode()
+    def forward(self, target: DeepseekV4, hidden: torch.Tensor, next_tokens: torch.Tensor,
+                cache: V4Cache) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden [B, T, n, H]: streams (the target's, or this layer's own) at positions
+        [cache.length, + T); next_tokens [B, T]: the token after each position -> (this layer's
+        streams [B, T, n, H], logits of the last row [B, V] float32, its guess two tokens ahead)."""
+        B, T = next_tokens.shape
+        start = cache.length
+        cache.reserve(T)
+        target.setup_rope(cache.max_len)
+        positions = torch.arange(start, start + T, device=next_tokens.device)
+        embedded = self.e_proj(self.enorm(target.embed_tokens(next_tokens)))                 # [B, T, H]
+        x = embedded.unsqueeze(2) + self.h_proj(self.hnorm(hidden))                         # [B, T, n, H]
+        block = self.layers[0]
+        x = block(x, next_tokens, positions, cache.layers[0], start, target.rope[block.rope_family])
+        cache.advance(T)
+        return x, target.lm_head(self.norm(self.hc_head(x[:, -1:]))).float()[:, -1]
+
+
+def mtp_names(tensors: dict[str, torch.Tensor], index: int = 0) -> dict[str, torch.Tensor]:
+    """`mtp.{index}.*` checkpoint tensors -> MTPLayer's checkpoint-style names: its own parts at
+    the top (`hc_head_fn`, `enorm.weight`, ...), the block's under `layers.0.` (engine.deepseek_v4.weights
+    maps both onto the parameters)."""
+    prefix, out = f"mtp.{index}.", {}
+    for name, value in tensors.items():
+        if name.startswith(prefix):
+            rest = name[len(prefix):]
+            out[rest if rest.startswith(OWN_PARTS) else "layers.0." + rest] = value
+    return out
+
+
+def mtp_config(target: V4Config, canonical: set[str]) -> V4Config:
+    """The one-layer config of the MTP block, its kinds read from which tensors it has (V4-Flash's
+    has no compressor: a sliding-window layer with a learned router)."""
+    attn = "layers.0.self_attn.compressor."
+    if any(name.startswith(attn + "indexer.") for name in canonical):
+        kind = CSA
+    elif any(name.startswith(attn) for name in canonical):
+        kind = HCA
+    else:
+        kind = SLIDING
+    mlp = "hash_moe" if "layers.0.mlp.gate.tid2eid" in canonical else "moe"
+    return replace(target, num_layers=1, layer_types=[kind], mlp_layer_types=[mlp])
+
+
+def build_mtp(target: DeepseekV4, tensors: dict[str, torch.Tensor], source: str = "checkpoint") -> Optional[MTPLayer]:
+    """The MTP layer from a checkpoint's set-aside `mtp.*` tensors (SetAside.mtp), on the target's
+    device and dtype (its norms and hyper-connection parts in float32, as the target's); None if
+    the checkpoint has none. A checkpoint with several keeps the first (V4 ships one)."""
+    renamed = mtp_names(tensors)
+    if not renamed:
+        return None
+    config = mtp_config(target.config, {canonical_name(name) for name in renamed})
+    with torch.device("meta"):
+        layer = MTPLayer(config)
+    layer = layer.to_empty(device=target.device)
+    for name, param in layer.named_parameters():
+        param.data = param.data.to(torch.float32 if keeps_float32(name) else target.dtype)
+    load_tensors(layer, renamed, f"{source} (its MTP layer, mtp.0.*)")
+    return layer.eval().requires_grad_(False)
+
+
+def draft_cost(config: V4Config) -> float:
+    """One MTP row relative to a target step (one block and the head against all of the target's
+    blocks and the head; the head counted as one block): the adaptive width's cost per draft."""
+    return 2.0 / (config.num_layers + 2)
+
+
+@dataclass
+class MTPState:
+    """One sequence's MTP: its cache (positions [0, cache.length) hold rows made from the target's
+    streams) and the target's streams of the positions after it, waiting for their next token."""
+
+    cache: V4Cache
+    pending: list[torch.Tensor] = field(default_factory=list)   # [T_i, n, H] each, in position order
+    logits: Optional[torch.Tensor] = None    # [V]: the row at cache.length - 1 guessing x_{length + 1}
+    streams: Optional[torch.Tensor] = None   # [1, 1, n, H]: that row's output, which draft 2 reads
+    probs: Optional[torch.Tensor] = None     # [k, V]: the latest sampled drafts' distributions (None: greedy)
+    preemptions: int = 0                     # the sequence's preemption count this state holds for
+
+    @property
+    def end(self) -> int:
+        """The first position neither in the cache nor pending."""
+        return self.cache.length + sum(rows.shape[0] for rows in self.pending)
+
+    def reset(self) -> None:
+        """Forget everything (the target's rows were dropped too: a preemption)."""
+        self.cache.reset()
+        self.pending, self.logits, self.streams = [], None, None
+
+
+class MTPDrafter:
+    """Drafts for many sequences of one target with its MTP layer, one MTPState each."""
+
+    def __init__(self, target: DeepseekV4, layer: MTPLayer):
+        self.target, self.layer = target, layer
+
+    def new_state(self, max_len: int) -> MTPState:
+        return MTPState(self.layer.new_cache(max_len))
+
+    def observe(self, state: MTPState, start: int, streams: torch.Tensor, tokens: list[int]) -> None:
+        """The target computed positions [start, start + T): streams [T, n, H]. `tokens`: the
+        sequence's tokens known now (prompt and generated); rows whose next token is among them
+        are run at once."""
+        if start < state.end:
+            self._rewind(state, start)
+        elif start > state.end:
+            # a prompt head shared from another sequence (prefix sharing): the target did not
+            # compute it here, so it has no streams; the MTP's rows there stay zero (weaker drafts
+            # until its window has passed them; the target's output does not depend on drafts)
+            self._catch_up(state, tokens)
+            state.pending, state.logits, state.streams = [], None, None
+            state.cache.reserve(start - state.cache.length)
+            state.cache.advance(start - state.cache.length)
+        state.pending.append(streams)
+        self._catch_up(state, tokens)
+
+    def propose(self, state: MTPState, tokens: list[int], width: int, sampler: Optional[Sampler] = None) -> list[int]:
+        """Up to `width` drafts for the tokens after `tokens` (whose last one, at position
+        C = len(tokens) - 1, the target computes next); the MTP's cache is left at length C.
+        Greedy (the MTP's argmax), or drawn from the MTP's distribution filtered by a sampling
+        job's `sampler`, which `state.probs` keeps for rejection sampling."""
+        self._catch_up(state, tokens)
+        state.probs = None
+        context = len(tokens) - 1
+        if width < 1 or state.logits is None or state.cache.length != context:
+            return []
+        sampled = sampler is not None and not sampler.greedy
+        drafts, probs = [], []                                # [1, 1] each, kept on the device: one sync
+        logits, streams = state.logits, state.streams
+        for i in range(width):
+            if i:
+                streams, rows = self.layer(self.target, streams, drafts[-1], state.cache)
+                logits = rows[0]
+            if sampled:
+                probs.append(sampler.probabilities(logits))                                   # [V]
+                drafts.append(sampler.draw(probs[-1]).view(1, 1))
+            else:
+                drafts.append(logits.argmax().view(1, 1))
+        state.cache.truncate(context)   # the chained rows were guesses; the target's streams replace them
+        state.probs = torch.stack(probs) if sampled else None
+        return torch.cat(drafts, dim=1)[0].tolist()
+
+    def _catch_up(self, state: MTPState, tokens: list[int]) -> None:
+        """Run the pending rows whose next token is known (all of them but, after a prompt's last
+        chunk, the last one until its token is sampled), as one forward."""
+        if not state.pending:
+            return
+        start = state.cache.length
+        rows = torch.cat(state.pending) if len(state.pending) > 1 else state.pending[0]   # [P, n, H]
+        n = min(rows.shape[0], len(tokens) - 1 - start)
+        if n <= 0:
+            state.pending = [rows]
+            return
+        ids = torch.tensor([tokens[start + 1 : start + 1 + n]], device=self.layer.device)
+        out, logits = self.layer(self.target, rows[None, :n], ids, state.cache)
+        state.pending = [rows[n:]] if n < rows.shape[0] else []
+        state.logits, state.streams = logits[0], out[:, -1:]
+
+    @staticmethod
+    def _rewind(state: MTPState, position: int) -> None:
+        """Forget positions from `position` on (pending and cached)."""
+        if position >= state.cache.length:
+            keep = position - state.cache.length
+            rows = torch.cat(state.pending) if state.pending else None
+            state.pending = [rows[:keep]] if rows is not None and keep else []
+        else:
+            state.pending = []
+            state.cache.truncate(position)
+            state.logits = state.streams = None

@@ -13,6 +13,7 @@ prefill FLOPs / measured bf16 matmul rate + decode bytes (weights once a step, e
 / measured copy bandwidth.
 
 Run on the H200:  python bench/throughput.py
+                  python bench/throughput.py --v4-layers 4 --docs 16   (the V4 batch engine, V4-Flash sizes)
                   python bench/throughput.py --shape qwen2.5-1.5b --docs 16 --no-hf --mixed-docs 0
 """
 from __future__ import annotations
@@ -127,7 +128,14 @@ def main() -> None:
     parser.add_argument("--slab", type=int, default=BatchOptions.slab_rows, help="rows of every decode projection")
     parser.add_argument("--phases", action="store_true", help="also time prefill and decode steps apart (synchronised)")
     parser.add_argument("--only-batched", action="store_true", help="the batched rows only (tuning runs)")
+    parser.add_argument("--v4-layers", type=int, default=0,
+                        help="instead: the V4 batch engine on a DeepSeek V4-Flash-shaped model of N layers")
+    parser.add_argument("--v4-smoke", action="store_true", help="with --v4-layers: tiny sizes on the CPU")
     args = parser.parse_args()
+    if args.v4_layers:
+        from bench.v4_decode import bench_v4_batch
+
+        return print_table([bench_v4_batch(args.v4_layers, args.docs, args.prompt, args.new, args.v4_smoke)])
     torch.manual_seed(0)
     bandwidth, flops = copy_bandwidth(), matmul_rate()
     print(f"copy {bandwidth / 1e12:.2f} TB/s, bf16 matmul {flops / 1e12:.0f} TFLOP/s", flush=True)

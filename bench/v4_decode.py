@@ -64,3 +64,36 @@ def bench_v4(layers: int, prompt_len: int, new_tokens: int, bandwidth: float | N
         roofline = bandwidth / step_bytes
         row.update({"roofline tok/s": roofline, "of roofline": tok_s / roofline})
     return row
+
+
+@torch.inference_mode()
+def bench_v4_batch(layers: int, docs: int, prompt_len: int, new_tokens: int, smoke: bool, chunk: int = 512) -> dict:
+    """Documents per hour of the overnight workload on a V4-shaped model (bench/throughput.py
+    --v4-layers N): `docs` random prompts of `prompt_len` tokens -> `new_tokens` greedy tokens each
+    (EOS ignored) through the V4 batch engine, every document in flight at once; after a warm-up
+    of two short documents."""
+    from batchd.engine.deepseek_v4.batch import V4BatchEngine
+    from batchd.engine.types import GenerationRequest, SamplingParams
+
+    config = v4_config(layers, tiny=smoke)
+    device, dtype = ("cpu", torch.float32) if smoke else ("cuda", torch.bfloat16)
+    model = random_v4_model(config, device, dtype)
+    batch = V4BatchEngine(model, max_context=prompt_len + new_tokens + 64, eos_ids=set(), block_size=64 if not smoke else 16,
+                          chunk=chunk if not smoke else 128, max_running=docs)
+    generator = torch.Generator().manual_seed(0)
+
+    def run(n: int, length: int, new: int) -> tuple[float, int]:
+        seqs = [batch.submit(torch.randint(0, config.vocab_size, (length,), generator=generator).tolist(),
+                             GenerationRequest(sampling=SamplingParams(max_new_tokens=new, ignore_eos=True)))
+                for _ in range(n)]
+        synchronize(model.device)
+        start = time.perf_counter()
+        while batch.has_work:
+            batch.step()
+        synchronize(model.device)
+        return time.perf_counter() - start, sum(len(s.generated) for s in seqs)
+
+    run(2, min(prompt_len, 256), 4)
+    seconds, tokens = run(docs, prompt_len, new_tokens)
+    return {"system": f"V4 batch engine, {'v4-tiny' if smoke else 'v4-flash'} x{layers} layers", "docs": docs,
+            "seconds": seconds, "docs/hour": docs / seconds * 3600, "out tok/s": tokens / seconds}

@@ -39,7 +39,10 @@ from batchd.relay import Relay, start_relay_thread
 log = logging.getLogger(__name__)
 
 EXIT_HARD_TIME_LIMIT = 70
-TYPICAL_JOB_TOKENS = 4096 + 256   # the default --max-jobs counts jobs of this size in the KV pool
+# the default --max-jobs counts jobs of this size in the KV pool. Jobs beyond what fits wait inside the
+# engine (a thread and a lease each, nothing on the GPU), so the count errs high: at 4,096 + 256 it held
+# PFlash's 800-token jobs to ~170 in flight on an H200 (Llama-3-8B shape) where the engine alone ran 256.
+TYPICAL_JOB_TOKENS = 1024 + 256
 MAX_DEFAULT_JOBS = 256
 
 
@@ -69,7 +72,7 @@ def load_engine(settings: Settings):
 
 
 def default_max_jobs(engine) -> int:
-    """What the KV pool fits of typical (4K-token) jobs, and at least one; jobs beyond what fits
+    """What the KV pool fits of typical (1K-token) jobs, and at least one; jobs beyond what fits
     at a moment wait inside the engine, ready for the next free blocks."""
     batch = engine.batch_engine()
     positions = batch.cache.blocks.num_blocks * batch.cache.block_size

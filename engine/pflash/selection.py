@@ -4,12 +4,13 @@
     kept.spans  # [(start, end), ...] token ranges, in prompt order
 
 The rule (docs/design.md section 3, PFlash): smooth the per-token scores with an average pool
-(kernel 13), average them per 32-token chunk, and keep `max(1, chunks x keep_ratio)` chunks,
-filling the budget tier by tier (each tier best first, until the budget is spent):
+(kernel 13), average them per chunk, and keep `max(1, chunks x keep_ratio)` chunks, filling the
+budget tier by tier (each tier best first, until the budget is spent):
   1. the question: the chunks holding the last 96 tokens (at budget 1, the last chunk),
-  2. anchors: the chunks where n-grams (2 to 4 tokens) of the question recur in the earlier text,
-     by evidence (below; at least `min_anchor_evidence`: one n-gram of rare tokens found once),
-     then the chunks across the edge from such matches,
+  2. anchors: the regions where n-grams (2 to 4 tokens) of the question recur in the earlier
+     text, by evidence (below; at least `min_anchor_evidence`: one n-gram of rare tokens found
+     once), each region whole: the chunks holding its matches, then those holding the
+     `anchor_context` (8) tokens each side of it,
   3. the edges: the first 8 and the last 24 chunks (the question's among them); they take at
      most `max_edge_share` (half) of the budget and only what the anchors left, head and tail
      shrinking by the same factor,
@@ -18,13 +19,19 @@ filling the budget tier by tier (each tier best first, until the budget is spent
 So at small budgets the head and tail reservations shrink before what the question asks about
 does: at 8K tokens and keep 0.1 the budget is 25 chunks, less than the 32 edge chunks alone.
 
-Evidence: each distinct question n-gram found in a chunk adds 1 / (k x m), where k is how often
-the n-gram occurs in the text and m how often its rarest token does. A fact's rare phrase
-(several n-grams found once, of rare tokens) outranks a stray phrase of common words; n-grams
-found more than `max_ngram_occurrences` times are stock phrases and add nothing. An n-gram
-`anchor_context` (16) tokens or less from its chunk's edge adds half its weight to the chunk
-across that edge, ranked after every chunk that holds a match: a fact cut by a chunk boundary
-keeps the half that does not repeat the question's words (often the answer).
+Chunks are 32 tokens, or 16 where 32-token chunks would give a budget under `min_budget_chunks`
+(16; at keep 0.1, prompts under about 5K tokens): a short fact cut by a chunk edge then costs
+two 16-token chunks, not two 32-token ones (at 4K tokens the budget is 12 chunks of 32, three
+of them the question's: five facts cut by edges did not fit). The size depends on the prompt's
+length and keep ratio only (`chunk_size_for`), so a job's kept chunks never depend on others.
+
+Evidence: a region is a run of question n-gram matches less than `anchor_context` tokens apart;
+each distinct n-gram in it adds 1 / (k x m), where k is how often the n-gram occurs in the text
+and m how often its rarest token does. A fact's rare phrase (several n-grams found once, of rare
+tokens) outranks a stray phrase of common words; n-grams found more than `max_ngram_occurrences`
+times are stock phrases and add nothing. A region is one unit whatever the chunk edges: a fact
+the question asks about keeps its first words and its answer (often just past the question's
+words) together, and the budget is not spent on the far side of edges no fact crosses.
 
 Kept chunks are emitted in prompt order. Nothing here knows about models or devices; the ids
 are the drafter's, whose tokens the scores belong to.

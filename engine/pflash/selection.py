@@ -9,8 +9,8 @@ budget tier by tier (each tier best first, until the budget is spent):
   1. the question: the chunks holding the last 96 tokens (at budget 1, the last chunk),
   2. anchors: the regions where n-grams (2 to 4 tokens) of the question recur in the earlier
      text, by evidence (below; at least `min_anchor_evidence`: one n-gram of rare tokens found
-     once), each region whole: the chunks holding its matches, then those holding the
-     `anchor_context` (8) tokens each side of it,
+     once), each region whole while the budget lasts: the chunks holding its matches, then
+     those holding the `anchor_context` (8) tokens each side of it,
   3. the edges: the first 8 and the last 24 chunks (the question's among them); they take at
      most `max_edge_share` (half) of the budget and only what the anchors left, head and tail
      shrinking by the same factor,
@@ -187,7 +187,8 @@ def question_matches(ids: list[int], params: SelectionParams) -> list[tuple[int,
 
 def anchor_evidence(ids: list[int], params: SelectionParams) -> dict[int, float]:
     """chunk -> evidence that it holds what the question asks about: the sum of the weights of
-    the distinct question n-grams (question_matches) found in it."""
+    the distinct question n-grams (question_matches) found in it. For tests and diagnostics:
+    select_chunks ranks whole regions (anchor_regions), which chunk edges do not split."""
     inside: dict[int, dict[tuple, float]] = defaultdict(dict)  # chunk -> n-gram -> weight
     for start, end, gram, weight in question_matches(ids, params):
         for chunk in range(start // params.chunk_size, (end - 1) // params.chunk_size + 1):
@@ -204,7 +205,8 @@ class AnchorRegion:
 
     def chunks(self, params: SelectionParams, num_tokens: int) -> list[int]:
         """The chunks the region and `anchor_context` tokens each side of it cover, the ones
-        holding the matches first: a fact cut by a chunk edge comes whole or not at all."""
+        holding the matches first (what a region the budget cuts short keeps): a fact cut by a
+        chunk edge comes with both halves."""
         size, context = params.chunk_size, params.anchor_context
         matched = range(self.start // size, (self.end - 1) // size + 1)
         around = range(max(0, self.start - context) // size, (min(num_tokens, self.end + context) - 1) // size + 1)

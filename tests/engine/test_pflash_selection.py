@@ -69,7 +69,7 @@ def test_question_ngrams_anchor_their_chunks_and_neighbours():
     fact = [7001, 7002, 7003, 7004, 7005]
     ids[1000:1005] = fact  # chunk 31
     ids[-40:-35] = fact  # inside the last 96 tokens: the question repeats it
-    inside = anchor_evidence(ids, SelectionParams())
+    inside, _ = anchor_evidence(ids, SelectionParams())
     assert max(inside, key=inside.get) == 31
     sel = select_chunks(ids, torch.zeros(4096), SelectionParams(keep_ratio=0.1))
     c = 1000 // sel.chunk_size
@@ -82,7 +82,7 @@ def test_stock_phrases_are_not_anchors():
     for start in range(100, 3000, 200):  # 15 times in the text: a stock phrase
         ids[start:start + 4] = phrase
     ids[-20:-16] = phrase
-    inside = anchor_evidence(ids, SelectionParams(max_ngram_occurrences=8))
+    inside, _ = anchor_evidence(ids, SelectionParams(max_ngram_occurrences=8))
     assert not any(start // 32 in inside for start in range(100, 3000, 200))
 
 
@@ -119,7 +119,7 @@ def test_rare_phrases_outrank_stray_matches():
     ids[2000:2006] = fact_tokens(0)
     ids[-20:-14] = fact_tokens(0)
     ids[-8:-6] = stray
-    inside = anchor_evidence(ids, SelectionParams())
+    inside, _ = anchor_evidence(ids, SelectionParams())
     assert inside[2000 // 32] > 5 * max(inside[s // 32] for s in (500, 1500, 2500))
     scores = torch.zeros(4096)
     for start in (500, 1500, 2500):
@@ -138,7 +138,7 @@ def test_a_fact_cut_by_a_chunk_boundary_keeps_its_other_half():
     fixed = dict(keep_ratio=0.05, anchor_radius=0, min_budget_chunks=1)  # 32-token chunks
     sel = select_chunks(ids, torch.zeros(4096), SelectionParams(**fixed))
     assert {31, 32} <= set(sel.anchors)
-    far = select_chunks(ids, torch.zeros(4096), SelectionParams(**fixed, anchor_context=0))
+    far = select_chunks(ids, torch.zeros(4096), SelectionParams(**fixed, edge_context=0))
     assert 31 in far.anchors and 32 not in far.kept_chunks
 
 

@@ -21,7 +21,7 @@ import torch
 from batchd.engine.pflash import compress_for_request
 from batchd.engine.runtime import Engine, EngineConfig
 from batchd.engine.types import CompressionOptions, GenerationRequest, Telemetry
-from tests.engine.test_pflash_helpers import NEEDLES, document_with_needles, smollm2_folder
+from tests.engine.test_pflash_helpers import NEEDLE_DEPTHS, NEEDLES, document_with_needles, smollm2_folder
 
 DOCUMENT_TOKENS = 7600  # + the questions: under SmolLM2's 8192-token context with the answers
 ANSWER_TOKENS = 8
@@ -98,25 +98,48 @@ OTHER_NEEDLES = [  # a second set: other kinds of facts, other wording
 ]
 
 
+THIRD_NEEDLES = [  # a third set, asked in other words (questions that share little with the fact)
+    ("The red tractor on Miller's farm runs on olive oil.",
+     "What does the red tractor on Miller's farm run on?", "olive"),
+    ("Agent Thornbury hides his spare keys inside a teapot.",
+     "Where does Agent Thornbury hide his spare keys?", "teapot"),
+    ("The village choir of Little Hexam sings only in Welsh.",
+     "In which language does the village choir of Little Hexam sing?", "Welsh"),
+    ("Mrs Kowalczyk's cat is afraid of cucumbers.",
+     "What is Mrs Kowalczyk's cat afraid of?", "cucumbers"),
+    ("The winter festival of Port Saldana ends with a tug of war.",
+     "How does the winter festival of Port Saldana end?", "tug"),
+]
+ASK_IN_A_FEW_WORDS = "Answer each question in a few words.\n{questions}"
+ASK_BRIEFLY = "Using the document above, reply briefly to the following:\n{questions}"
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("paper, needles, depths", [
-    (2, OTHER_NEEDLES, (0.10, 0.25, 0.55, 0.65, 0.90)),
-], ids=["paper-2"])
-def test_five_needles_in_other_papers_and_depths_survive_keep_ratio_0_1(paper, needles, depths):
-    """Other texts, facts and depths, 7.6K-token documents: every fact is in the kept prompt."""
+@pytest.mark.parametrize("tokens, paper, needles, depths, ask", [
+    (DOCUMENT_TOKENS, 2, OTHER_NEEDLES, (0.10, 0.25, 0.55, 0.65, 0.90), ASK_IN_A_FEW_WORDS),
+    # 4K tokens: a budget of 12 chunks of 32, where facts cut by chunk edges were lost (3 of 5
+    # in the first before selection kept question matches whole and used 16-token chunks)
+    (4000, None, NEEDLES, NEEDLE_DEPTHS, ASK_IN_A_FEW_WORDS),
+    (4000, 0, THIRD_NEEDLES, (0.05, 0.33, 0.41, 0.72, 0.95), ASK_BRIEFLY),
+], ids=["paper-2", "4k-first-paper", "4k-paper-0"])
+def test_five_needles_in_other_papers_and_depths_survive_keep_ratio_0_1(tokens, paper, needles, depths, ask):
+    """Other texts, facts, depths and question wordings, 7.6K- and 4K-token documents: every fact
+    is in the kept prompt."""
     from batchd.samples import aclsum_papers
 
     engine = needle_engine()
     codec = engine.codec
-    long_papers = [p.text for p in aclsum_papers() if len(p.text.split()) >= 5000]
-    document = document_with_needles(codec, DOCUMENT_TOKENS, depths=depths, needles=needles, text=long_papers[paper])
+    text = "" if paper is None else [p.text for p in aclsum_papers() if len(p.text.split()) >= 5000][paper]
+    document = document_with_needles(codec, tokens, depths=depths, needles=needles, text=text)
     questions = "\n".join(f"{i + 1}. {question}" for i, (_, question, _) in enumerate(needles))
-    prompt_ids = codec.encode(f"<|im_start|>user\n{document}\n\nAnswer each question in a few words.\n{questions}"
+    prompt_ids = codec.encode(f"<|im_start|>user\n{document}\n\n{ask.format(questions=questions)}"
                               "<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
     request = GenerationRequest(prompt="(ids given)", compression=CompressionOptions(mode="always", keep_ratio=0.1))
-    kept = codec.decode(compress_for_request(engine, prompt_ids, request, Telemetry()), skip_special_tokens=False)
+    compressed = compress_for_request(engine, prompt_ids, request, Telemetry())
+    kept = codec.decode(compressed, skip_special_tokens=False)
     lost = [fact for fact, _, _ in needles if fact not in kept]
     assert not lost, f"needles lost at keep 0.1 of {len(prompt_ids)} tokens: {lost}"
+    assert len(compressed) <= 0.1 * len(prompt_ids) + 32
 
 
 @functools.cache

@@ -11,6 +11,7 @@ from batchd.engine.pflash.selection import (
     SelectionParams,
     anchor_evidence,
     chunk_scores,
+    chunk_size_for,
     head_and_tail,
     keep_budget,
     select_chunks,
@@ -29,11 +30,12 @@ def test_keeps_the_budget_within_one_chunk(num_tokens, keep_ratio):
     ids = random_ids(num_tokens)
     scores = torch.rand(num_tokens, generator=torch.Generator().manual_seed(1))
     sel = select_chunks(ids, scores, SelectionParams(keep_ratio=keep_ratio))
-    chunks = math.ceil(num_tokens / 32)
-    assert len(sel.kept_chunks) == max(1, int(chunks * keep_ratio))
+    size = sel.chunk_size  # 32, or 16 where 32-token chunks would give a budget under 16 chunks
+    chunks = math.ceil(num_tokens / size)
+    assert sel.num_chunks == chunks and len(sel.kept_chunks) == max(1, int(chunks * keep_ratio))
     # whole chunks: within one chunk of the fraction; only the prompt's last chunk may be partial
-    assert abs(len(sel.kept_chunks) * 32 - keep_ratio * num_tokens) <= 32
-    assert sel.kept_tokens > (len(sel.kept_chunks) - 1) * 32
+    assert abs(len(sel.kept_chunks) * size - keep_ratio * num_tokens) <= size
+    assert sel.kept_tokens > (len(sel.kept_chunks) - 1) * size
     assert sel.kept_chunks == sorted(set(sel.kept_chunks))
 
 
@@ -70,7 +72,8 @@ def test_question_ngrams_anchor_their_chunks_and_neighbours():
     inside, _ = anchor_evidence(ids, SelectionParams())
     assert max(inside, key=inside.get) == 31
     sel = select_chunks(ids, torch.zeros(4096), SelectionParams(keep_ratio=0.1))
-    assert {30, 31, 32} <= set(sel.kept_chunks) and 31 in sel.anchors
+    c = 1000 // sel.chunk_size
+    assert {c - 1, c, c + 1} <= set(sel.kept_chunks) and c in sel.anchors
 
 
 def test_stock_phrases_are_not_anchors():
@@ -79,7 +82,7 @@ def test_stock_phrases_are_not_anchors():
     for start in range(100, 3000, 200):  # 15 times in the text: a stock phrase
         ids[start:start + 4] = phrase
     ids[-20:-16] = phrase
-    inside, beside = anchor_evidence(ids, SelectionParams(max_ngram_occurrences=8))
+    inside, _ = anchor_evidence(ids, SelectionParams(max_ngram_occurrences=8))
     assert not any(start // 32 in inside for start in range(100, 3000, 200))
 
 
@@ -97,7 +100,7 @@ def test_question_matches_outrank_head_and_tail_at_small_budgets():
     ids[-len(question) - 8:-8] = question  # 54 tokens inside the last 96
     scores = torch.zeros(4096)
     scores[:256] = 1.0  # the head scores best
-    sel = select_chunks(ids, scores, SelectionParams(keep_ratio=0.1))
+    sel = select_chunks(ids, scores, SelectionParams(keep_ratio=0.1, min_budget_chunks=1))  # 32-token chunks
     assert sel.budget == 12 and len(sel.kept_chunks) == 12
     assert sel.question == [125, 126, 127]  # the last 96 tokens
     assert sel.kept_chunks == [at // 32 for at in facts_at] + sel.question
@@ -122,7 +125,8 @@ def test_rare_phrases_outrank_stray_matches():
     for start in (500, 1500, 2500):
         scores[start:start + 32] = 1.0
     sel = select_chunks(ids, scores, SelectionParams(keep_ratio=0.1, question_tokens=32))
-    assert sel.anchors[0] == 2000 // 32
+    size = sel.chunk_size
+    assert 2000 // size in sel.anchors and not any(start // size in sel.anchors for start in (500, 1500, 2500))
 
 
 def test_a_fact_cut_by_a_chunk_boundary_keeps_its_other_half():
@@ -131,10 +135,39 @@ def test_a_fact_cut_by_a_chunk_boundary_keeps_its_other_half():
     ids = random_ids(4096, seed=11)
     ids[1018:1024] = fact_tokens(0)  # the end of chunk 31; 1024.. (chunk 32) holds the answer
     ids[-30:-24] = fact_tokens(0)
-    sel = select_chunks(ids, torch.zeros(4096), SelectionParams(keep_ratio=0.05, anchor_radius=0))
+    fixed = dict(keep_ratio=0.05, anchor_radius=0, min_budget_chunks=1)  # 32-token chunks
+    sel = select_chunks(ids, torch.zeros(4096), SelectionParams(**fixed))
     assert {31, 32} <= set(sel.anchors)
-    far = select_chunks(ids, torch.zeros(4096), SelectionParams(keep_ratio=0.05, anchor_radius=0, anchor_context=0))
+    far = select_chunks(ids, torch.zeros(4096), SelectionParams(**fixed, edge_context=0))
     assert 31 in far.anchors and 32 not in far.kept_chunks
+
+
+def test_small_budgets_use_finer_chunks():
+    """32-token chunks unless the budget would hold fewer than 16 of them; then 16-token ones."""
+    params = SelectionParams(keep_ratio=0.1)
+    assert chunk_size_for(8192, params) == 32  # 25 chunks of 32
+    assert chunk_size_for(4096, params) == 16  # 12 chunks of 32 -> 25 of 16
+    assert chunk_size_for(1000, SelectionParams(keep_ratio=0.05)) == 16  # never below min_chunk_size
+    assert chunk_size_for(4096, SelectionParams(keep_ratio=0.1, min_budget_chunks=1)) == 32
+
+
+def test_facts_cut_by_chunk_edges_are_kept_whole_at_keep_0_1():
+    """4K tokens at keep 0.1, five 6-token facts each straddling a chunk edge (of 16 and of 32
+    tokens), the question repeating them: every fact's tokens are kept. With 32-token chunks and
+    a 12-chunk budget they could not be (3 question chunks + 2 per fact)."""
+    ids = random_ids(4096, seed=13)
+    facts_at = [29 + 736 * k + 32 * 3 for k in range(5)]  # 3 tokens before a 32-token edge
+    question = []
+    for k, at in enumerate(facts_at):
+        ids[at:at + 6] = fact_tokens(k)
+        question += fact_tokens(k)
+    ids[-len(question) - 8:-8] = question
+    scores = torch.rand(4096, generator=torch.Generator().manual_seed(14))
+    sel = select_chunks(ids, scores, SelectionParams(keep_ratio=0.1))
+    kept = {t for start, end in sel.spans for t in range(start, end)}
+    assert sel.chunk_size == 16 and len(sel.kept_chunks) == sel.budget
+    for at in facts_at:
+        assert set(range(at - 2, at + 8)) <= kept, f"fact at token {at} cut"
 
 
 @pytest.mark.parametrize("keep_ratio, kept", [(0.008, [127]), (0.016, [126, 127]), (0.05, [125, 126, 127])])
@@ -142,7 +175,7 @@ def test_the_question_is_kept_at_every_budget(keep_ratio, kept):
     ids = random_ids(4096, seed=12)
     scores = torch.zeros(4096)
     scores[:2000] = 1.0
-    sel = select_chunks(ids, scores, SelectionParams(keep_ratio=keep_ratio))
+    sel = select_chunks(ids, scores, SelectionParams(keep_ratio=keep_ratio, min_budget_chunks=1))  # 32-token chunks
     assert sel.question == kept and set(kept) <= set(sel.kept_chunks)
 
 

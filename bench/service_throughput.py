@@ -76,8 +76,9 @@ def documents(codec: TextCodec, n: int, tokens: int, seed: int) -> list[str]:
     return out
 
 
-def requests_for(texts: list[str], args, compression: CompressionOptions | None) -> list[GenerationRequest]:
-    sampling = SamplingParams(max_new_tokens=args.new, ignore_eos=True)
+def requests_for(texts: list[str], args, compression: CompressionOptions | None,
+                 new_tokens: int | None = None) -> list[GenerationRequest]:
+    sampling = SamplingParams(max_new_tokens=new_tokens or args.new, ignore_eos=True)
     return [GenerationRequest(prompt=t, sampling=sampling, compression=compression or CompressionOptions())
             for t in texts]
 
@@ -196,7 +197,10 @@ def main() -> None:
 
         engine.batch_engine(replace(engine.batch_engine().options, slab_rows=args.slab))
     texts = documents(codec, args.docs, args.prompt, seed=1)
+    # warm-up documents: three of the timed length (the prompt paths), and as many short ones as a
+    # timed run holds at once, so that every row bucket's graph is captured before any timing
     warm = documents(codec, 3, args.prompt, seed=2)
+    warm_rows = documents(codec, max(args.docs, args.pflash_docs), 200, seed=4)
     rows, telemetry = [], {}
     work = Path(tempfile.mkdtemp(prefix="batchd-service-bench-"))
     broker = EmbeddedBroker(work / "data")
@@ -207,6 +211,7 @@ def main() -> None:
                                      device=args.device, relay_interval_s="0.2", max_jobs=args.max_jobs)
         migrate.upgrade(settings.database_url)
         engine_alone(engine, requests_for(warm, args, None))       # compile, autotune, capture
+        engine_alone(engine, requests_for(warm_rows, args, None, new_tokens=8))
         params = {"max_new_tokens": args.new, "ignore_eos": True}
         if not args.pflash_only:
             alone = engine_alone(engine, requests_for(texts, args, None))

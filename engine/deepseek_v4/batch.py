@@ -41,6 +41,18 @@ from batchd.engine.types import GenerationRequest, Telemetry
 MAX_LOOKUP_WIDTH = 8
 
 
+def speculation_refusal(device_type: str, dtype: torch.dtype) -> Optional[str]:
+    """Why speculation would change this engine's greedy output, or None where it does not. V4's
+    projections are not row-invariant yet: on a GPU in bf16 or f16 a verify of q rows and a decode
+    of one row run GEMMs of different shapes, which round differently, so accepted drafts change
+    the tokens (measured on the H200: MTP drafting at widths 1 and 2 diverged from plain decoding,
+    bench/v4_mtp.py). Float32 (GPU or CPU) and the CPU's bf16 keep them equal (tests)."""
+    if device_type == "cuda" and dtype != torch.float32:
+        return (f"on a GPU in {str(dtype).removeprefix('torch.')}, V4's projections are not row-invariant yet, so "
+                "drafts would change greedy output; run without --spec, or load the model in float32")
+    return None
+
+
 class V4BatchEngine:
     def __init__(self, model: DeepseekV4, *, max_context: int, eos_ids: set[int], block_size: int = 16,
                  chunk: int = 64, num_blocks: Optional[int] = None, max_step_tokens: Optional[int] = None,
@@ -96,6 +108,8 @@ class V4BatchEngine:
             raise PromptTooLongError(f"the prompt has {len(prompt_ids)} tokens and max_new_tokens is "
                                      f"{sampling.max_new_tokens}: more than the {self.max_context}-token context; "
                                      "shorten the document or lower max_new_tokens")
+        if spec.method != "none" and (refusal := speculation_refusal(self.model.device.type, self.model.dtype)):
+            raise UnsupportedFeatureError(f"--spec {spec.method} is not supported for deepseek_v4 here: {refusal}")
         if spec.method == "draft" and self.mtp is None:
             raise UnsupportedFeatureError("--spec draft is not supported for this deepseek_v4 checkpoint: "
                                           + capabilities_for("deepseek_v4").reason("--spec draft"))

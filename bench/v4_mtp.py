@@ -112,7 +112,7 @@ def main() -> None:
                         help="float32: 'same ids' holds exactly (bf16 rounds a verify row apart from a decode row)")
     parser.add_argument("--smoke", action="store_true", help="the tests' tiny sizes (a CPU smoke run)")
     args = parser.parse_args()
-    # jobs are refused speculation where it would change greedy output (a GPU in bf16); this bench
+    # jobs are refused speculation where it would change greedy output (bf16); this bench
     # measures what drafting costs there anyway, and its "same ids" column shows the change
     import batchd.engine.deepseek_v4.batch as v4_batch
     v4_batch.speculation_refusal = lambda device_type, dtype: None

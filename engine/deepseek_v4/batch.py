@@ -43,13 +43,13 @@ MAX_LOOKUP_WIDTH = 8
 
 def speculation_refusal(device_type: str, dtype: torch.dtype) -> Optional[str]:
     """Why speculation would change this engine's greedy output, or None where it does not. V4's
-    projections are not row-invariant yet: on a GPU in bf16 or f16 a verify of q rows and a decode
-    of one row run GEMMs of different shapes, which round differently, so accepted drafts change
-    the tokens (measured on the H200: MTP drafting at widths 1 and 2 diverged from plain decoding,
-    bench/v4_mtp.py). Float32 (GPU or CPU) and the CPU's bf16 keep them equal (tests)."""
-    if device_type == "cuda" and dtype != torch.float32:
-        return (f"on a GPU in {str(dtype).removeprefix('torch.')}, V4's projections are not row-invariant yet, so "
-                "drafts would change greedy output; run without --spec, or load the model in float32")
+    projections are not row-invariant yet: in bf16 or f16 a verify of q rows and a decode of one
+    row run GEMMs of different shapes, which round differently, so accepted drafts change the
+    tokens (measured with random weights: MTP drafting diverged from plain decoding on the H200 in
+    bf16 and on the CPU in bf16, `bench/v4_mtp.py`). In float32 they stay equal (tests, both)."""
+    if dtype != torch.float32:
+        return (f"in {str(dtype).removeprefix('torch.')} on {device_type}, V4's projections are not row-invariant "
+                "yet, so drafts would change greedy output; run without --spec, or load the model in float32")
     return None
 
 

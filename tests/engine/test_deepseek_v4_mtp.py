@@ -302,30 +302,29 @@ def test_an_incomplete_mtp_layer_leaves_the_target_serving_and_says_why(tmp_path
 
 
 def test_speculation_is_refused_where_it_would_change_greedy_output():
-    """On a GPU in bf16/f16 V4's verify rows and decode rows round differently (the H200 showed
-    MTP drafts changing the tokens), so speculation is refused there with the reason; float32
-    and the CPU keep it."""
+    """In bf16/f16 V4's verify rows and decode rows round differently (MTP drafts changed the
+    tokens on the H200 and on the CPU), so speculation is refused there with the reason; float32
+    keeps it."""
     import torch
 
     from batchd.engine.deepseek_v4.batch import speculation_refusal
 
-    for dtype in (torch.bfloat16, torch.float16):
-        reason = speculation_refusal("cuda", dtype)
-        assert reason and "row-invariant" in reason and "float32" in reason
-    assert speculation_refusal("cuda", torch.float32) is None
-    assert speculation_refusal("cpu", torch.bfloat16) is None
-    assert speculation_refusal("cpu", torch.float32) is None
+    for device in ("cuda", "cpu"):
+        for dtype in (torch.bfloat16, torch.float16):
+            reason = speculation_refusal(device, dtype)
+            assert reason and "row-invariant" in reason and "float32" in reason
+        assert speculation_refusal(device, torch.float32) is None
 
 
 def test_a_refused_speculation_fails_its_job_alone(tmp_path, monkeypatch):
-    """Where speculation_refusal says no (a GPU in bf16), --spec jobs fail with its reason and
-    plain jobs still run."""
+    """Where speculation_refusal says no (bf16), --spec jobs fail with its reason and plain jobs
+    still run."""
     import batchd.engine.deepseek_v4.batch as v4_batch
 
     model, aside = load_folder(write_v4_folder(tmp_path, with_mtp=True))
     engine = V4BatchEngine(model, max_context=128, eos_ids=set(), mtp=build_mtp(model, aside.mtp))
-    monkeypatch.setattr(v4_batch, "speculation_refusal", lambda device, dtype: "as on a GPU in bf16")
+    monkeypatch.setattr(v4_batch, "speculation_refusal", lambda device, dtype: "as in bf16")
     for spec in ("draft", "lookup"):
-        with pytest.raises(UnsupportedFeatureError, match=f"--spec {spec} .*as on a GPU in bf16"):
+        with pytest.raises(UnsupportedFeatureError, match=f"--spec {spec} .*as in bf16"):
             engine.submit(ids(10, 14), request(spec))
     assert run(engine, [(ids(10, 14), request())])[0].generated

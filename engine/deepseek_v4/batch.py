@@ -42,14 +42,14 @@ MAX_LOOKUP_WIDTH = 8
 
 
 def speculation_refusal(device_type: str, dtype: torch.dtype) -> Optional[str]:
-    """Why speculation would change this engine's greedy output, or None where it does not. V4's
-    projections are not row-invariant yet: in bf16 or f16 a verify of q rows and a decode of one
-    row run GEMMs of different shapes, which round differently, so accepted drafts change the
-    tokens (measured with random weights: MTP drafting diverged from plain decoding on the H200 in
-    bf16 and on the CPU in bf16, `bench/v4_mtp.py`). In float32 they stay equal (tests, both)."""
+    """Why speculation would change this engine's greedy output, or None where it does not. In
+    bf16 or f16 a verify row and the decode row it stands for can differ in the last bits, and
+    accepted drafts then change the tokens: measured with random weights, MTP drafting diverged from
+    plain decoding on the H200 and on the CPU (`bench/v4_mtp.py`, 41 layers). The cause is not
+    isolated yet (docs/deepseek_v4.md, "What remains"). In float32 the tokens stay equal (tests)."""
     if dtype != torch.float32:
-        return (f"in {str(dtype).removeprefix('torch.')} on {device_type}, V4's projections are not row-invariant "
-                "yet, so drafts would change greedy output; run without --spec, or load the model in float32")
+        return (f"in {str(dtype).removeprefix('torch.')} a verify row of deepseek_v4 can round apart from its decode "
+                "row, so drafts would change greedy output; run without --spec, or load the model in float32")
     return None
 
 

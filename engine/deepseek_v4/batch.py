@@ -42,14 +42,17 @@ MAX_LOOKUP_WIDTH = 8
 
 
 def speculation_refusal(device_type: str, dtype: torch.dtype) -> Optional[str]:
-    """Why speculation would change this engine's greedy output, or None where it does not. In
-    bf16 or f16 a verify row and the decode row it stands for can differ in the last bits, and
-    accepted drafts then change the tokens: measured with random weights, MTP drafting diverged from
-    plain decoding on the H200 and on the CPU (`bench/v4_mtp.py`, 41 layers). The cause is not
-    isolated yet (docs/deepseek_v4.md, "What remains"). In float32 the tokens stay equal (tests)."""
+    """Why speculation would change this engine's greedy output, or None where it does not. V4's
+    projections and attention einsums are not row-invariant yet: in bf16 or f16 a verify row and
+    the decode row it stands for run GEMMs of different row counts, which round differently, and
+    accepted drafts then change the tokens (measured with random weights: MTP drafting diverged
+    from plain decoding on the H200 and on the CPU, `bench/v4_mtp.py`; the first differing call was
+    an nn.Linear at M = 1 against M = 2, docs/deepseek_v4.md). In float32 the tokens stay equal
+    (tests)."""
     if dtype != torch.float32:
-        return (f"in {str(dtype).removeprefix('torch.')} a verify row of deepseek_v4 can round apart from its decode "
-                "row, so drafts would change greedy output; run without --spec, or load the model in float32")
+        return (f"in {str(dtype).removeprefix('torch.')} a verify row of deepseek_v4 rounds apart from its decode row "
+                "(its projections are not row-invariant yet), so drafts would change greedy output; run without "
+                "--spec, or load the model in float32")
     return None
 
 

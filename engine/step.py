@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from batchd.engine.cuda_graphs import capture
 from batchd.engine.kv_cache import KVCache
 from batchd.engine.model import Transformer
 from batchd.kernels.argmax import pick_and_advance
@@ -108,22 +109,16 @@ class StepRunner:
                 pick_and_advance(logits[:, -1], self._picked, static_tokens, cache.length_on_device)
             return logits
 
-        # warm-up on a side stream (allocator and Triton autotuning), then capture; both write
-        # rows at the current length, which the real step overwrites right after (a chain's
-        # warm-up also moves its token and the device length: put back below)
+        # warm-up and capture both write rows at the current length, which the real step
+        # overwrites right after (a chain's warm-up also moves its token and the device length:
+        # put back after each)
         fed = static_tokens.clone() if chain else None
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                run()
-                if chain:
-                    static_tokens.copy_(fed)
-                    cache.length_on_device.fill_(saved_length)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            static_logits = run()
+
+        def put_back() -> None:
+            static_tokens.copy_(fed)
+            cache.length_on_device.fill_(saved_length)
+
+        graph, static_logits = capture(run, self._pool, after_warmup=put_back if chain else None)
         self._pool = graph.pool()
         assert cache.length == saved_length
         self._graphs[key] = (graph, static_tokens, static_logits)

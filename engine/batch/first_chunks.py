@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from batchd.engine.batch.paged_cache import PagedKVCache
+from batchd.engine.cuda_graphs import capture
 from batchd.engine.linear import project
 
 GRAPH_TOKENS = 2048   # longer chunks keep the GPU busy for longer than their launches take
@@ -88,11 +89,7 @@ class FirstChunkRunner:
         normed = model.forward_at(tokens, scratch, 0, head=False)               # [1, L, H]
         row = normed[0].index_select(0, last)[None]                             # [1, 1, H]
         logits = project(row, model.lm_head, model.ops.small_linear).float()   # [1, 1, V]
-        L = tokens.shape[1]
-        for layer in range(len(self.cache.keys)):
-            k = scratch.keys[layer][0, :, :L].transpose(0, 1)                  # [L, Hkv, D]
-            v = scratch.values[layer][0, :, :L].transpose(0, 1)
-            self.cache.write(layer, k, v, blocks, offsets)
+        self.cache.store_scratch_rows(scratch, 0, tokens.shape[1], blocks, offsets)
         return logits[0]
 
     def _static(self, L: int):
@@ -106,15 +103,7 @@ class FirstChunkRunner:
             logits = torch.empty((1, self.model.config.vocab_size), dtype=torch.float32, device=device)
             self._graphs[L] = (None, tokens, last, blocks, offsets, logits)
             return self._graphs[L]
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):   # compile, autotune and allocate outside the capture
-            for _ in range(2):
-                self._forward(tokens, last, blocks, offsets)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            logits = self._forward(tokens, last, blocks, offsets)
+        graph, logits = capture(lambda: self._forward(tokens, last, blocks, offsets), self._pool)
         self._pool = graph.pool()
         self._graphs[L] = (graph, tokens, last, blocks, offsets, logits)
         return self._graphs[L]

@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from batchd.engine.batch.paged_cache import PagedKVCache
+from batchd.engine.cuda_graphs import capture
 from batchd.engine.batch.rows import RowBatch, forward_rows
 
 
@@ -71,15 +72,7 @@ class RowRunner:
                                     self.max_context)
             return forward_rows(self.model, self.cache, batch, slab_rows=self.slab_rows)
 
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):   # compile, autotune and allocate outside the capture
-            for _ in range(2):
-                run()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            logits = run()
+        graph, logits = capture(run, self._pool)
         self._pool = graph.pool()
         self._graphs[rows] = (graph, static_ids, static_tables, logits)
         return self._graphs[rows]

@@ -70,7 +70,11 @@ class PagedKVCache:
         blocks (a prompt's first chunk, computed by the one-sequence prefill)."""
         positions = torch.arange(start, end, device=self.keys[0].device)
         blocks = torch.tensor(table, dtype=torch.long, device=positions.device)[positions // self.block_size]
-        offsets = positions % self.block_size
+        self.store_scratch_rows(scratch, start, end, blocks, positions % self.block_size)
+
+    def store_scratch_rows(self, scratch, start: int, end: int, blocks: torch.Tensor, offsets: torch.Tensor) -> None:
+        """Positions [start, end) of the scratch cache at (blocks[n], offsets[n]) ([end - start]
+        long each, on the device: what a CUDA graph captures)."""
         for layer in range(len(self.keys)):
             k = scratch.keys[layer][0, :, start:end].transpose(0, 1)          # [T, Hkv, D]
             v = scratch.values[layer][0, :, start:end].transpose(0, 1)

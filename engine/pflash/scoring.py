@@ -22,6 +22,7 @@ from typing import Callable, Optional
 
 import torch
 
+from batchd.engine.cuda_graphs import capture
 from batchd.engine.kv_cache import ContiguousKVCache, KVCache
 from batchd.engine.model import Transformer
 from batchd.engine.pflash.window import DEFAULT_SCORING_WINDOW, ScoringWindow, prefill_windowed
@@ -175,15 +176,7 @@ class PaddedScorer:
         device = self.model.device
         tokens = torch.zeros((1, L), dtype=torch.long, device=device)
         positions = torch.arange(L - self.tail_rows, L, device=device)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):   # compile, autotune and allocate outside the capture
-            for _ in range(2):
-                self._forward(tokens, positions)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            scores = self._forward(tokens, positions)
+        graph, scores = capture(lambda: self._forward(tokens, positions), self._pool)
         self._pool = graph.pool()
         self._graphs[L] = (graph, tokens, positions, scores)
         return self._graphs[L]

@@ -260,8 +260,9 @@ def select_chunks(ids: list[int], token_scores: torch.Tensor, params: SelectionP
         raise ValueError(f"{len(ids)} ids but {token_scores.numel()} scores")
     if not ids:
         raise ValueError("nothing to select from: the prompt is empty")
-    small_budget = chunk_size_for(len(ids), params) < params.chunk_size
-    params = replace(params, chunk_size=chunk_size_for(len(ids), params))
+    size = chunk_size_for(len(ids), params)
+    small_budget = size < params.chunk_size   # chunks were halved: regions (below)
+    params = replace(params, chunk_size=size)
     per_chunk = chunk_scores(smooth_scores(token_scores, params.smoothing_kernel), params.chunk_size).tolist()
     num_chunks = len(per_chunk)
     budget = keep_budget(num_chunks, params.keep_ratio)

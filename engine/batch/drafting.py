@@ -41,6 +41,7 @@ import torch
 
 from batchd.engine.batch.block_pool import chunk_hashes
 from batchd.engine.batch.chunks import ChunkBatch, forward_chunks
+from batchd.engine.batch.first_chunks import FirstChunkRunner
 from batchd.engine.batch.graphs import RowRunner
 from batchd.engine.batch.paged_cache import PagedKVCache
 from batchd.engine.batch.sequence import Sequence
@@ -87,6 +88,9 @@ class PooledDrafter:
         self.cache = PagedKVCache(self.model.config, num_blocks, block_size, self.model.device, dtype)
         self.rows = RowRunner(self.model, self.cache, max_context=max_context, slab_rows=slab_rows,
                               cuda_graphs=cuda_graphs)
+        # the target's first-chunk path over the drafter's own contiguous cache (the DraftModel's),
+        # so a target drafting for itself holds its very rows (padded and graphed alike on CUDA)
+        self.first_chunks = FirstChunkRunner(self.model, draft_model.cache, self.cache, cuda_graphs=cuda_graphs)
         self.max_context, self.chunk, self.slab_rows = max_context, chunk, slab_rows
         self.pass_s: Optional[float] = None   # seconds of one row pass (moving average, measured)
         self.held: dict[int, tuple[bytes, int]] = {}   # block -> (chunk hash, index in chunk) its rows are
@@ -153,12 +157,9 @@ class PooledDrafter:
             self.rows.run(tokens, positions, tables)
 
     def _prefill_first_chunk(self, seq: Sequence, end: int) -> None:
-        """Positions [0, end) through the drafter's one-sequence prefill on its own contiguous
-        cache (the DraftModel's), then into the sequence's blocks of the drafter's pool."""
-        scratch = self.draft_model.cache
-        tokens = torch.tensor([seq.prompt_ids[:end]], dtype=torch.long, device=self.model.device)
-        self.model.forward_at(tokens, scratch, 0, last_only=True, head=False)   # its keys and values only
-        self.cache.store_from_scratch(scratch, seq.blocks, 0, end)
+        """Positions [0, end) into the sequence's blocks of the drafter's pool, as the target's
+        first chunk goes into its pool (the last row's logits, one row of the head, go unused)."""
+        self.first_chunks.run(seq.prompt_ids[:end], seq.blocks)
 
     def _note_chunk(self, seq: Sequence, state: DraftState, start: int, end: int) -> None:
         """The blocks of a whole prompt chunk now hold it; any other write makes them hold nothing."""
@@ -227,3 +228,4 @@ class PooledDrafter:
 
     def drop_graphs(self) -> None:
         self.rows.drop_graphs()
+        self.first_chunks.drop_graphs()

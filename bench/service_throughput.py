@@ -44,6 +44,7 @@ from batchd.db import migrate  # noqa: E402
 from batchd.db.session import db_engine, dispose_all  # noqa: E402
 from batchd.embedded import EmbeddedBroker  # noqa: E402
 from batchd.engine.batch.generate import BatchSession  # noqa: E402
+from batchd.engine.generate import synchronize  # noqa: E402
 from batchd.engine.presets import preset  # noqa: E402
 from batchd.engine.runtime import Engine, EngineConfig, build_model  # noqa: E402
 from batchd.engine.text import TextCodec  # noqa: E402
@@ -95,18 +96,18 @@ def engine_alone(engine: Engine, requests: list[GenerationRequest], phases: bool
             timer.wrap(batch, name)
         timer.wrap(batch.scheduler, "plan")
         timer.wrap(batch_module, "forward_chunks", "continuing chunks")
-    synchronize(engine)
+    synchronize(engine.device)
     started = time.perf_counter()
     outcomes = session.add_many(requests)   # as the worker's loop takes the jobs waiting for it
     errors = [o for o in outcomes if isinstance(o, Exception)]
     assert not errors, errors[:3]
-    synchronize(engine)
+    synchronize(engine.device)
     added = time.perf_counter()
     done = steps = 0
     while session.has_work:
         done += len(session.step())
         steps += 1
-    synchronize(engine)
+    synchronize(engine.device)
     assert done == len(requests)
     finished = time.perf_counter()
     print(f"engine alone: encoding and compressing {added - started:.2f} s, then {steps} steps {finished - added:.2f} s",
@@ -155,11 +156,6 @@ def _time(value) -> float:
     return value.timestamp()
 
 
-def synchronize(engine: Engine) -> None:
-    if engine.device.type == "cuda":
-        torch.cuda.synchronize()
-
-
 def row(system: str, docs: int, seconds: float, baseline: float | None = None, **extra) -> dict:
     return {"system": system, "docs": docs, "seconds": round(seconds, 2), "docs/hour": round(docs / seconds * 3600),
             "of engine alone": None if baseline is None else round(baseline / seconds, 3), **extra}
@@ -200,7 +196,7 @@ def main() -> None:
     # warm-up documents: three of the timed length (the prompt paths), and as many short ones as a
     # timed run holds at once, so that every row bucket's graph is captured before any timing
     warm = documents(codec, 3, args.prompt, seed=2)
-    warm_rows = documents(codec, max(args.docs, args.pflash_docs), 200, seed=4)
+    warm_rows = documents(codec, max(args.docs, args.pflash_docs), min(200, args.prompt), seed=4)
     rows, telemetry = [], {}
     work = Path(tempfile.mkdtemp(prefix="batchd-service-bench-"))
     broker = EmbeddedBroker(work / "data")

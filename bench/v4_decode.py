@@ -13,6 +13,7 @@ import time
 import torch
 
 from bench.v4_shapes import expert_bytes, random_v4_model, v4_config
+from batchd.engine.generate import synchronize
 
 
 def decode_bytes_per_token(model) -> int:
@@ -21,11 +22,6 @@ def decode_bytes_per_token(model) -> int:
                 if name != "embed_tokens.weight" and ".experts." not in name)
     active = config.num_layers * config.experts_per_token * expert_bytes(config, model.dtype.itemsize)
     return dense + active
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
 
 
 @torch.inference_mode()

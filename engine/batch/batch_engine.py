@@ -20,7 +20,7 @@ from typing import Callable, Optional
 
 import torch
 
-from batchd.engine.batch.chunks import ChunkBatch, forward_chunks
+from batchd.engine.batch.chunks import ChunkBatch, ChunkPacking, forward_chunks
 from batchd.engine.batch.drafting import DraftState, PooledDrafter
 from batchd.engine.batch.first_chunks import FirstChunkRunner
 from batchd.engine.batch.graphs import RowRunner
@@ -78,6 +78,9 @@ class BatchOptions:
     batch_invariant: bool = True   # False: one GEMM over every decode row (benchmarks measure the difference)
     cuda_graphs: bool = True
     drafters: tuple[str, ...] = ()
+    # prompt-chunk projections in fixed slabs of this many rows, short first chunks packed with the
+    # rest (engine.batch.chunks.ChunkPacking); None: 1,024 on CUDA, one GEMM per chunk on the CPU; 0: off
+    chunk_slab_rows: Optional[int] = None
 
 
 class BatchEngine:
@@ -110,6 +113,7 @@ class BatchEngine:
         slab = options.slab_rows if options.batch_invariant else None
         self.rows = RowRunner(model, self.cache, max_context=max_context, slab_rows=slab, cuda_graphs=options.cuda_graphs)
         self.first_chunks = FirstChunkRunner(model, scratch, self.cache, cuda_graphs=options.cuda_graphs)
+        self.packing = ChunkPacking.for_device(self.device, options.chunk_slab_rows)
         self._next_id = 0
         self._proposers: dict[int, PromptLookupProposer] = {}
         # draft-model speculation: a pool per drafter (by drafter_path), a state per sequence
@@ -194,7 +198,7 @@ class BatchEngine:
                     "BatchOptions.drafters so the pools are sized together, or use --spec lookup")
         return PooledDrafter(drafter_path, drafter, num_blocks=blocks.num_blocks, block_size=blocks.block_size,
                              dtype=dtype, max_context=self.max_context, chunk=self.chunk,
-                             slab_rows=self.rows.slab_rows, cuda_graphs=self.rows.cuda_graphs)
+                             slab_rows=self.rows.slab_rows, cuda_graphs=self.rows.cuda_graphs, packing=self.packing)
 
     def has_drafter(self, drafter_path: str) -> bool:
         """Whether `drafter_path` has its pool here already."""
@@ -242,22 +246,23 @@ class BatchEngine:
         return finished
 
     def _prefill_chunks(self, chunks: list[PromptChunk], finished: list[Sequence]) -> None:
-        """The step's prompt chunks. A chunk that starts a prompt runs the engine's own prefill
-        (its fused kernels and flash attention over a contiguous scratch cache, measured faster
-        than any paged pass at 4K rows) and is copied into the pool; the chunks that continue a
-        prompt run together in one pass over the pool (engine.batch.chunks, kernels.paged_prefill).
-        The path follows from the chunk alone, so a row's bits never depend on the rest of the step."""
+        """The step's prompt chunks. Chunks that continue a prompt, and on CUDA short first chunks,
+        run together in one pass over the pool (engine.batch.chunks, kernels.paged_prefill); a
+        long first chunk runs the engine's own prefill (its fused kernels and flash attention over
+        a contiguous scratch cache, measured faster than any paged pass at 4K rows) and is copied
+        into the pool. The path follows from the chunk alone (`ChunkPacking.in_pass`), so a row's
+        bits never depend on the rest of the step."""
         logits: dict[int, torch.Tensor] = {}
-        continuing = [c for c in chunks if c.start > 0]
+        packed = [c for c in chunks if self.packing.in_pass(c.start, c.end)]
         for chunk in chunks:
-            if chunk.start == 0:
+            if not self.packing.in_pass(chunk.start, chunk.end):
                 logits[id(chunk)] = self._prefill_first_chunk(chunk)
-        if continuing:
-            batch = ChunkBatch.build([(c.seq.prompt_ids[c.start : c.end], c.start, c.seq.blocks) for c in continuing],
+        if packed:
+            batch = ChunkBatch.build([(c.seq.prompt_ids[c.start : c.end], c.start, c.seq.blocks) for c in packed],
                                      self.cache.block_size, self.cache.pad_block, self.device)
             rows = forward_chunks(self.model, self.cache, batch, slab_rows=self.rows.slab_rows,
-                                  max_context=self.max_context)                      # [C, V]
-            logits.update({id(c): rows[i] for i, c in enumerate(continuing)})
+                                  max_context=self.max_context, chunk_slab_rows=self.packing.slab_rows)   # [C, V]
+            logits.update({id(c): rows[i] for i, c in enumerate(packed)})
         for chunk in chunks:
             seq = chunk.seq
             self.scheduler.chunk_done(seq, chunk.end)

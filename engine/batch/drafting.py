@@ -40,7 +40,7 @@ from typing import Optional
 import torch
 
 from batchd.engine.batch.block_pool import chunk_hashes
-from batchd.engine.batch.chunks import ChunkBatch, forward_chunks
+from batchd.engine.batch.chunks import ChunkBatch, ChunkPacking, forward_chunks
 from batchd.engine.batch.first_chunks import FirstChunkRunner
 from batchd.engine.batch.graphs import RowRunner
 from batchd.engine.batch.paged_cache import PagedKVCache
@@ -82,7 +82,8 @@ class PooledDrafter:
     """A drafter's model over a paged pool shaped like the target's."""
 
     def __init__(self, name: str, draft_model, *, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 max_context: int, chunk: int, slab_rows: Optional[int], cuda_graphs: bool):
+                 max_context: int, chunk: int, slab_rows: Optional[int], cuda_graphs: bool,
+                 packing: ChunkPacking = ChunkPacking()):
         self.name, self.draft_model = name, draft_model
         self.model = draft_model.model
         self.cache = PagedKVCache(self.model.config, num_blocks, block_size, self.model.device, dtype)
@@ -92,6 +93,7 @@ class PooledDrafter:
         # so a target drafting for itself holds its very rows (padded and graphed alike on CUDA)
         self.first_chunks = FirstChunkRunner(self.model, draft_model.cache, self.cache, cuda_graphs=cuda_graphs)
         self.max_context, self.chunk, self.slab_rows = max_context, chunk, slab_rows
+        self.packing = packing   # the target's: a prompt chunk takes the path it took for the target
         self.pass_s: Optional[float] = None   # seconds of one row pass (moving average, measured)
         self.held: dict[int, tuple[bytes, int]] = {}   # block -> (chunk hash, index in chunk) its rows are
         self.prompt_positions = 0   # prompt positions computed (a shared chunk held is not computed again)
@@ -137,13 +139,14 @@ class PooledDrafter:
         positions are in the pool, or earlier in `pieces`): prompt pieces in one pass of chunks,
         generated ones in one pass of rows."""
         for seq, _, start, end in pieces:
-            if start == 0:   # a prompt's first chunk: the one-sequence prefill, as the target's
-                self._prefill_first_chunk(seq, end)
+            if end <= seq.prompt_len and not self.packing.in_pass(start, end):
+                self._prefill_first_chunk(seq, end)   # a long first chunk: the one-sequence prefill, as the target's
         chunks = [(seq.tokens()[start:end], start, seq.blocks) for seq, _, start, end in pieces
-                  if 0 < start and end <= seq.prompt_len]
+                  if end <= seq.prompt_len and self.packing.in_pass(start, end)]
         if chunks:
             batch = ChunkBatch.build(chunks, self.cache.block_size, self.cache.pad_block, self.model.device)
-            forward_chunks(self.model, self.cache, batch, slab_rows=self.slab_rows, max_context=self.max_context)
+            forward_chunks(self.model, self.cache, batch, slab_rows=self.slab_rows, max_context=self.max_context,
+                           chunk_slab_rows=self.packing.slab_rows)
         tokens, positions, tables = [], [], []
         for seq, state, start, end in pieces:
             if end <= seq.prompt_len:

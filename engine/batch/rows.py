@@ -62,11 +62,25 @@ def project_invariant(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torc
     if x.device.type == "cpu":
         parts = [project_rows_cpu(x[i : i + CPU_INVARIANT_ROWS], layer) for i in range(0, x.shape[0], CPU_INVARIANT_ROWS)]
         return torch.cat(parts) if len(parts) > 1 else parts[0]
-    n = x.shape[0]
+    return project_slabs(x, weight, bias, slab_rows)
+
+
+def project_slabs(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], slab_rows: int) -> torch.Tensor:
+    """x: [N, K] -> [N, Nout] in GEMMs of exactly `slab_rows` rows, the last one zero-padded: the
+    library sees one shape only, so it picks one kernel, and a row's bits follow from its own
+    values, never from N or from the rows packed beside it. Each slab writes its rows of the
+    output in place (a concatenation would copy every output once more)."""
+    n, k = x.shape
     padded = -(-n // slab_rows) * slab_rows
     if padded != n:
-        x = torch.cat([x, x.new_zeros(padded - n, x.shape[1])])
-    out = torch.cat([F.linear(x[i : i + slab_rows], weight, bias) for i in range(0, padded, slab_rows)])
+        x = torch.cat([x, x.new_zeros(padded - n, k)])
+    out = x.new_empty(padded, weight.shape[0])
+    w = weight.t()
+    for i in range(0, padded, slab_rows):
+        if bias is None:
+            torch.mm(x[i : i + slab_rows], w, out=out[i : i + slab_rows])
+        else:
+            torch.addmm(bias, x[i : i + slab_rows], w, out=out[i : i + slab_rows])
     return out[:n]
 
 

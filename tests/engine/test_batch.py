@@ -191,3 +191,18 @@ def test_prefill_seconds_cover_the_prompt_computation(engine, monkeypatch):
     result = engine.generate(replace(requests()[1], prompt="Prefill timing. Name a colour."))
     assert result.telemetry.prefill_s >= 0.2
     assert result.telemetry.prefill_tokens_per_s <= result.prompt_tokens / 0.2
+
+
+def test_packed_prompt_chunks_change_no_id_alone_batched_or_drafted(smollm2_gguf):
+    """Prompt chunks in fixed 32-row slabs, first chunks packed with the rest (CUDA's default
+    path, engine.batch.chunks.ChunkPacking): ids alone equal ids in a shuffled batch, and a
+    drafter taking the same path holds the target's very rows (every draft accepted)."""
+    packed = Engine.load(str(smollm2_gguf), EngineConfig(max_context=1024, prefill_chunk=64))
+    batch = packed.batch_engine(BatchOptions(block_size=16, max_step_tokens=128, chunk_slab_rows=32))
+    assert batch.packing.slab_rows == 32 and batch.packing.in_pass(0, 64)
+    reqs = requests()
+    alone_packed = {i: run(packed, [reqs[i]])[0] for i in range(len(reqs))}
+    assert run(packed, reqs, [3, 6, 0, 5, 2, 7, 1, 4]) == alone_packed
+    results = dict(packed.generate_many(with_drafters(packed, reqs)))
+    assert {i: r.token_ids for i, r in results.items() if i != 5} == {i: ids for i, ids in alone_packed.items() if i != 5}
+    assert all(results[i].telemetry.acceptance_rate == 1.0 for i in (0, 2, 4, 6))

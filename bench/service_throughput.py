@@ -95,7 +95,7 @@ def engine_alone(engine: Engine, requests: list[GenerationRequest], phases: bool
         for name in ("_catch_up_drafters", "_prefill_chunks", "_prefill_first_chunk", "_propose_drafts", "_run_rows"):
             timer.wrap(batch, name)
         timer.wrap(batch.scheduler, "plan")
-        timer.wrap(batch_module, "forward_chunks", "continuing chunks")
+        timer.wrap(batch_module, "forward_chunks", "packed chunks")
     synchronize(engine.device)
     started = time.perf_counter()
     outcomes = session.add_many(requests)   # as the worker's loop takes the jobs waiting for it
@@ -177,6 +177,8 @@ def main() -> None:
     parser.add_argument("--engine-only", action="store_true", help="the engine-alone rows only (tuning runs)")
     parser.add_argument("--phases", action="store_true", help="then a synchronised PFlash run, timed by phase")
     parser.add_argument("--slab", type=int, default=None, help="rows of every decode projection (default: the engine's)")
+    parser.add_argument("--chunk-slab", type=int, default=None,
+                        help="rows of every prompt-chunk projection (0: one GEMM per chunk; default: the engine's)")
     args = parser.parse_args()
     tokenizer_dir = Path(args.tokenizer_dir)
     codec = load_codec(tokenizer_dir)
@@ -188,10 +190,12 @@ def main() -> None:
     if engine.device.type == "cuda":
         engine.warm_up()
     engine.compressor.residency.keep_resident = 1   # as batchd.worker.load_engine sets it
-    if args.slab:
+    if args.slab or args.chunk_slab is not None:
         from dataclasses import replace
 
-        engine.batch_engine(replace(engine.batch_engine().options, slab_rows=args.slab))
+        options = engine.batch_engine().options
+        engine.batch_engine(replace(options, slab_rows=args.slab or options.slab_rows,
+                                    chunk_slab_rows=options.chunk_slab_rows if args.chunk_slab is None else args.chunk_slab))
     texts = documents(codec, args.docs, args.prompt, seed=1)
     # warm-up documents: three of the timed length (the prompt paths), and as many short ones as a
     # timed run holds at once, so that every row bucket's graph is captured before any timing

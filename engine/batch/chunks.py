@@ -11,7 +11,8 @@ of many long prompts cost one pass.
 Batch invariance (docs/engine.md): a chunk's rows are computed the same way whatever else is in
 the step. Projections run per chunk (a chunk's GEMM shape is its own length, and chunk boundaries
 are fixed by the sequence: engine.batch.scheduler), norms one row at a time (kernels.rms_norm),
-rope and the MLP's gate elementwise, attention in tiles counted from each chunk's first row; the
+rope and the MLP's gate elementwise (each chunk through the silu * up its own rows pick:
+`gate_chunks`), attention in tiles counted from each chunk's first row; the
 logits of each chunk's last row go through the fixed-shape slabs of the decode rows.
 """
 from __future__ import annotations
@@ -74,6 +75,17 @@ def project_chunks(x: torch.Tensor, bounds: list[tuple[int, int]], weight: torch
     return torch.cat([F.linear(x[a:b], weight, bias) for a, b in bounds])
 
 
+def gate_chunks(silu_mul, gate_up: torch.Tensor, bounds: list[tuple[int, int]]) -> torch.Tensor:
+    """silu(gate) * up of the packed chunks, gate_up [N, 2I] -> [N, I]. The CUDA choice picks its
+    implementation by row count (engine.fused.SILU_MUL_KERNEL_ROWS), so a chunk must get the one
+    its own rows pick: one call when the whole batch picks the same as every chunk, else one per chunk."""
+    threshold = fused.SILU_MUL_KERNEL_ROWS
+    picks = {b - a >= threshold for a, b in bounds}
+    if picks == {gate_up.shape[0] >= threshold}:
+        return silu_mul(gate_up)
+    return torch.cat([silu_mul(gate_up[a:b]) for a, b in bounds])
+
+
 @torch.inference_mode()
 def forward_chunks(model, cache, batch: ChunkBatch, *, slab_rows: Optional[int], max_context: int) -> torch.Tensor:
     """Write every chunk's keys and values into the pool; return the next-token logits of each
@@ -103,7 +115,7 @@ def forward_chunks(model, cache, batch: ChunkBatch, *, slab_rows: Optional[int],
         post = layer.post_attention_layernorm
         x = norm_rows(hidden, post.weight, post.eps)
         mlp = layer.mlp
-        act = model.ops.silu_mul(project_chunks(x, bounds, mlp.gate_up_proj.weight, None))   # elementwise
+        act = gate_chunks(model.ops.silu_mul, project_chunks(x, bounds, mlp.gate_up_proj.weight, None), bounds)
         hidden = hidden + project_chunks(act, bounds, mlp.down_proj.weight, None)
     last = hidden[torch.tensor([b - 1 for _, b in bounds], device=hidden.device)]       # [C, H]
     normed = norm_rows(last, model.norm.weight, model.norm.eps)

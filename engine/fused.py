@@ -4,9 +4,9 @@ Eagerly each is a handful of small kernels; at batch 1 a decode step of a 1.5B m
 more time launching them than reading weights. On CUDA the engine's `KernelChoice` holds
 `torch.compile`d versions (one Triton kernel each, dynamic in the token axis so one compile
 serves decode, every verify width and every prefill chunk); norms run kernels.rms_norm (one
-reduction order for any row count) and the q/k rope plus the cache write one launch
-(kernels.rope_cache). The maths is identical on CPU, where the eager
-versions run.
+reduction order for any row count), the q/k rope plus the cache write one launch
+(kernels.rope_cache), and silu * up of prefill-sized inputs kernels.silu_mul. The maths is
+identical on CPU, where the eager versions run.
 """
 from __future__ import annotations
 
@@ -43,6 +43,27 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """gate_up: [..., 2I] (gate then up) -> silu(gate) * up [..., I]."""
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+# From this many rows (numel / last dim) the CUDA choice's silu_mul runs kernels.silu_mul instead
+# of the compiled function. Inductor's dynamic-shape kernel divides each element's flat index by the
+# runtime width, which held prefill chunks to about a quarter of the H200's copy bandwidth (96 us a
+# layer at 4,096 rows of Qwen2.5-0.5B). The two may round differently in the last bit (inductor
+# need not round silu to the model dtype before the product), so the choice follows the row count
+# alone: decode (1 row a sequence) and verify (up to 17) steps stay on the compiled function and
+# keep their bits, and a prompt chunk's rows are fixed by the sequence. Callers that pack several
+# chunks into one call judge each chunk by its own rows (engine.batch.chunks).
+SILU_MUL_KERNEL_ROWS = 64
+
+
+def silu_mul_by_rows(compiled: Callable, kernel: Callable) -> Callable:
+    """silu_mul through `kernel` from SILU_MUL_KERNEL_ROWS rows, else through `compiled`."""
+    def silu_mul_routed(gate_up: torch.Tensor) -> torch.Tensor:
+        if gate_up.numel() >= SILU_MUL_KERNEL_ROWS * gate_up.shape[-1]:   # rows >= the threshold
+            return kernel(gate_up)
+        return compiled(gate_up)
+
+    return silu_mul_routed
 
 
 @dataclass(frozen=True)
@@ -105,6 +126,12 @@ def cuda_kernels() -> KernelChoice:
 
         compiled["add_rms_norm"] = add_rms_norm_kernel
         compiled["rope_kernel"] = rope_and_store
+    try:
+        from batchd.kernels.silu_mul import silu_mul as silu_mul_kernel
+    except ImportError:
+        pass
+    else:
+        compiled["silu_mul"] = silu_mul_by_rows(compiled["silu_mul"], silu_mul_kernel)
     try:
         from batchd.kernels.small_matmul import small_linear  # decode and verify rows computed alike
     except ImportError:

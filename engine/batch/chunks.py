@@ -17,7 +17,8 @@ the step. Projections run in fixed slabs of `ChunkPacking.slab_rows` rows over t
 (CUDA: the library sees one GEMM shape, so a row's bits follow from its own values) or per chunk
 (the CPU: a chunk's GEMM shape is its own length, and chunk boundaries are fixed by the sequence:
 engine.batch.scheduler), norms one row at a time (kernels.rms_norm),
-rope and the MLP's gate elementwise, attention in tiles counted from each chunk's first row; the
+rope and the MLP's gate elementwise (on CUDA kernels.silu_mul for every packed row, whatever
+the row count), attention in tiles counted from each chunk's first row; the
 logits of each chunk's last row go through the fixed-shape slabs of the decode rows.
 """
 from __future__ import annotations
@@ -31,6 +32,7 @@ import torch.nn.functional as F
 from batchd.engine import fused
 from batchd.engine.batch.rows import norm_rows, project_invariant, project_slabs
 from batchd.kernels.paged_prefill import paged_prefill_attention
+from batchd.kernels.silu_mul import silu_mul as silu_mul_kernel
 
 CHUNK_SLAB_ROWS = 1024     # CUDA prompt-chunk GEMMs: as fast a row as 4,096-row ones, little padding
 PACKED_FIRST_TOKENS = 2048  # first chunks up to this long join the packed pass (longer: the one-sequence prefill)
@@ -142,7 +144,8 @@ def forward_chunks(model, cache, batch: ChunkBatch, *, slab_rows: Optional[int],
         post = layer.post_attention_layernorm
         x = norm_rows(hidden, post.weight, post.eps)
         mlp = layer.mlp
-        act = model.ops.silu_mul(project_chunks(x, bounds, mlp.gate_up_proj.weight, None, chunk_slab_rows))   # elementwise
+        gate_up = project_chunks(x, bounds, mlp.gate_up_proj.weight, None, chunk_slab_rows)
+        act = silu_mul_kernel(gate_up) if gate_up.is_cuda else model.ops.silu_mul(gate_up)   # elementwise
         hidden = hidden + project_chunks(act, bounds, mlp.down_proj.weight, None, chunk_slab_rows)
     last = hidden[torch.tensor([b - 1 for _, b in bounds], device=hidden.device)]       # [C, H]
     normed = norm_rows(last, model.norm.weight, model.norm.eps)

@@ -4,6 +4,15 @@ RMSNorm (qwen3), rotary embedding of q and k, and the k/v rows written into the 
 Program (row b*T + t, head h) handles one head vector: heads [0, Hq) are queries (rotated into the
 output), heads [Hq, Hq + Hkv) are key/value pairs (k rotated, both stored at cache row positions[t]).
 Eagerly this was four to six launches per layer; at batch 1 launches, not bytes, cost the time.
+
+That grid suits decode and verify (1..17 rows); a prefill chunk of thousands of rows makes it tens
+of thousands of one-warp programs of 64-256 bytes each, latency-bound (about 80 us a layer at 4,096
+rows of Qwen2.5-0.5B on the H200, 40x off copy bandwidth). From ROW_BLOCK_MIN_ROWS rows without the
+per-head norm, `_rope_and_store_rows_kernel` takes over: program (row block, head, b) handles
+BLOCK_ROWS rows of one head as [BLOCK_ROWS, D/2] tiles with the same per-element arithmetic
+(`rope_rows_at`, `rotate_with`), so its outputs are bit for bit the per-row kernel's and a row's
+bits do not depend on which kernel ran. The norm case keeps the per-row kernel: a 2-D tile's
+row reductions could be ordered differently from the 1-D one.
 """
 from __future__ import annotations
 
@@ -97,8 +106,92 @@ def _rope_and_store_kernel(
         tl.store(VCache + dst + HALF + offs, tl.load(v_src + HALF + offs))
 
 
+@triton.jit
+def _rope_and_store_rows_kernel(
+    QKV, Cos, Sin, Pos, QOut, KCache, VCache,
+    T,
+    stride_qkv_row,                       # QKV [B*T, (Hq + 2 Hkv) * D], row stride
+    stride_qo_b, stride_qo_h, stride_qo_t,  # QOut [B, Hq, T, D]
+    stride_cb, stride_ch, stride_cn,      # caches [B, Hkv, S_max, D]
+    HQ: tl.constexpr, HKV: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    """`_rope_and_store_kernel` without the norm for BLOCK_ROWS rows t of one head of sequence b:
+    every element goes through the same loads, casts and `rotate_with` as there."""
+    pdl_wait(USE_PDL, AFTER_WAIT)
+    head = tl.program_id(1)
+    b = tl.program_id(2)
+    t = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)       # [BLOCK_ROWS]
+    ok = (t < T)[:, None]                                                 # [BLOCK_ROWS, 1]
+    offs = tl.arange(0, HALF)[None, :]                                    # [1, HALF]
+    is_query = head < HQ
+    row_base = QKV + ((b * T + t).to(tl.int64) * stride_qkv_row)[:, None]   # [BLOCK_ROWS, 1]
+    base = row_base + head * HEAD_DIM
+    x1 = tl.load(base + offs, mask=ok).to(tl.float32)                     # [BLOCK_ROWS, HALF]
+    x2 = tl.load(base + HALF + offs, mask=ok).to(tl.float32)
+    dtype = QKV.dtype.element_ty
+    table = (t * HEAD_DIM)[:, None] + offs
+    cos1, cos2, sin1, sin2 = rope_rows_at(Cos + table, Sin + table, HALF, ok, dtype)
+    y1, y2 = rotate_with(x1, x2, cos1, cos2, sin1, sin2)
+    if is_query:
+        out = QOut + (b.to(tl.int64) * stride_qo_b + head * stride_qo_h + t.to(tl.int64) * stride_qo_t)[:, None]
+        tl.store(out + offs, y1.to(QOut.dtype.element_ty), mask=ok)
+        tl.store(out + HALF + offs, y2.to(QOut.dtype.element_ty), mask=ok)
+    else:
+        kvh = head - HQ
+        pos = tl.load(Pos + t, mask=t < T, other=0)                       # [BLOCK_ROWS] cache rows
+        dst = (b.to(tl.int64) * stride_cb + kvh * stride_ch + pos.to(tl.int64) * stride_cn)[:, None] + offs
+        tl.store(KCache + dst, y1.to(KCache.dtype.element_ty), mask=ok)
+        tl.store(KCache + dst + HALF, y2.to(KCache.dtype.element_ty), mask=ok)
+        v_src = row_base + (HQ + HKV + kvh) * HEAD_DIM + offs
+        tl.store(VCache + dst, tl.load(v_src, mask=ok), mask=ok)
+        tl.store(VCache + dst + HALF, tl.load(v_src + HALF, mask=ok), mask=ok)
+
+
+# From this many rows (B * T) the row-block kernel runs (without the norm). Below it the per-row
+# grid already has few programs, and decode and verify steps keep their launch as it was.
+ROW_BLOCK_MIN_ROWS = 64
+
+
+def row_block_rows(head_dim: int) -> int:
+    """Rows per program of the row-block kernel: tiles of 2,048 elements per half (64 rows at head
+    dim 64, 32 at 128), at least 16 rows."""
+    return max(16, 4096 // head_dim)
+
+
 def rope_and_store_triton(qkv, cos, sin, positions, k_cache, v_cache, num_heads, num_kv_heads,
                           q_norm=None, k_norm=None, eps=1e-6):
+    """qkv [B, T, (Hq + 2 Hkv) D] contiguous -> q [B, Hq, T, D]; the row-block kernel from
+    ROW_BLOCK_MIN_ROWS rows when there is no per-head norm, else the per-row kernel."""
+    B, T, _ = qkv.shape
+    if q_norm is None and B * T >= ROW_BLOCK_MIN_ROWS:
+        return launch_row_blocks(qkv, cos, sin, positions, k_cache, v_cache, num_heads, num_kv_heads)
+    return launch_per_row(qkv, cos, sin, positions, k_cache, v_cache, num_heads, num_kv_heads, q_norm, k_norm, eps)
+
+
+def launch_row_blocks(qkv, cos, sin, positions, k_cache, v_cache, num_heads, num_kv_heads):
+    """`_rope_and_store_rows_kernel` over grid (row blocks of T, Hq + Hkv heads, B)."""
+    B, T, width = qkv.shape
+    D = k_cache.shape[-1]
+    rows = qkv.reshape(B * T, width)
+    q_out = torch.empty(B, num_heads, T, D, dtype=qkv.dtype, device=qkv.device)
+    block_rows = row_block_rows(D)
+    pdl = pdl_enabled(qkv.device)
+    _rope_and_store_rows_kernel[(triton.cdiv(T, block_rows), num_heads + num_kv_heads, B)](
+        rows, cos, sin, positions, q_out, k_cache, v_cache,
+        T,
+        rows.stride(0),
+        q_out.stride(0), q_out.stride(1), q_out.stride(2),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        HQ=num_heads, HKV=num_kv_heads, HEAD_DIM=D, HALF=D // 2, BLOCK_ROWS=block_rows, USE_PDL=pdl,
+        num_warps=4, **launch_options(pdl),
+    )
+    return q_out
+
+
+def launch_per_row(qkv, cos, sin, positions, k_cache, v_cache, num_heads, num_kv_heads,
+                   q_norm=None, k_norm=None, eps=1e-6):
+    """`_rope_and_store_kernel` over grid (B * T rows, Hq + Hkv heads)."""
     B, T, width = qkv.shape
     D = k_cache.shape[-1]
     rows = qkv.reshape(B * T, width)

@@ -11,10 +11,12 @@ CASES = [
     pytest.param(1, 1, 4, 2, 16, False, id="decode-gqa"),
     pytest.param(1, 5, 6, 2, 32, False, id="verify-q5"),
     pytest.param(2, 3, 4, 4, 16, True, id="qwen3-norm-mha"),
+    pytest.param(2, 70, 4, 2, 64, False, id="prefill-row-blocks"),   # B * T >= 64: the row-block kernel
 ]
 
 
-def make(B, T, Hq, Hkv, D, norm, dtype, S=40, seed=0):
+def make(B, T, Hq, Hkv, D, norm, dtype, S=None, seed=0):
+    S = S or 3 * T + 8
     g = torch.Generator().manual_seed(seed)
     qkv = torch.randn(B, T, (Hq + 2 * Hkv) * D, generator=g).to(dtype).to(DEVICE)
     angles = torch.rand(T, D // 2, generator=g) * 6
@@ -51,3 +53,22 @@ def test_bad_shapes_name_the_numbers():
     qkv, cos, sin, positions, (k, v), _ = make(1, 2, 4, 2, 16, False, torch.float32)
     with pytest.raises(ValueError, match="qkv width"):
         rope_and_store(qkv[..., :-16], cos, sin, positions, k, v, 4, 2)
+
+
+@needs_triton
+@pytest.mark.triton
+@pytest.mark.parametrize("dtype", [torch.float32, LOW], ids=["f32", "half"])
+def test_row_block_kernel_equals_per_row_kernel(dtype):
+    """The prefill grid (row blocks of one head) gives the decode grid's bits: 2 sequences of 130
+    rows (two full blocks of 64 and a partial one), GQA heads, cache rows from 7 in steps of 3."""
+    from batchd.kernels.rope_cache.triton_kernel import launch_per_row, launch_row_blocks, row_block_rows
+
+    B, T, Hq, Hkv, D = 2, 130, 4, 2, 64
+    assert T % row_block_rows(D) != 0
+    qkv, cos, sin, positions, (k1, v1), _ = make(B, T, Hq, Hkv, D, False, dtype, seed=1)
+    k2, v2 = k1.clone(), v1.clone()
+    per_row = launch_per_row(qkv, cos, sin, positions, k1, v1, Hq, Hkv)
+    blocks = launch_row_blocks(qkv, cos, sin, positions, k2, v2, Hq, Hkv)
+    assert torch.equal(blocks, per_row)
+    assert torch.equal(k2, k1)
+    assert torch.equal(v2, v1)

@@ -9,9 +9,9 @@ every job asks for --new tokens with EOS ignored, greedy.
 Rows:
   engine alone      the same requests through the engine's batch (BatchSession), as
                     bench/throughput.py times it: first step to last result;
-  service           `submit_jobs` of the batch, then a worker until every job is committed:
-                    submit start to the last commit (the user's wall clock), and first claim to
-                    last commit (what the worker adds);
+  service           a worker, then `submit_jobs` of the batch once it is ready, until every job
+                    is committed: submit start to the last commit (the user's wall clock with a
+                    worker serving), and first claim to last commit (what the worker adds);
   + PFlash          the same two with compress=always at --keep, a --drafter-shape drafter
                     (random weights, written as a checkpoint folder) resident beside the target.
 The job_results telemetry of each service run is summarised (means over its jobs).
@@ -51,6 +51,8 @@ from batchd.engine.text import TextCodec  # noqa: E402
 from batchd.engine.types import CompressionOptions, GenerationRequest, SamplingParams  # noqa: E402
 from batchd.jobs.inputs import JobInput  # noqa: E402
 from batchd.jobs.progress import batch_progress  # noqa: E402
+from batchd.jobs.publish import Publisher  # noqa: E402
+from batchd.queue.celery_app import configure  # noqa: E402
 from batchd.jobs.submit import submit_jobs  # noqa: E402
 from batchd.worker import run_worker  # noqa: E402
 
@@ -120,17 +122,40 @@ def engine_alone(engine: Engine, requests: list[GenerationRequest], phases: bool
 
 def through_service(engine: Engine, settings: Settings, broker_url: str, batch: str, texts: list[str],
                     params: dict) -> tuple[float, float, dict]:
-    """-> (submit start to last commit, first claim to last commit, mean telemetry)."""
+    """-> (submit start to last commit, first claim to last commit, mean telemetry). The worker
+    starts first and the jobs are submitted once it is ready, as to a worker serving overnight
+    (its start, a second or two of Celery's boot, is printed apart)."""
+    from celery.signals import worker_ready
+
     jobs = [JobInput(custom_id=f"doc-{i:05d}", source="bench", prompt=t, params=params) for i, t in enumerate(texts)]
-    started = time.perf_counter()
-    submit_jobs(settings, batch, jobs)
+    publisher = Publisher(settings, configure(settings, broker_url))
+    ready, submitted, marks = threading.Event(), threading.Event(), {"boot": time.perf_counter()}
+
+    def on_ready(**_) -> None:
+        ready.set()
+
+    def submit() -> None:
+        ready.wait(600)
+        marks["started"] = time.perf_counter()
+        submit_jobs(settings, batch, jobs, publisher=publisher)   # published at once, as `batchd submit` does
+        print(f"worker ready after {marks['started'] - marks['boot']:.2f} s; submitted {len(jobs)} jobs in "
+              f"{time.perf_counter() - marks['started']:.2f} s", file=sys.__stdout__, flush=True)
+        submitted.set()
 
     def done() -> bool:
-        return batch_progress(settings.database_url, batch).done
+        return submitted.is_set() and batch_progress(settings.database_url, batch).done
 
+    worker_ready.connect(on_ready, weak=False)
+    submitter = threading.Thread(target=submit, name="bench-submit", daemon=True)
+    submitter.start()
     from celery.worker import state   # a warm shutdown leaves these set for the process's next worker
     state.should_stop = state.should_terminate = None
-    run_worker(settings, engine, broker_url, relay=True, stop_when=done, loglevel="WARNING", quiet=True)
+    try:
+        run_worker(settings, engine, broker_url, relay=True, stop_when=done, loglevel="WARNING", quiet=True)
+    finally:
+        worker_ready.disconnect(on_ready)
+    submitter.join()
+    started = marks["started"]
     wall = time.perf_counter() - started
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     with db_engine(settings.database_url).connect() as connection:

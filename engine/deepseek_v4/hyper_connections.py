@@ -17,7 +17,7 @@ from torch import nn
 
 from batchd.engine.deepseek_v4.config import V4Config
 from batchd.engine.deepseek_v4.norms import unweighted_rms_norm
-from batchd.engine.deepseek_v4.rows import linear
+from batchd.engine.deepseek_v4.rows import linear, per_row
 
 
 class HyperConnection(nn.Module):
@@ -38,8 +38,8 @@ class HyperConnection(nn.Module):
         pre_w, post_w, comb_w = mixes.split([n, n, n * n], dim=-1)
         pre_b, post_b, comb_b = self.base.split([n, n, n * n])
         pre_s, post_s, comb_s = self.scale.unbind(0)
-        pre = torch.sigmoid(pre_w * pre_s + pre_b) + self.hc_eps
-        post = 2 * torch.sigmoid(post_w * post_s + post_b)
+        pre = per_row(torch.sigmoid, pre_w * pre_s + pre_b) + self.hc_eps
+        post = 2 * per_row(torch.sigmoid, post_w * post_s + post_b)
         comb = torch.softmax(comb_w.unflatten(-1, (n, n)) * comb_s + comb_b.view(n, n), dim=-1) + self.hc_eps
         comb = sinkhorn(comb, self.iters, self.hc_eps)
         return post, comb, collapse(pre, streams)
@@ -83,5 +83,5 @@ class HyperHead(nn.Module):
     def forward(self, streams: torch.Tensor) -> torch.Tensor:
         """streams [B, T, n, H] -> [B, T, H]."""
         mixes = linear(unweighted_rms_norm(streams.flatten(2).float(), self.norm_eps), self.hc_fn.float())
-        pre = torch.sigmoid(mixes * self.hc_scale.float() + self.hc_base.float()) + self.hc_eps
+        pre = per_row(torch.sigmoid, mixes * self.hc_scale.float() + self.hc_base.float()) + self.hc_eps
         return collapse(pre, streams)

@@ -8,6 +8,9 @@ verify step 1 + q rows; in bf16 a GEMM of M = 2 rounds a row apart from the same
   oneDNN where checked invariant, else one-row products), or one F.linear per row;
 - row reductions (norms): `mean_square`, one call per row where the library would split them by
   the row count (CUDA; a multi-threaded CPU above its grain);
+- transcendental elementwise functions (sigmoid, softplus, silu) on the CPU: `per_row`, since a
+  vectorised kernel computes a tensor's tail elements with scalar code whose exp rounds apart
+  (found: a hyper-connection's sigmoid over 17 rows x 2 streams differed from one row's);
 - attention, the grouped projection, the indexer's scores and top-k, the compressor's entries and
   the MoE loop: per row or per window in their modules (attention.py, compressor.py, moe.py).
 Longer pieces (prompt chunks, replays) are the same in both paths and take the library's GEMMs.
@@ -55,6 +58,17 @@ class RowLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias, self)
+
+
+def per_row(fn, x: torch.Tensor) -> torch.Tensor:
+    """fn, an elementwise function, on x [..., C]; in a CPU row step one call per row, so each row
+    meets the vectorised body and scalar tail of the kernel as it does alone (CUDA's elementwise
+    kernels compute every element alike)."""
+    rows = x.numel() // max(x.shape[-1], 1)
+    if rows <= 1 or not is_row_step(rows) or x.device.type != "cpu":
+        return fn(x)
+    flat = x.reshape(rows, x.shape[-1])
+    return torch.cat([fn(flat[i : i + 1].contiguous()) for i in range(rows)]).view(*x.shape[:-1], -1)
 
 
 def mean_square(x: torch.Tensor) -> torch.Tensor:

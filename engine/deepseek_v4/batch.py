@@ -30,6 +30,7 @@ from batchd.engine.capabilities import capabilities_for
 from batchd.engine.deepseek_v4.model import DeepseekV4
 from batchd.engine.deepseek_v4.mtp import MAX_ADAPTIVE_WIDTH, MTPDrafter, MTPLayer, MTPState, draft_cost
 from batchd.engine.deepseek_v4.paged import PagedV4Pool
+from batchd.engine.deepseek_v4.rows import ROW_STEP
 from batchd.engine.errors import BadInputError, PromptTooLongError, UnsupportedFeatureError
 from batchd.engine.sampling import Sampler
 from batchd.engine.speculative.adaptive import MAX_WIDTH, best_width, check_width
@@ -160,9 +161,13 @@ class V4BatchEngine:
                     self._accept(seq, [int(seq.sampler.sample(logits[-1]))], finished)
             self._observe(seq, chunk.start, streams)
         for seq, start, end in plan.replay:
-            _, streams = self._forward(seq, [seq.token(p) for p in range(start, end)], start, last_only=True)
-            seq.computed = end
-            self._observe(seq, start, streams)
+            # pieces of up to ROW_STEP rows take the row-invariant path, so a replayed position
+            # gets the bits its decode or verify row had before the preemption (bf16 too)
+            for first in range(start, end, ROW_STEP):
+                last = min(end, first + ROW_STEP)
+                _, streams = self._forward(seq, [seq.token(p) for p in range(first, last)], first, last_only=True)
+                seq.computed = last
+                self._observe(seq, first, streams)
         for seq, drafts in plan.decode:
             seq.batch_sizes.append(len(plan.decode))
             self._decode(seq, drafts, finished)

@@ -15,6 +15,7 @@ from batchd.engine.deepseek_v4 import generate_greedy, load_folder  # noqa: E402
 from batchd.engine.deepseek_v4.batch import V4BatchEngine, speculation_refusal  # noqa: E402
 from batchd.engine.deepseek_v4.config import CSA  # noqa: E402
 from batchd.engine.deepseek_v4.mtp import build_mtp  # noqa: E402
+from batchd.engine.types import GenerationRequest, SamplingParams  # noqa: E402
 from tests.engine.test_deepseek_v4_mtp import NEW_TOKENS, ids, request, run, write_v4_folder  # noqa: E402
 
 
@@ -117,3 +118,15 @@ def test_a_sequence_alone_and_batched_gives_the_same_tokens(loaded):
 def test_speculation_is_not_refused_in_bf16_or_f16_on_the_cpu():
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         assert speculation_refusal("cpu", dtype) is None
+
+
+def test_preempted_jobs_recompute_to_the_same_tokens(loaded):
+    """A pool too small for all three: the latest admitted is preempted, and its generated
+    positions are recomputed (in pieces of up to 17 rows, so row by row as they were decoded)."""
+    model, _ = loaded
+    prompts = [ids(40, 24), ids(30, 25), ids(35, 26)]   # replayed as one piece, these rounded apart
+    long = GenerationRequest(sampling=SamplingParams(max_new_tokens=40, ignore_eos=True))   # replays > 17 rows
+    engine = V4BatchEngine(model, max_context=96, eos_ids=set(), chunk=32, num_blocks=13, max_step_tokens=96)
+    seqs = run(engine, [(p, long) for p in prompts])
+    assert [s.generated for s in seqs] == [generate_greedy(model, p, 40) for p in prompts]
+    assert engine.scheduler.preemptions > 0

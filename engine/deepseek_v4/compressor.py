@@ -125,7 +125,8 @@ class Indexer(Compressor):
             if seen == 0:
                 continue
             for b in range(B):
-                scores = F.relu(q[b, i].to(torch.float32, copy=True) @ entries[b, :seen].float().T) * self.head_dim**-0.5   # [Hi, seen]
+                row = q[b, i].to(torch.float32, copy=True)                  # its own buffer, as a decode row's
+                scores = F.relu(row @ entries[b, :seen].float().T) * self.head_dim**-0.5                 # [Hi, seen]
                 scores = (scores * weights[b, i, :, None]).sum(dim=0)                                  # [seen]
                 chosen[b, i, scores.topk(min(self.top_k, seen)).indices] = True
         return chosen

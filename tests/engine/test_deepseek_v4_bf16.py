@@ -20,9 +20,13 @@ from tests.engine.test_deepseek_v4_mtp import NEW_TOKENS, ids, request, run, wri
 
 
 @pytest.fixture(scope="module")
-def loaded(tmp_path_factory):
+def folder(tmp_path_factory):
+    return write_v4_folder(tmp_path_factory.mktemp("v4-bf16"), with_mtp=True, kind=CSA)
+
+
+@pytest.fixture(scope="module")
+def loaded(folder):
     """(target, its MTP layer) in bf16; the MTP block is CSA, so its compressor and indexer run too."""
-    folder = write_v4_folder(tmp_path_factory.mktemp("v4-bf16"), with_mtp=True, kind=CSA)
     model, aside = load_folder(folder, dtype=torch.bfloat16)
     return model, build_mtp(model, aside.mtp, "test")
 
@@ -37,7 +41,16 @@ STEPS = [(3, 33, 9), (11, 70, 17), (12, 90, 17), (14, 70, 17), (7, 70, 17), (11,
 def test_verify_rows_are_their_decode_rows_bit_for_bit(loaded, seed, prompt_len, q):
     """q rows at once after a prompt (closing CSA and HCA windows inside the step) give exactly
     the logits of the same q rows decoded one by one."""
-    model, _ = loaded
+    assert_verify_equals_decode(loaded[0], seed, prompt_len, q)
+
+
+def test_f16_verify_rows_are_their_decode_rows_bit_for_bit(folder):
+    model, _ = load_folder(folder, dtype=torch.float16)
+    for seed, prompt_len, q in STEPS[:4]:
+        assert_verify_equals_decode(model, seed, prompt_len, q)
+
+
+def assert_verify_equals_decode(model, seed: int, prompt_len: int, q: int) -> None:
     prompt, following = ids(prompt_len, seed), ids(q, seed + 100)
     decoded = model.new_cache(128)
     model(torch.tensor([prompt]), decoded)

@@ -6,9 +6,9 @@ and fewer experts (--experts 16, not 256) so that it fits one GPU: a token reads
 the count, so the MTP's cost against a step stays close to the real ratio. Random
 weights make the MTP's drafts nearly always rejected: the rows measure what drafting and a verify
 of 1 + k rows cost against a plain decode step (acceptance is in the table; it is not the real
-model's). Every row checks that its tokens equal plain decoding's (the head's weights are spread so
-that greedy picks are far from ties; were one close, bf16 could still round a verify row apart from
-a decode row: docs/deepseek_v4.md, "Chunking"; --dtype float32 holds exactly).
+model's). Every row checks that its tokens equal plain decoding's: V4's row-invariant path
+(engine.deepseek_v4.rows) makes a verify row its decode row bit for bit, so "same ids" must hold in
+bf16 too (proven on the CPU; on CUDA this bench is what lifts batch.speculation_refusal).
 
 Per row: one prompt of --prompt random tokens -> --new greedy tokens (EOS ignored). Columns: steps
 (decode steps), ms/step (wall, all of it), mtp ms/step (the MTP's catch-up and chained drafts,
@@ -109,11 +109,11 @@ def main() -> None:
     parser.add_argument("--widths", type=int, nargs="+", default=[1, 2, 3])
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
-                        help="float32: 'same ids' holds exactly (bf16 rounds a verify row apart from a decode row)")
+                        help="the weights' dtype ('same ids' must hold in both)")
     parser.add_argument("--smoke", action="store_true", help="the tests' tiny sizes (a CPU smoke run)")
     args = parser.parse_args()
-    # jobs are refused speculation where it would change greedy output (bf16); this bench
-    # measures what drafting costs there anyway, and its "same ids" column shows the change
+    # jobs are refused speculation where it is not yet proven to keep greedy output (CUDA bf16);
+    # this bench measures drafting there anyway, and its "same ids" column is the proof
     import batchd.engine.deepseek_v4.batch as v4_batch
     v4_batch.speculation_refusal = lambda device_type, dtype: None
     config = v4_config(args.layers, tiny=args.smoke)

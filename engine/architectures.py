@@ -79,8 +79,9 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
     # (engine.deepseek_v4.serving.V4Engine, which Engine.load returns for a V4 folder). What this
     # build runs: prompt lookup (verify rows and rollback work for every part of its cache) and
     # draft speculation with the checkpoint's own MTP layer (engine.deepseek_v4.mtp; a checkpoint
-    # without mtp.* weights refuses it; both are refused in bf16/f16, where a verify row rounds apart from its
-    # decode row until V4's projections are row-invariant: deepseek_v4.batch.speculation_refusal). Not yet: PFlash (text-level, so it will apply with a dense
+    # without mtp.* weights refuses it; in bf16/f16 both run on the CPU, whose row-invariant path is proven,
+    # and are refused on CUDA until that path is measured on a GPU: deepseek_v4.batch.speculation_refusal).
+    # Not yet: PFlash (text-level, so it will apply with a dense
     # drafter). Never: batchd's block-sparse decode, or V4 scoring prompts for PFlash.
     Architecture("deepseek_v4", "DeepseekV4ForCausalLM", "", Capabilities(
         ("lookup", "draft"), False, ("dense",), ("cpu", "cuda"),

@@ -50,8 +50,10 @@ def project(x: torch.Tensor, layer: nn.Linear, small_linear=None) -> torch.Tenso
 
 
 def project_rows_cpu(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
-    """x: [M, K], M <= 17 -> [M, N]; row i is the same for every M (a decode step is M = 1)."""
-    packed = packed_weight(layer)
+    """x: [M, K], M <= 17 -> [M, N]; row i is the same for every M (a decode step is M = 1).
+    `layer`: an nn.Linear (its weight packed once for oneDNN where that is invariant), or any
+    object with `weight` and `bias` (a slice of a stacked weight: one-row products)."""
+    packed = packed_weight(layer) if isinstance(layer, nn.Module) else None
     if packed is not None:
         return torch.ops.mkldnn._linear_pointwise(x, packed, layer.bias, "none", [], "")
     if x.shape[0] > 1 and x.dtype == torch.float32 and _batched_rows_are_invariant(layer.weight, layer.bias):

@@ -8,7 +8,10 @@ and HCA layers, compressed entries; one learned sink logit per head.
 
 Which keys a query at position t sees: window rows (t - sliding_window, t]; HCA: every entry whose
 window ended by t; CSA: the indexer's top-k of those. The mask is built per query from positions,
-so a prefill chunk, a decode row and q verify rows all follow the same rule.
+so a prefill chunk, a decode row and q verify rows all follow the same rule. A step of up to 17
+rows (engine.deepseek_v4.rows) attends row by row over exactly the keys each row sees, and runs the
+grouped projection group by group through the row-invariant linear, so a verify row's bits are its
+decode row's.
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ from batchd.engine.deepseek_v4.compressor import Compressor, Indexer, visible_en
 from batchd.engine.deepseek_v4.config import CSA, SLIDING, V4Config
 from batchd.engine.deepseek_v4.norms import RMSNorm, unweighted_rms_norm
 from batchd.engine.deepseek_v4.rope import RopeTable, apply_rope
+from batchd.engine.deepseek_v4.rows import RowLinear, is_row_step, linear
 
 
 class GroupedLinear(nn.Module):
@@ -34,7 +38,10 @@ class GroupedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [B, T, g, in] -> [B, T, g rank]."""
         w = self.weight.view(self.groups, -1, x.shape[-1])                         # [g, rank, in]
-        return torch.einsum("btgi,gri->btgr", x, w).flatten(2)
+        if not is_row_step(x.shape[0] * x.shape[1]):
+            return torch.einsum("btgi,gri->btgr", x, w).flatten(2)
+        # a row step: each group's slice as one row-invariant projection [B, T, in] -> [B, T, rank]
+        return torch.cat([linear(x[:, :, g].contiguous(), w[g]) for g in range(self.groups)], dim=-1)
 
 
 class Attention(nn.Module):
@@ -43,14 +50,14 @@ class Attention(nn.Module):
         self.kind = config.layer_types[layer]
         self.num_heads, self.head_dim, self.window = config.num_heads, config.head_dim, config.sliding_window
         self.eps, self.scale = config.rms_norm_eps, config.head_dim**-0.5
-        self.q_a_proj = nn.Linear(config.hidden_size, config.q_lora_rank, bias=False)
+        self.q_a_proj = RowLinear(config.hidden_size, config.q_lora_rank, bias=False)
         self.q_a_norm = RMSNorm(config.q_lora_rank, config.rms_norm_eps)
-        self.q_b_proj = nn.Linear(config.q_lora_rank, config.num_heads * config.head_dim, bias=False)
-        self.kv_proj = nn.Linear(config.hidden_size, config.head_dim, bias=False)
+        self.q_b_proj = RowLinear(config.q_lora_rank, config.num_heads * config.head_dim, bias=False)
+        self.kv_proj = RowLinear(config.hidden_size, config.head_dim, bias=False)
         self.kv_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
         self.o_a_proj = GroupedLinear(config.num_heads * config.head_dim // config.o_groups,
                                       config.o_groups * config.o_lora_rank, config.o_groups)
-        self.o_b_proj = nn.Linear(config.o_groups * config.o_lora_rank, config.hidden_size, bias=False)
+        self.o_b_proj = RowLinear(config.o_groups * config.o_lora_rank, config.hidden_size, bias=False)
         self.o_groups = config.o_groups
         self.sinks = nn.Parameter(torch.zeros(config.num_heads))
         self.compressor = None
@@ -74,16 +81,41 @@ class Attention(nn.Module):
         cache.rows.write(start, apply_rope(self.kv_norm(self.kv_proj(x)), cos, sin))
         first = max(0, start - self.window + 1)  # the oldest row any query of this step sees
         keys = cache.rows.read(first, end).to(x.dtype)                                 # [B, L, D]
-        key_pos = torch.arange(first, end, device=x.device)
-        in_window = (key_pos[None] <= positions[:, None]) & (key_pos[None] > positions[:, None] - self.window)
-        mask = in_window.expand(B, T, -1)                                              # [B, T, L]
+        entries = entry_mask = None
         if self.compressor is not None:
             entries, entry_mask = self._compressed(x, q_residual, positions, cache, start, end, rope)
-            keys = torch.cat([keys, entries.to(x.dtype)], dim=1)                       # [B, L + n, D]
-            mask = torch.cat([mask, entry_mask], dim=-1)
-        out = attend_with_sinks(q, keys, mask, self.sinks, self.scale)                 # [B, T, Hq, D]
+            entries = entries.to(x.dtype)                                              # [B, n, D], [B, T, n]
+        if is_row_step(B * T):
+            out = self._attend_rows(q, keys, first, start, entries, entry_mask)
+        else:
+            key_pos = torch.arange(first, end, device=x.device)
+            in_window = (key_pos[None] <= positions[:, None]) & (key_pos[None] > positions[:, None] - self.window)
+            mask = in_window.expand(B, T, -1)                                          # [B, T, L]
+            if entries is not None:
+                keys = torch.cat([keys, entries], dim=1)                               # [B, L + n, D]
+                mask = torch.cat([mask, entry_mask], dim=-1)
+            out = attend_with_sinks(q, keys, mask, self.sinks, self.scale)             # [B, T, Hq, D]
         out = apply_rope(out, cos[:, None], -sin[:, None])  # K = V carried rope: rotate back by -t
         return self.o_b_proj(self.o_a_proj(out.reshape(B, T, self.o_groups, -1)))
+
+    def _attend_rows(self, q, keys, first, start, entries, entry_mask) -> torch.Tensor:
+        """A row step's attention, each query row as its own call over exactly the keys it sees (its
+        window's rows, then its visible, in CSA chosen, entries in index order), as its decode step
+        computes it. q [B, T, Hq, D], keys [B, L, D] from position `first`, entries [B, n, D] and
+        entry_mask [B, T, n] or None -> [B, T, Hq, D]."""
+        B, T = q.shape[:2]
+        out = torch.empty_like(q)
+        for b in range(B):
+            for i in range(T):
+                t = start + i
+                row_keys = keys[b, max(first, t - self.window + 1) - first : t + 1 - first]
+                if entries is not None:
+                    row_keys = torch.cat([row_keys, entries[b][entry_mask[b, i]]])
+                row_keys = row_keys.clone()[None]   # its own (aligned) buffer, as a decode row's   [1, K, D]
+                everything = torch.ones(1, 1, row_keys.shape[1], dtype=torch.bool, device=q.device)
+                out[b, i] = attend_with_sinks(q[b, i].clone()[None, None], row_keys, everything, self.sinks,
+                                              self.scale)[0, 0]
+        return out
 
     def _compressed(self, x, q_residual, positions, cache: LayerCache, start, end, rope):
         """Store the step's compressor projections, close the windows that completed, and say

@@ -30,6 +30,7 @@ from batchd.engine.capabilities import capabilities_for
 from batchd.engine.deepseek_v4.model import DeepseekV4
 from batchd.engine.deepseek_v4.mtp import MAX_ADAPTIVE_WIDTH, MTPDrafter, MTPLayer, MTPState, draft_cost
 from batchd.engine.deepseek_v4.paged import PagedV4Pool
+from batchd.engine.deepseek_v4.rows import ROW_STEP
 from batchd.engine.errors import BadInputError, PromptTooLongError, UnsupportedFeatureError
 from batchd.engine.sampling import Sampler
 from batchd.engine.speculative.adaptive import MAX_WIDTH, best_width, check_width
@@ -42,17 +43,17 @@ MAX_LOOKUP_WIDTH = 8
 
 
 def speculation_refusal(device_type: str, dtype: torch.dtype) -> Optional[str]:
-    """Why speculation would change this engine's greedy output, or None where it does not. V4's
-    projections and attention einsums are not row-invariant yet: in bf16 or f16 a verify row and
-    the decode row it stands for run GEMMs of different row counts, which round differently, and
-    accepted drafts then change the tokens (measured with random weights: MTP drafting diverged
-    from plain decoding on the H200 and on the CPU, `bench/v4_mtp.py`; the first differing call was
-    an nn.Linear at M = 1 against M = 2, docs/deepseek_v4.md). In float32 the tokens stay equal
-    (tests)."""
-    if dtype != torch.float32:
-        return (f"in {str(dtype).removeprefix('torch.')} a verify row of deepseek_v4 rounds apart from its decode row "
-                "(its projections are not row-invariant yet), so drafts would change greedy output; run without "
-                "--spec, or load the model in float32")
+    """Why speculation would change this engine's greedy output, or None where it does not. A step
+    of up to 17 rows takes V4's row-invariant path (engine.deepseek_v4.rows), so a verify row's
+    bits are its decode row's: proven on the CPU in bf16 (tests/engine/test_deepseek_v4_bf16.py,
+    `bench/v4_mtp.py --smoke --device cpu`). On CUDA in bf16/f16 the same path (kernels.small_matmul,
+    per-row attention, norms and indexer, the invariant MoE kernel) has not been measured on a GPU
+    yet, and there MTP drafts did change the tokens before it existed: still refused until
+    `bench/v4_mtp.py` on the GPU reports equal tokens. Float32 keeps its tokens everywhere."""
+    if device_type == "cuda" and dtype != torch.float32:
+        return (f"on CUDA in {str(dtype).removeprefix('torch.')} deepseek_v4's row-invariant verify path is not yet "
+                "proven on a GPU (bench/v4_mtp.py), so drafts might change greedy output; run without --spec, "
+                "or load the model in float32")
     return None
 
 
@@ -160,9 +161,13 @@ class V4BatchEngine:
                     self._accept(seq, [int(seq.sampler.sample(logits[-1]))], finished)
             self._observe(seq, chunk.start, streams)
         for seq, start, end in plan.replay:
-            _, streams = self._forward(seq, [seq.token(p) for p in range(start, end)], start, last_only=True)
-            seq.computed = end
-            self._observe(seq, start, streams)
+            # pieces of up to ROW_STEP rows take the row-invariant path, so a replayed position
+            # gets the bits its decode or verify row had before the preemption (bf16 too)
+            for first in range(start, end, ROW_STEP):
+                last = min(end, first + ROW_STEP)
+                _, streams = self._forward(seq, [seq.token(p) for p in range(first, last)], first, last_only=True)
+                seq.computed = last
+                self._observe(seq, first, streams)
         for seq, drafts in plan.decode:
             seq.batch_sizes.append(len(plan.decode))
             self._decode(seq, drafts, finished)

@@ -10,6 +10,8 @@ with B the learned per-slot `position_bias`. The projections live in the cache (
 by position, so an entry is computed from them whenever its window closes, in a step or after a
 rollback alike. CSA's indexer compresses the same windows at index_head_dim and scores each query
 against the entries (`∑_h w_h ReLU(q_h · K)`), keeping the top `index_topk` that the query may see.
+A step of up to 17 rows (engine.deepseek_v4.rows) closes its windows one at a time and scores and
+picks each query's entries on its own, so a verify row's choice is its decode row's.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from batchd.engine.deepseek_v4.cache import CompressorState
 from batchd.engine.deepseek_v4.config import V4Config
 from batchd.engine.deepseek_v4.norms import RMSNorm
 from batchd.engine.deepseek_v4.rope import RopeTable, apply_rope
+from batchd.engine.deepseek_v4.rows import RowLinear, is_row_step
 
 
 class Compressor(nn.Module):
@@ -31,8 +34,8 @@ class Compressor(nn.Module):
         super().__init__()
         width = 2 * entry_dim if overlap else entry_dim
         self.entry_dim, self.rate, self.overlap = entry_dim, rate, overlap
-        self.kv_proj = nn.Linear(hidden_size, width, bias=False)
-        self.gate_proj = nn.Linear(hidden_size, width, bias=False)
+        self.kv_proj = RowLinear(hidden_size, width, bias=False)
+        self.gate_proj = RowLinear(hidden_size, width, bias=False)
         self.position_bias = nn.Parameter(torch.zeros(rate, width))
         self.kv_norm = RMSNorm(entry_dim, eps)
 
@@ -45,7 +48,10 @@ class Compressor(nn.Module):
         """Write the entries of every window that closes within positions [start, end);
         -> the number of entries valid at `end`."""
         first, last = start // self.rate, end // self.rate
-        if last > first:
+        if last > first and is_row_step(end - start):   # one window a call, as a decode step closes it
+            for w in range(first, last):
+                state.entries.write(w, self.entries(state, w, w + 1, rope))
+        elif last > first:
             state.entries.write(first, self.entries(state, first, last, rope))
         return last
 
@@ -83,8 +89,8 @@ class Indexer(Compressor):
     def __init__(self, config: V4Config, rate: int):
         super().__init__(config.hidden_size, config.index_head_dim, rate, True, config.rms_norm_eps)
         self.num_heads, self.head_dim, self.top_k = config.index_n_heads, config.index_head_dim, config.index_topk
-        self.q_b_proj = nn.Linear(config.q_lora_rank, self.num_heads * self.head_dim, bias=False)
-        self.weights_proj = nn.Linear(config.hidden_size, self.num_heads, bias=False)
+        self.q_b_proj = RowLinear(config.q_lora_rank, self.num_heads * self.head_dim, bias=False)
+        self.weights_proj = RowLinear(config.hidden_size, self.num_heads, bias=False)
 
     def select(self, hidden, q_residual, positions, entries, rope: RopeTable) -> torch.Tensor:
         """Which entries each query attends to.
@@ -95,9 +101,11 @@ class Indexer(Compressor):
         cos, sin = rope.at(positions)                                                  # [T, rope/2]
         q = self.q_b_proj(q_residual).view(B, T, self.num_heads, self.head_dim)
         q = apply_rope(q, cos[:, None], sin[:, None])                                  # [B, T, Hi, Di]
+        weights = self.weights_proj(hidden).float() * self.num_heads**-0.5             # [B, T, Hi]
+        if is_row_step(B * T):
+            return self._select_rows(q, weights, positions, entries)
         scores = torch.matmul(q.float(), entries.float().transpose(-1, -2).unsqueeze(1))   # [B, T, Hi, n]
         scores = F.relu(scores) * self.head_dim**-0.5
-        weights = self.weights_proj(hidden).float() * self.num_heads**-0.5             # [B, T, Hi]
         scores = (scores * weights.unsqueeze(-1)).sum(dim=2)                          # [B, T, n]
         visible = visible_entries(positions, n, self.rate)                 # [T, n]
         scores = scores.masked_fill(~visible, float("-inf"))
@@ -107,6 +115,21 @@ class Indexer(Compressor):
         chosen = torch.zeros(B, T, n, dtype=torch.bool, device=hidden.device)
         chosen.scatter_(-1, picks, True)
         return chosen & visible
+
+    def _select_rows(self, q, weights, positions, entries) -> torch.Tensor:
+        """`select` of a row step: each query scored against exactly the entries it may see, alone
+        (its decode step's candidate list). q [B, T, Hi, Di], weights [B, T, Hi] -> [B, T, n] bool."""
+        B, T = q.shape[:2]
+        chosen = torch.zeros(B, T, entries.shape[1], dtype=torch.bool, device=q.device)
+        for i, seen in enumerate(((positions + 1) // self.rate).tolist()):
+            if seen == 0:
+                continue
+            for b in range(B):
+                row = q[b, i].to(torch.float32, copy=True)                  # its own buffer, as a decode row's
+                scores = F.relu(row @ entries[b, :seen].float().T) * self.head_dim**-0.5                 # [Hi, seen]
+                scores = (scores * weights[b, i, :, None]).sum(dim=0)                                  # [seen]
+                chosen[b, i, scores.topk(min(self.top_k, seen)).indices] = True
+        return chosen
 
 
 def visible_entries(positions: torch.Tensor, n: int, rate: int) -> torch.Tensor:

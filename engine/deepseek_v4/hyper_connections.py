@@ -6,15 +6,18 @@ the block's output back over them, and `comb` [n, n], projected onto doubly-stoc
 Sinkhorn-Knopp, mixes the incoming streams into the outgoing ones:
 
     streams' = post ⊗ block(sum_j pre_j streams_j) + combᵀ streams
+
+The sums over streams are written out stream by stream (elementwise, so a row's bits never depend
+on the others), and the mixes' projection goes through engine.deepseek_v4.rows.linear.
 """
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from batchd.engine.deepseek_v4.config import V4Config
 from batchd.engine.deepseek_v4.norms import unweighted_rms_norm
+from batchd.engine.deepseek_v4.rows import linear, per_row
 
 
 class HyperConnection(nn.Module):
@@ -31,22 +34,30 @@ class HyperConnection(nn.Module):
     def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """streams [B, T, n, H] -> (post [B, T, n], comb [B, T, n, n], the block input [B, T, H])."""
         n = self.n
-        mixes = F.linear(unweighted_rms_norm(streams.flatten(2).float(), self.norm_eps), self.fn.float())
+        mixes = linear(unweighted_rms_norm(streams.flatten(2).float(), self.norm_eps), self.fn.float())
         pre_w, post_w, comb_w = mixes.split([n, n, n * n], dim=-1)
         pre_b, post_b, comb_b = self.base.split([n, n, n * n])
         pre_s, post_s, comb_s = self.scale.unbind(0)
-        pre = torch.sigmoid(pre_w * pre_s + pre_b) + self.hc_eps
-        post = 2 * torch.sigmoid(post_w * post_s + post_b)
+        pre = per_row(torch.sigmoid, pre_w * pre_s + pre_b) + self.hc_eps
+        post = 2 * per_row(torch.sigmoid, post_w * post_s + post_b)
         comb = torch.softmax(comb_w.unflatten(-1, (n, n)) * comb_s + comb_b.view(n, n), dim=-1) + self.hc_eps
         comb = sinkhorn(comb, self.iters, self.hc_eps)
-        collapsed = (pre.unsqueeze(-1) * streams).sum(dim=2).to(streams.dtype)
-        return post, comb, collapsed
+        return post, comb, collapse(pre, streams)
 
     @staticmethod
     def merge(streams: torch.Tensor, block_out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
         """streams [B, T, n, H], block_out [B, T, H] -> the next streams [B, T, n, H]."""
         dtype = streams.dtype
-        return post.to(dtype).unsqueeze(-1) * block_out.unsqueeze(-2) + comb.to(dtype).transpose(-1, -2) @ streams
+        # combᵀ streams in float32, rounded once (as a matmul's accumulator)
+        comb = comb.float()
+        mixed = sum(comb[..., j, :, None] * streams[..., j : j + 1, :].float() for j in range(streams.shape[2]))
+        return post.to(dtype).unsqueeze(-1) * block_out.unsqueeze(-2) + mixed.to(dtype)
+
+
+def collapse(pre: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
+    """pre [B, T, n] (float32), streams [B, T, n, H] -> sum_j pre_j streams_j [B, T, H] in the streams' dtype."""
+    pre = pre.unsqueeze(-1)
+    return sum(pre[..., j, :] * streams[..., j, :] for j in range(streams.shape[2])).to(streams.dtype)
 
 
 def sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
@@ -71,6 +82,6 @@ class HyperHead(nn.Module):
 
     def forward(self, streams: torch.Tensor) -> torch.Tensor:
         """streams [B, T, n, H] -> [B, T, H]."""
-        mixes = F.linear(unweighted_rms_norm(streams.flatten(2).float(), self.norm_eps), self.hc_fn.float())
-        pre = torch.sigmoid(mixes * self.hc_scale.float() + self.hc_base.float()) + self.hc_eps
-        return (pre.unsqueeze(-1) * streams).sum(dim=2).to(streams.dtype)
+        mixes = linear(unweighted_rms_norm(streams.flatten(2).float(), self.norm_eps), self.hc_fn.float())
+        pre = per_row(torch.sigmoid, mixes * self.hc_scale.float() + self.hc_base.float()) + self.hc_eps
+        return collapse(pre, streams)

@@ -24,6 +24,7 @@ from batchd.engine.deepseek_v4.hyper_connections import HyperConnection, HyperHe
 from batchd.engine.deepseek_v4.moe import MoE
 from batchd.engine.deepseek_v4.norms import RMSNorm
 from batchd.engine.deepseek_v4.rope import RopeTable
+from batchd.engine.deepseek_v4.rows import RowLinear
 from batchd.engine.deepseek_v4.weights import load_tensors, read_tensors_as_stored
 
 # parameters kept in float32 whatever the model's dtype (transformers' _keep_in_fp32_modules_strict)
@@ -59,7 +60,7 @@ class DeepseekV4(nn.Module):
         self.layers = nn.ModuleList(Block(config, i) for i in range(config.num_layers))
         self.hc_head = HyperHead(config)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = RowLinear(config.hidden_size, config.vocab_size, bias=False)
         self.rope: dict[str, RopeTable] = {}
 
     @property

@@ -8,7 +8,9 @@ the shared one are SwiGLU MLPs with clamped pre-activations (`swiglu_limit`).
 
 On CUDA the routed experts run as one grouped GEMM (kernels.moe_experts: tokens grouped by expert,
 only the chosen experts' weights read, a token's output independent of the batch); elsewhere as
-the loop over experts below, which the kernel's reference twin restates token by token.
+the loop over experts below, which the kernel's reference twin restates token by token; the loop
+multiplies an expert's tokens through engine.deepseek_v4.rows.linear, so at up to 17 tokens each
+token's product is what it gets alone (and a token's experts are added in expert order either way).
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from batchd.engine.deepseek_v4.config import V4Config
+from batchd.engine.deepseek_v4.rows import RowLinear, linear, per_row
 from batchd.kernels.moe_experts import clamped_swiglu, moe_experts
 
 SCORE_FUNCTIONS = {
@@ -42,7 +45,7 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [N, H], token_ids [N] -> (weights [N, k], expert ids [N, k])."""
-        scores = self.score(F.linear(x, self.weight))                                 # [N, E]
+        scores = per_row(self.score, linear(x, self.weight))                                 # [N, E]
         if self.hashed:
             experts = self.tid2eid[token_ids].long()
         else:
@@ -79,23 +82,27 @@ class Experts(nn.Module):
         out = torch.zeros_like(x)
         for expert in experts.unique().tolist():
             token, slot = torch.where(experts == expert)
-            gate, up = F.linear(x[token], self.gate_up_proj[expert]).chunk(2, dim=-1)
-            y = F.linear(clamped_swiglu(gate, up, self.limit), self.down_proj[expert])
+            y = linear(per_row(self._swiglu, linear(x[token], self.gate_up_proj[expert])), self.down_proj[expert])
             out.index_add_(0, token, (y * weights[token, slot, None]).to(out.dtype))
         return out
+
+    def _swiglu(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """[M, 2I] gate then up -> [M, I]."""
+        return clamped_swiglu(*gate_up.chunk(2, dim=-1), self.limit)
 
 
 class SharedExpert(nn.Module):
     def __init__(self, config: V4Config):
         super().__init__()
         H, I = config.hidden_size, config.moe_intermediate_size
-        self.gate_proj = nn.Linear(H, I, bias=False)
-        self.up_proj = nn.Linear(H, I, bias=False)
-        self.down_proj = nn.Linear(I, H, bias=False)
+        self.gate_proj = RowLinear(H, I, bias=False)
+        self.up_proj = RowLinear(H, I, bias=False)
+        self.down_proj = RowLinear(I, H, bias=False)
         self.limit = config.swiglu_limit
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(clamped_swiglu(self.gate_proj(x), self.up_proj(x), self.limit))
+        gate_up = torch.cat([self.gate_proj(x), self.up_proj(x)], dim=-1)
+        return self.down_proj(per_row(lambda rows: clamped_swiglu(*rows.chunk(2, dim=-1), self.limit), gate_up))
 
 
 class MoE(nn.Module):

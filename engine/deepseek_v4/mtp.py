@@ -35,6 +35,7 @@ from batchd.engine.deepseek_v4.config import CSA, HCA, SLIDING, V4Config
 from batchd.engine.deepseek_v4.hyper_connections import HyperHead
 from batchd.engine.deepseek_v4.model import Block, DeepseekV4, keeps_float32
 from batchd.engine.deepseek_v4.norms import RMSNorm
+from batchd.engine.deepseek_v4.rows import RowLinear
 from batchd.engine.deepseek_v4.weights import canonical_name, load_tensors
 from batchd.engine.sampling import Sampler
 
@@ -51,8 +52,8 @@ class MTPLayer(nn.Module):
         super().__init__()
         H = config.hidden_size
         self.config = config
-        self.e_proj = nn.Linear(H, H, bias=False)
-        self.h_proj = nn.Linear(H, H, bias=False)
+        self.e_proj = RowLinear(H, H, bias=False)
+        self.h_proj = RowLinear(H, H, bias=False)
         self.enorm = RMSNorm(H, config.rms_norm_eps)
         self.hnorm = RMSNorm(H, config.rms_norm_eps)
         self.norm = RMSNorm(H, config.rms_norm_eps)

@@ -1,14 +1,17 @@
-"""The two RMSNorms V4 uses, computed in float32 and returned in the input's dtype (as transformers)."""
+"""The two RMSNorms V4 uses, computed in float32 and returned in the input's dtype (as transformers);
+each row reduced as it is alone (engine.deepseek_v4.rows.mean_square)."""
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from batchd.engine.deepseek_v4.rows import mean_square
+
 
 def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
     """x / rms(x) over the last axis, in float32."""
     x = x.float()
-    return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps)
+    return x * torch.rsqrt(mean_square(x) + eps)
 
 
 class RMSNorm(nn.Module):
@@ -25,4 +28,4 @@ class RMSNorm(nn.Module):
 
 def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
     """The per-head query norm and the hyper-connections' input norm: no weight."""
-    return (x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype))
+    return (x * torch.rsqrt(mean_square(x.float()) + eps).to(x.dtype))

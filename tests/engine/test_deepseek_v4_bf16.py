@@ -1,0 +1,145 @@
+"""DeepSeek V4 in bf16: a row's bits do not depend on how many rows its step computes
+(engine.deepseek_v4.rows), so greedy output is the same with speculation on or off and alone or
+batched. The tiny checkpoint of test_deepseek_v4_mtp.py (every layer kind, random mtp.* tensors)
+loaded in bf16; exact equality throughout, no tolerance."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+if not hasattr(transformers, "DeepseekV4ForCausalLM"):
+    pytest.skip("transformers without deepseek_v4 (needs >= 5.8)", allow_module_level=True)
+
+from batchd.engine.deepseek_v4 import generate_greedy, load_folder  # noqa: E402
+from batchd.engine.deepseek_v4.batch import V4BatchEngine, speculation_refusal  # noqa: E402
+from batchd.engine.deepseek_v4.config import CSA  # noqa: E402
+from batchd.engine.deepseek_v4.mtp import build_mtp  # noqa: E402
+from batchd.engine.types import GenerationRequest, SamplingParams  # noqa: E402
+from tests.engine.test_deepseek_v4_mtp import NEW_TOKENS, ids, request, run, write_v4_folder  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return write_v4_folder(tmp_path_factory.mktemp("v4-bf16"), with_mtp=True, kind=CSA)
+
+
+@pytest.fixture(scope="module")
+def loaded(folder):
+    """(target, its MTP layer) in bf16; the MTP block is CSA, so its compressor and indexer run too."""
+    model, aside = load_folder(folder, dtype=torch.bfloat16)
+    return model, build_mtp(model, aside.mtp, "test")
+
+
+# (seed, prompt length, q): each of these verify steps rounded some row apart from its decode row
+# before the row-invariant path (an nn.Linear or the grouped einsum at M = 1 against M = q), or
+# without its per-row sigmoid (7, 70, 17 and 11, 90, 17: a vectorised kernel's scalar tail)
+STEPS = [(3, 33, 9), (11, 70, 17), (12, 90, 17), (14, 70, 17), (7, 70, 17), (11, 90, 17), (1, 70, 2)]
+
+
+@pytest.mark.parametrize("seed, prompt_len, q", STEPS)
+def test_verify_rows_are_their_decode_rows_bit_for_bit(loaded, seed, prompt_len, q):
+    """q rows at once after a prompt (closing CSA and HCA windows inside the step) give exactly
+    the logits of the same q rows decoded one by one."""
+    assert_verify_equals_decode(loaded[0], seed, prompt_len, q)
+
+
+def test_f16_verify_rows_are_their_decode_rows_bit_for_bit(folder):
+    model, _ = load_folder(folder, dtype=torch.float16)
+    for seed, prompt_len, q in STEPS[:4]:
+        assert_verify_equals_decode(model, seed, prompt_len, q)
+
+
+def assert_verify_equals_decode(model, seed: int, prompt_len: int, q: int) -> None:
+    prompt, following = ids(prompt_len, seed), ids(q, seed + 100)
+    decoded = model.new_cache(128)
+    model(torch.tensor([prompt]), decoded)
+    one_by_one = torch.cat([model(torch.tensor([[t]]), decoded) for t in following], dim=1)
+    verified = model.new_cache(128)
+    model(torch.tensor([prompt]), verified)
+    assert torch.equal(model(torch.tensor([following]), verified), one_by_one)
+
+
+def test_mtp_drafting_keeps_greedy_output_alone_and_batched(loaded):
+    model, mtp = loaded
+    prompts = [ids(40, 3), ids(23, 4), ids(57, 5)]
+    expected = [generate_greedy(model, p, NEW_TOKENS) for p in prompts]
+    for width in (3, None):   # fixed, and adaptive
+        alone = [run(V4BatchEngine(model, max_context=128, eos_ids=set(), chunk=16, mtp=mtp),
+                     [(p, request("draft", width))])[0] for p in prompts]
+        batched = run(V4BatchEngine(model, max_context=128, eos_ids=set(), chunk=16, mtp=mtp),
+                      [(p, request("draft", width)) for p in prompts])
+        assert [s.generated for s in alone] == expected == [s.generated for s in batched]
+        assert all(s.spec_offered > 0 for s in alone + batched)
+
+
+def test_oracle_drafts_accepted_in_part_keep_greedy_output(loaded, monkeypatch):
+    """Drafts that are the target's own tokens (2 of 3 right) are accepted, so the accepted rows'
+    logits came from verify steps and the next steps read the caches those rows wrote."""
+    model, mtp = loaded
+    prompt = ids(45, 6)
+    expected = generate_greedy(model, prompt, NEW_TOKENS)
+    engine = V4BatchEngine(model, max_context=128, eos_ids=set(), chunk=16, mtp=mtp)
+    inner = engine.mtp.propose
+
+    def oracle(state, tokens, width, sampler=None):
+        inner(state, tokens, width, sampler)
+        done = len(tokens) - len(prompt)
+        return [*expected[done : done + 2], 0][:width]
+    monkeypatch.setattr(engine.mtp, "propose", oracle)
+    seq = run(engine, [(prompt, request("draft", 3))])[0]
+    assert seq.generated == expected and 0 < seq.spec_accepted < seq.spec_offered
+
+
+class OracleLookup:
+    """A lookup proposer that knows the greedy tokens: two right, then a wrong one, so every verify
+    step accepts some rows and rolls one back."""
+
+    def __init__(self, prompt_len: int, expected: list[int]):
+        self.prompt_len, self.expected = prompt_len, expected
+
+    def propose(self, context, width):
+        from batchd.engine.speculative.proposers import Proposal
+
+        done = len(context) - self.prompt_len
+        return Proposal(torch.tensor([*self.expected[done : done + 2], 0][:width]))
+
+
+def test_lookup_speculation_keeps_greedy_output(loaded):
+    model, _ = loaded
+    phrase = ids(12, 7)
+    prompts = [phrase * 6, (phrase[:5] + ids(3, 8)) * 8, ids(50, 12)]
+    expected = [generate_greedy(model, p, NEW_TOKENS) for p in prompts]
+    engine = V4BatchEngine(model, max_context=128, eos_ids=set(), chunk=32)
+    seqs = [engine.submit(p, request("lookup", 4)) for p in prompts]
+    engine._proposers[seqs[2].seq_id] = OracleLookup(len(prompts[2]), expected[2])
+    while engine.has_work:
+        engine.step()
+    assert [s.generated for s in seqs] == expected
+    assert 0 < seqs[2].spec_accepted < seqs[2].spec_offered
+
+
+def test_a_sequence_alone_and_batched_gives_the_same_tokens(loaded):
+    model, _ = loaded
+    prompts = [ids(70, 9), ids(45, 10), ids(90, 11)]
+    alone = [run(V4BatchEngine(model, max_context=128, eos_ids=set(), chunk=32), [(p, request())])[0].generated
+             for p in prompts]
+    batched = run(V4BatchEngine(model, max_context=128, eos_ids=set(), chunk=32), [(p, request()) for p in prompts])
+    assert [s.generated for s in batched] == alone == [generate_greedy(model, p, NEW_TOKENS) for p in prompts]
+
+
+def test_speculation_is_not_refused_in_bf16_or_f16_on_the_cpu():
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        assert speculation_refusal("cpu", dtype) is None
+
+
+def test_preempted_jobs_recompute_to_the_same_tokens(loaded):
+    """A pool too small for all three: the latest admitted is preempted, and its generated
+    positions are recomputed (in pieces of up to 17 rows, so row by row as they were decoded)."""
+    model, _ = loaded
+    prompts = [ids(40, 24), ids(30, 25), ids(35, 26)]   # replayed as one piece, these rounded apart
+    long = GenerationRequest(sampling=SamplingParams(max_new_tokens=40, ignore_eos=True))   # replays > 17 rows
+    engine = V4BatchEngine(model, max_context=96, eos_ids=set(), chunk=32, num_blocks=13, max_step_tokens=96)
+    seqs = run(engine, [(p, long) for p in prompts])
+    assert [s.generated for s in seqs] == [generate_greedy(model, p, 40) for p in prompts]
+    assert engine.scheduler.preemptions > 0

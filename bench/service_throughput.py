@@ -137,6 +137,7 @@ def through_service(engine: Engine, settings: Settings, broker_url: str, batch: 
     def submit() -> None:
         ready.wait(600)
         marks["started"] = time.perf_counter()
+        marks["started_at"] = time.time()   # against the database's commit timestamps
         submit_jobs(settings, batch, jobs, publisher=publisher)   # published at once, as `batchd submit` does
         print(f"worker ready after {marks['started'] - marks['boot']:.2f} s; submitted {len(jobs)} jobs in "
               f"{time.perf_counter() - marks['started']:.2f} s", file=sys.__stdout__, flush=True)
@@ -155,8 +156,6 @@ def through_service(engine: Engine, settings: Settings, broker_url: str, batch: 
     finally:
         worker_ready.disconnect(on_ready)
     submitter.join()
-    started = marks["started"]
-    wall = time.perf_counter() - started
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     with db_engine(settings.database_url).connect() as connection:
         import sqlalchemy as sa
@@ -168,16 +167,19 @@ def through_service(engine: Engine, settings: Settings, broker_url: str, batch: 
     assert not bad, f"jobs did not succeed: {bad[:5]}"
     first = min(_time(r["running_at"]) for r in rows)
     last = max(_time(r["succeeded_at"]) for r in rows)
+    wall = last - marks["started_at"]   # not the worker's exit: its stop poll and shutdown come after
     means = {k: statistics.fmean(r[k] for r in rows if r[k] is not None) for k in TELEMETRY
              if any(r[k] is not None for r in rows)}
     return wall, last - first, means
 
 
 def _time(value) -> float:
-    from datetime import datetime
+    from datetime import datetime, timezone
 
     if isinstance(value, str):
         value = datetime.fromisoformat(value)
+    if value.tzinfo is None:   # stored naive, in UTC
+        value = value.replace(tzinfo=timezone.utc)
     return value.timestamp()
 
 

@@ -26,7 +26,7 @@ from batchd.engine.batch.first_chunks import FirstChunkRunner
 from batchd.engine.batch.graphs import RowRunner
 from batchd.engine.batch.paged_cache import PagedKVCache, bytes_per_block
 from batchd.engine.batch.scheduler import PromptChunk, Scheduler, StepPlan
-from batchd.engine.batch.sequence import Sequence, SequenceStatus
+from batchd.engine.batch.sequence import Sequence
 from batchd.engine.errors import BadInputError, PromptTooLongError, UnsupportedFeatureError
 from batchd.engine.generate import synchronize
 from batchd.engine.sampling import Sampler

@@ -16,7 +16,8 @@ from batchd.engine.deepseek_v4.batch import V4BatchEngine, speculation_refusal  
 from batchd.engine.deepseek_v4.config import CSA  # noqa: E402
 from batchd.engine.deepseek_v4.mtp import build_mtp  # noqa: E402
 from batchd.engine.types import GenerationRequest, SamplingParams  # noqa: E402
-from tests.engine.test_deepseek_v4_mtp import NEW_TOKENS, ids, request, run, write_v4_folder  # noqa: E402
+from tests.engine.test_deepseek_v4_mtp import (NEW_TOKENS, assert_drafting_keeps_greedy_output, ids, request,  # noqa: E402
+                                              run, write_v4_folder)
 
 
 @pytest.fixture(scope="module")
@@ -62,15 +63,7 @@ def assert_verify_equals_decode(model, seed: int, prompt_len: int, q: int) -> No
 
 def test_mtp_drafting_keeps_greedy_output_alone_and_batched(loaded):
     model, mtp = loaded
-    prompts = [ids(40, 3), ids(23, 4), ids(57, 5)]
-    expected = [generate_greedy(model, p, NEW_TOKENS) for p in prompts]
-    for width in (3, None):   # fixed, and adaptive
-        alone = [run(V4BatchEngine(model, max_context=128, eos_ids=set(), chunk=16, mtp=mtp),
-                     [(p, request("draft", width))])[0] for p in prompts]
-        batched = run(V4BatchEngine(model, max_context=128, eos_ids=set(), chunk=16, mtp=mtp),
-                      [(p, request("draft", width)) for p in prompts])
-        assert [s.generated for s in alone] == expected == [s.generated for s in batched]
-        assert all(s.spec_offered > 0 for s in alone + batched)
+    assert_drafting_keeps_greedy_output(model, mtp, [ids(40, 3), ids(23, 4), ids(57, 5)])
 
 
 def test_oracle_drafts_accepted_in_part_keep_greedy_output(loaded, monkeypatch):

@@ -119,9 +119,9 @@ def test_the_mtp_layer_is_built_from_the_set_aside_tensors_with_its_kind(loaded,
     assert build_mtp(model, aside.mtp) is None
 
 
-def test_mtp_greedy_output_is_the_targets_alone_and_batched(loaded):
-    model, mtp = loaded
-    prompts = [ids(40, 1), ids(23, 2), ids(57, 3)]
+def assert_drafting_keeps_greedy_output(model, mtp, prompts) -> None:
+    """MTP drafting at a fixed and an adaptive width, each prompt alone and all batched, gives
+    plain greedy decoding's tokens (shared with the bf16 tests)."""
     expected = [generate_greedy(model, p, NEW_TOKENS) for p in prompts]
     for width in (3, None):   # fixed, and adaptive
         alone = [run(V4BatchEngine(model, max_context=128, eos_ids=set(), chunk=16, mtp=mtp),
@@ -130,6 +130,11 @@ def test_mtp_greedy_output_is_the_targets_alone_and_batched(loaded):
                       [(p, request("draft", width)) for p in prompts])
         assert [s.generated for s in alone] == expected == [s.generated for s in batched]
         assert all(s.spec_steps > 0 and s.spec_offered >= s.spec_steps for s in alone + batched)
+
+
+def test_mtp_greedy_output_is_the_targets_alone_and_batched(loaded):
+    model, mtp = loaded
+    assert_drafting_keeps_greedy_output(model, mtp, [ids(40, 1), ids(23, 2), ids(57, 3)])
 
 
 def test_accepted_drafts_keep_the_output_and_the_mtp_cache_equals_a_fresh_one(loaded):

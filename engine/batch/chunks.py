@@ -18,7 +18,7 @@ the step. Projections run in fixed slabs of `ChunkPacking.slab_rows` rows over t
 (the CPU: a chunk's GEMM shape is its own length, and chunk boundaries are fixed by the sequence:
 engine.batch.scheduler), norms one row at a time (kernels.rms_norm),
 rope and the MLP's gate elementwise (on CUDA kernels.silu_mul for every packed row, whatever
-the row count), attention in tiles counted from each chunk's first row; the
+the row count; residual adds inside the next norm's kernel), attention in tiles counted from each chunk's first row; the
 logits of each chunk's last row go through the fixed-shape slabs of the decode rows.
 """
 from __future__ import annotations
@@ -30,9 +30,8 @@ import torch
 import torch.nn.functional as F
 
 from batchd.engine import fused
-from batchd.engine.batch.rows import norm_rows, project_invariant, project_slabs
+from batchd.engine.batch.rows import add_norm_rows, norm_rows, project_invariant, project_slabs, silu_mul_rows
 from batchd.kernels.paged_prefill import paged_prefill_attention
-from batchd.kernels.silu_mul import silu_mul as silu_mul_kernel
 
 CHUNK_SLAB_ROWS = 1024     # CUDA prompt-chunk GEMMs: as fast a row as 4,096-row ones, little padding
 PACKED_FIRST_TOKENS = 2048  # first chunks up to this long join the packed pass (longer: the one-sequence prefill)
@@ -125,9 +124,10 @@ def forward_chunks(model, cache, batch: ChunkBatch, *, slab_rows: Optional[int],
     host_rows = [b - a for a, b in bounds]
     hidden = model.embed_tokens(batch.tokens)                                       # [N, H]
     cos, sin = model.rope_cos[batch.positions][:, None], model.rope_sin[batch.positions][:, None]   # [N, 1, D]
+    added = None   # the last sublayer's output [N, H], added to `hidden` by the next norm's kernel
     for i, layer in enumerate(model.layers):
         attn = layer.self_attn
-        x = norm_rows(hidden, layer.input_layernorm.weight, layer.input_layernorm.eps)
+        x, hidden = add_norm_rows(added, hidden, layer.input_layernorm.weight, layer.input_layernorm.eps)
         qkv = project_chunks(x, bounds, attn.qkv_proj.weight, attn.qkv_proj.bias, chunk_slab_rows)
         q, k, v = qkv.split(attn.split_sizes, dim=-1)
         q, k, v = q.reshape(-1, Hq, D), k.reshape(-1, Hkv, D), v.reshape(-1, Hkv, D)
@@ -140,13 +140,13 @@ def forward_chunks(model, cache, batch: ChunkBatch, *, slab_rows: Optional[int],
         out = paged_prefill_attention(q.to(keys.dtype), keys, values, batch.block_tables, batch.row_starts,
                                       batch.chunk_rows, batch.first_positions, scale=attn.scale,
                                       host_chunk_rows=host_rows).to(hidden.dtype)
-        hidden = hidden + project_chunks(out.reshape(-1, Hq * D), bounds, attn.o_proj.weight, None, chunk_slab_rows)
+        added = project_chunks(out.reshape(-1, Hq * D), bounds, attn.o_proj.weight, None, chunk_slab_rows)
         post = layer.post_attention_layernorm
-        x = norm_rows(hidden, post.weight, post.eps)
+        x, hidden = add_norm_rows(added, hidden, post.weight, post.eps)
         mlp = layer.mlp
         gate_up = project_chunks(x, bounds, mlp.gate_up_proj.weight, None, chunk_slab_rows)
-        act = silu_mul_kernel(gate_up) if gate_up.is_cuda else model.ops.silu_mul(gate_up)   # elementwise
-        hidden = hidden + project_chunks(act, bounds, mlp.down_proj.weight, None, chunk_slab_rows)
-    last = hidden[torch.tensor([b - 1 for _, b in bounds], device=hidden.device)]       # [C, H]
+        added = project_chunks(silu_mul_rows(gate_up), bounds, mlp.down_proj.weight, None, chunk_slab_rows)
+    ends = torch.tensor([b - 1 for _, b in bounds], device=hidden.device)
+    last = hidden[ends] + added[ends]                                               # [C, H]
     normed = norm_rows(last, model.norm.weight, model.norm.eps)
     return project_invariant(normed, model.lm_head.weight, None, slab_rows, model.lm_head).float()

@@ -7,8 +7,9 @@ job's greedy output independent of its neighbours (docs/engine.md, "Batch invari
 - projections: CUDA multiplies fixed slabs of `slab_rows` rows (the last one zero-padded), so the
   library's GEMM sees one shape only and a row's bits never depend on the batch size; the CPU runs
   groups of at most 17 rows through engine.linear's row-invariant path;
-- norms: kernels.rms_norm (one program per row) on CUDA, the float32 reference on the CPU;
-- rope, silu * up and residual adds are elementwise;
+- norms: kernels.rms_norm (one program per row, with the residual add before it) on CUDA, the
+  float32 reference on the CPU;
+- rope, silu * up (kernels.silu_mul on CUDA) and residual adds are elementwise;
 - attention: kernels.paged_attention, whose splits are fixed by each row's own length (the CPU
   runs each row as its own call over its gathered keys).
 """
@@ -26,6 +27,7 @@ from batchd.engine.linear import CPU_INVARIANT_ROWS, project_rows_cpu
 from batchd.kernels.paged_attention import paged_decode_attention
 from batchd.kernels.paged_attention.reference import gather_rows
 from batchd.kernels.rms_norm import rms_norm
+from batchd.kernels.silu_mul import silu_mul as silu_mul_kernel
 
 
 @dataclass
@@ -88,6 +90,23 @@ def norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     return rms_norm(x, weight, eps)[0]
 
 
+def add_norm_rows(added: Optional[torch.Tensor], hidden: torch.Tensor, weight: torch.Tensor, eps: float):
+    """(norm(hidden + added), hidden + added) in one launch on CUDA (kernels.rms_norm's residual
+    form: the add rounds as `hidden + added` does); added None: (norm(hidden), hidden)."""
+    if added is None:
+        return norm_rows(hidden, weight, eps), hidden
+    return rms_norm(added, weight, eps, residual=hidden)
+
+
+def silu_mul_rows(gate_up: torch.Tensor) -> torch.Tensor:
+    """[N, 2I] -> silu(gate) * up [N, I]: one launch on CUDA (kernels.silu_mul, which rounds as
+    eager `F.silu(gate) * up` does), the eager ops on the CPU."""
+    if gate_up.is_cuda:
+        return silu_mul_kernel(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
 def attend_rows(q: torch.Tensor, cache, layer: int, rows: RowBatch, scale: float) -> torch.Tensor:
     """q: [N, Hq, D] -> [N, Hq, D], each row over its own sequence's first seq_lens[n] positions."""
     keys, values = cache.keys[layer], cache.values[layer]
@@ -111,9 +130,10 @@ def forward_rows(model, cache, rows: RowBatch, *, slab_rows: Optional[int]) -> t
     Hq, Hkv, D = config.num_heads, config.num_kv_heads, config.head_dim
     hidden = model.embed_tokens(rows.tokens)                                  # [N, H]
     cos, sin = model.rope_cos[rows.positions], model.rope_sin[rows.positions]  # [N, D]
+    added = None   # the last sublayer's output [N, H], added to `hidden` by the next norm's kernel
     for i, layer in enumerate(model.layers):
         attn = layer.self_attn
-        x = norm_rows(hidden, layer.input_layernorm.weight, layer.input_layernorm.eps)
+        x, hidden = add_norm_rows(added, hidden, layer.input_layernorm.weight, layer.input_layernorm.eps)
         qkv = project_invariant(x, attn.qkv_proj.weight, attn.qkv_proj.bias, slab_rows, attn.qkv_proj)
         q, k, v = qkv.split(attn.split_sizes, dim=-1)
         q, k, v = q.view(-1, Hq, D), k.view(-1, Hkv, D), v.view(-1, Hkv, D)
@@ -124,11 +144,11 @@ def forward_rows(model, cache, rows: RowBatch, *, slab_rows: Optional[int]) -> t
         q, k = fused.rotate(q, cos[:, None], sin[:, None]), fused.rotate(k, cos[:, None], sin[:, None])
         cache.write(i, k, v, rows.write_blocks, rows.write_offsets)
         out = attend_rows(q, cache, i, rows, attn.scale).reshape(-1, Hq * D)
-        hidden = hidden + project_invariant(out, attn.o_proj.weight, None, slab_rows, attn.o_proj)
+        added = project_invariant(out, attn.o_proj.weight, None, slab_rows, attn.o_proj)
         post = layer.post_attention_layernorm
-        x = norm_rows(hidden, post.weight, post.eps)
+        x, hidden = add_norm_rows(added, hidden, post.weight, post.eps)
         mlp = layer.mlp
-        gate, up = project_invariant(x, mlp.gate_up_proj.weight, None, slab_rows, mlp.gate_up_proj).chunk(2, dim=-1)
-        hidden = hidden + project_invariant(F.silu(gate) * up, mlp.down_proj.weight, None, slab_rows, mlp.down_proj)
-    normed = norm_rows(hidden, model.norm.weight, model.norm.eps)
+        gate_up = project_invariant(x, mlp.gate_up_proj.weight, None, slab_rows, mlp.gate_up_proj)
+        added = project_invariant(silu_mul_rows(gate_up), mlp.down_proj.weight, None, slab_rows, mlp.down_proj)
+    normed, _ = add_norm_rows(added, hidden, model.norm.weight, model.norm.eps)
     return project_invariant(normed, model.lm_head.weight, None, slab_rows, model.lm_head).float()

@@ -16,6 +16,8 @@ the drafter at fixed widths (--widths). Every row checks that its ids equal plai
 
 Run on the H200:  python bench/batch_spec.py
                   python bench/batch_spec.py --shape qwen2.5-1.5b --draft-layers 4 --batches 1 8 64
+A CPU smoke run:  python bench/batch_spec.py --device cpu --shape smollm2-135m --prompt 64 --new 16 \
+                      --batches 1 4 --docs-at-1 1 --widths 2
 """
 from __future__ import annotations
 
@@ -84,6 +86,8 @@ def main() -> None:
     args = parser.parse_args()
     config = preset(args.shape)
     cuda = args.device == "cuda"
+    if not cuda and config.hidden_size > 2048:
+        parser.error(f"--shape {args.shape} is too large for a CPU smoke run: pass a tiny one (--shape smollm2-135m)")
     model = build_model(config, args.device, torch.bfloat16 if cuda else torch.float32, seed=0)
     damp_late_layers(model, args.draft_layers, args.damp)
     rng = random.Random(0)

@@ -50,8 +50,7 @@ def rope_paged_store(q, k, v, cos, sin, k_pool, v_pool, write_blocks, write_offs
     check_rope_paged_inputs(q, k, v, cos, sin, k_pool, v_pool, write_blocks, write_offsets)
     N, _, D = q.shape
     if resolve_backend(backend, q.device) == "reference":
-        return rope_paged_store_reference(q, k, v, cos.reshape(N, 1, D), sin.reshape(N, 1, D), k_pool, v_pool,
-                                          write_blocks, write_offsets)
+        return rope_paged_store_reference(q, k, v, cos, sin, k_pool, v_pool, write_blocks, write_offsets)
     from batchd.kernels.rope_paged.triton_kernel import rope_paged_store_triton
 
     unit = [t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v)]

@@ -14,8 +14,9 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 
 def rope_paged_store_reference(q, k, v, cos, sin, k_pool, v_pool, write_blocks, write_offsets) -> torch.Tensor:
-    """q [N, Hq, D], k and v [N, Hkv, D]; cos, sin [N, 1, D] -> rotated q [N, Hq, D]. Rotated k and v
-    go to the pools [blocks + 1, Hkv, block_size, D] at (write_blocks[n], :, write_offsets[n])."""
+    """q [N, Hq, D], k and v [N, Hkv, D]; cos, sin [N, 1, D] or [N, D] -> rotated q [N, Hq, D]. Rotated
+    k and v go to the pools [blocks + 1, Hkv, block_size, D] at (write_blocks[n], :, write_offsets[n])."""
+    cos, sin = cos.reshape(q.shape[0], 1, -1), sin.reshape(q.shape[0], 1, -1)   # broadcast over heads
     q, k = rotate(q, cos, sin), rotate(k, cos, sin)
     k_pool[write_blocks, :, write_offsets] = k.to(k_pool.dtype)
     v_pool[write_blocks, :, write_offsets] = v.to(v_pool.dtype)

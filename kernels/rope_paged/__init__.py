@@ -32,7 +32,8 @@ def check_rope_paged_inputs(q, k, v, cos, sin, k_pool, v_pool, write_blocks, wri
         raise ValueError(f"q ({q.dtype}) and k ({k.dtype}) must share a dtype")
     Hkv = k.shape[1]
     if k_pool.dim() != 4 or k_pool.shape != v_pool.shape or k_pool.shape[1] != Hkv or k_pool.shape[3] != D:
-        raise ValueError(f"pools {list(k_pool.shape)}, {list(v_pool.shape)} must be [blocks + 1, {Hkv}, block_size, {D}]")
+        raise ValueError(f"pools {list(k_pool.shape)}, {list(v_pool.shape)} must be "
+                         f"[blocks + 1, {Hkv}, block_size, {D}]")
     if k_pool.dtype != v_pool.dtype:
         raise ValueError(f"k_pool ({k_pool.dtype}) and v_pool ({v_pool.dtype}) must share a dtype")
     for name, table in (("cos", cos), ("sin", sin)):

@@ -12,6 +12,8 @@
 - moe_experts: MoE routed experts (DeepSeek V4's clamped SwiGLU) as a grouped GEMM over tokens sorted
   by expert, reading only the chosen experts; a token's output independent of the batch.
 - rope_and_store: q/k rotary embedding (and qwen3's q/k norm) plus the k/v cache write, one launch.
+- rope_paged_store: rope of a batch's q/k rows plus the k/v write into the paged pool, one launch,
+  the eager ops' roundings.
 - silu_mul: silu(gate) * up of a prefill chunk's gate_up rows, eager PyTorch's roundings.
 
 backend="auto" runs Triton on CUDA and the reference elsewhere. This package imports neither
@@ -22,6 +24,7 @@ from batchd.kernels.decode_attention import decode_attention
 from batchd.kernels.moe_experts import moe_experts
 from batchd.kernels.rms_norm import rms_norm
 from batchd.kernels.rope_cache import rope_and_store
+from batchd.kernels.rope_paged import rope_paged_store
 from batchd.kernels.silu_mul import silu_mul
 from batchd.kernels.small_matmul import small_linear
 from batchd.kernels.sparse_attention import BlockKeySummary, sparse_decode_attention, sparse_is_worthwhile
@@ -35,6 +38,7 @@ __all__ = [
     "score_tail_queries",
     "small_linear",
     "rope_and_store",
+    "rope_paged_store",
     "rms_norm",
     "silu_mul",
 ]

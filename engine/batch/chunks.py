@@ -29,8 +29,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from batchd.engine import fused
-from batchd.engine.batch.rows import add_norm_rows, norm_rows, project_invariant, project_slabs, silu_mul_rows
+from batchd.engine.batch.rows import (add_norm_rows, norm_rows, project_invariant, project_slabs, rope_and_write_rows,
+                                      silu_mul_rows)
 from batchd.kernels.paged_prefill import paged_prefill_attention
 
 CHUNK_SLAB_ROWS = 1024     # CUDA prompt-chunk GEMMs: as fast a row as 4,096-row ones, little padding
@@ -134,8 +134,7 @@ def forward_chunks(model, cache, batch: ChunkBatch, *, slab_rows: Optional[int],
         if attn.q_norm is not None:  # qwen3: per-head norms before rope
             q = norm_rows(q.reshape(-1, D), attn.q_norm.weight, attn.q_norm.eps).view(-1, Hq, D)
             k = norm_rows(k.reshape(-1, D), attn.k_norm.weight, attn.k_norm.eps).view(-1, Hkv, D)
-        q, k = fused.rotate(q, cos, sin), fused.rotate(k, cos, sin)
-        cache.write(i, k, v, batch.write_blocks, batch.write_offsets)
+        q = rope_and_write_rows(q, k, v, cos, sin, cache, i, batch.write_blocks, batch.write_offsets)
         keys, values = cache.keys[i], cache.values[i]
         out = paged_prefill_attention(q.to(keys.dtype), keys, values, batch.block_tables, batch.row_starts,
                                       batch.chunk_rows, batch.first_positions, scale=attn.scale,

@@ -9,7 +9,8 @@ job's greedy output independent of its neighbours (docs/engine.md, "Batch invari
   groups of at most 17 rows through engine.linear's row-invariant path;
 - norms: kernels.rms_norm (one program per row, with the residual add before it) on CUDA, the
   float32 reference on the CPU;
-- rope, silu * up (kernels.silu_mul on CUDA) and residual adds are elementwise;
+- rope of q and k with the k/v write into the pool (one kernels.rope_paged launch on CUDA), silu * up
+  (kernels.silu_mul on CUDA) and residual adds are elementwise, each rounded as the eager ops;
 - attention: kernels.paged_attention, whose splits are fixed by each row's own length (the CPU
   runs each row as its own call over its gathered keys).
 """
@@ -27,6 +28,7 @@ from batchd.engine.linear import CPU_INVARIANT_ROWS, project_rows_cpu
 from batchd.kernels.paged_attention import paged_decode_attention
 from batchd.kernels.paged_attention.reference import gather_rows
 from batchd.kernels.rms_norm import rms_norm
+from batchd.kernels.rope_paged import rope_paged_store
 from batchd.kernels.silu_mul import silu_mul as silu_mul_kernel
 
 
@@ -107,6 +109,19 @@ def silu_mul_rows(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def rope_and_write_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                        cache, layer: int, write_blocks: torch.Tensor, write_offsets: torch.Tensor) -> torch.Tensor:
+    """q [N, Hq, D], k and v [N, Hkv, D]; cos, sin [N, 1, D] float32 -> rotated q [N, Hq, D], with the
+    rotated k and v written to the pool at (write_blocks[n], write_offsets[n]) ([N] long each). One
+    launch on CUDA (kernels.rope_paged, which rounds as the eager ops do), the eager ops on the CPU."""
+    if q.is_cuda:
+        return rope_paged_store(q, k, v, cos, sin, cache.keys[layer], cache.values[layer], write_blocks,
+                                write_offsets)
+    q, k = fused.rotate(q, cos, sin), fused.rotate(k, cos, sin)
+    cache.write(layer, k, v, write_blocks, write_offsets)
+    return q
+
+
 def attend_rows(q: torch.Tensor, cache, layer: int, rows: RowBatch, scale: float) -> torch.Tensor:
     """q: [N, Hq, D] -> [N, Hq, D], each row over its own sequence's first seq_lens[n] positions."""
     keys, values = cache.keys[layer], cache.values[layer]
@@ -129,7 +144,8 @@ def forward_rows(model, cache, rows: RowBatch, *, slab_rows: Optional[int]) -> t
     config = model.config
     Hq, Hkv, D = config.num_heads, config.num_kv_heads, config.head_dim
     hidden = model.embed_tokens(rows.tokens)                                  # [N, H]
-    cos, sin = model.rope_cos[rows.positions], model.rope_sin[rows.positions]  # [N, D]
+    # rows as the leading axis: cos, sin [N, 1, D] broadcast over the heads
+    cos, sin = model.rope_cos[rows.positions][:, None], model.rope_sin[rows.positions][:, None]
     added = None   # the last sublayer's output [N, H], added to `hidden` by the next norm's kernel
     for i, layer in enumerate(model.layers):
         attn = layer.self_attn
@@ -140,9 +156,7 @@ def forward_rows(model, cache, rows: RowBatch, *, slab_rows: Optional[int]) -> t
         if attn.q_norm is not None:  # qwen3: per-head norms before rope
             q = norm_rows(q.reshape(-1, D), attn.q_norm.weight, attn.q_norm.eps).view(-1, Hq, D)
             k = norm_rows(k.reshape(-1, D), attn.k_norm.weight, attn.k_norm.eps).view(-1, Hkv, D)
-        # rows as the leading axis: cos, sin [N, 1, D] broadcast over the heads
-        q, k = fused.rotate(q, cos[:, None], sin[:, None]), fused.rotate(k, cos[:, None], sin[:, None])
-        cache.write(i, k, v, rows.write_blocks, rows.write_offsets)
+        q = rope_and_write_rows(q, k, v, cos, sin, cache, i, rows.write_blocks, rows.write_offsets)
         out = attend_rows(q, cache, i, rows, attn.scale).reshape(-1, Hq * D)
         added = project_invariant(out, attn.o_proj.weight, None, slab_rows, attn.o_proj)
         post = layer.post_attention_layernorm

@@ -81,18 +81,17 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
     # draft speculation with the checkpoint's own MTP layer (engine.deepseek_v4.mtp; a checkpoint
     # without mtp.* weights refuses it; in bf16/f16 both run on the CPU, whose row-invariant path is proven,
     # and are refused on CUDA until that path is measured on a GPU: deepseek_v4.batch.speculation_refusal).
-    # Not yet: PFlash (text-level, so it will apply with a dense
-    # drafter). Never: batchd's block-sparse decode, or V4 scoring prompts for PFlash.
+    # PFlash with a small dense --compress-drafter beside it (its scoring is text-level; the drafter
+    # stays resident, V4 is never parked for it). Never: batchd's block-sparse decode, or V4
+    # scoring prompts for PFlash.
     Architecture("deepseek_v4", "DeepseekV4ForCausalLM", "", Capabilities(
-        ("lookup", "draft"), False, ("dense",), ("cpu", "cuda"),
+        ("lookup", "draft"), True, ("dense",), ("cpu", "cuda"),
         "DeepSeek V4 (sliding window + CSA/HCA compressed attention, MoE, hyper-connections): engine.deepseek_v4, "
         "its batch engine over the scheduler and a paged pool; --spec draft drafts with the checkpoint's MTP "
         "layer (mtp.* weights)",
         pflash_drafter=False, reasons=(
             ("--spec draft", "its drafter is the checkpoint's own MTP layer (mtp.* weights), and this checkpoint "
                              "has none (the load notes say so at start); use --spec lookup"),
-            ("--compress", "PFlash is not wired into V4's engine yet (issue 37; it will take a small dense "
-                           "--compress-drafter); submit with --compress off"),
             ("--attention sparse", "V4 already attends sparsely (a 128-row window, the indexer's top-k of "
                                    "compressed entries); batchd's block-sparse decode does not apply"),
             ("pflash drafter", "PFlash scores prompts from dense attention rows, which V4's windowed and "

@@ -210,7 +210,8 @@ class Residency:
             self.drop_resident(telemetry)   # other drafters first, before the target is parked
         self.park_if_needed(engine, needed, telemetry)
         started = time.perf_counter()
-        drafter = self._place(ckpt, device, dtype, engine.model.ops)
+        # the target's kernels; a target of its own kind (deepseek_v4) has none: the device's then
+        drafter = self._place(ckpt, device, dtype, getattr(engine.model, "ops", None))
         del ckpt
         if device.type == "cuda":
             synchronize_all_streams(device)

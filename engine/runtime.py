@@ -30,7 +30,7 @@ from batchd.engine.generate import TokenOutput, generate_plain, synchronize
 from batchd.engine.hashes import sha256_hex, token_ids_sha256  # noqa: F401 (re-exported)
 from batchd.engine.kv_cache import ContiguousKVCache, KVCache
 from batchd.engine.model import Transformer, build_model, choose_fused_mlp, init_random  # noqa: F401 (re-exported)
-from batchd.engine.pflash import PromptCompressor, compress_requests, ensure_target_resident
+from batchd.engine.pflash import PromptCompressor, compress_requests, ensure_target_resident, scoring_window_key
 from batchd.engine.residency import Residency
 from batchd.engine.sampling import Sampler
 from batchd.engine.speculative import Drafters, DraftTarget, generate_speculative
@@ -272,18 +272,13 @@ class Engine:
             "seed": s.seed, "max_new_tokens": s.max_new_tokens, "spec_method": spec.method,
             "spec_width": spec.width, "drafter_path": spec.drafter_path or comp.drafter_path,
             "compress": comp.mode, "keep_ratio": comp.keep_ratio if comp.mode != "off" else None,
-            "scoring_window": self._scoring_window_key() if comp.mode != "off" else None,
+            "scoring_window": scoring_window_key(self.compressor) if comp.mode != "off" else None,
             "attention": self.attention if self.attention == "dense" else f"sparse-top{self.cache.sparse_top_k}",
             "decode_mlp": "fused" if self.fused_mlp else "chain",
             # the PFlash drafter's checkpoint hash, where this job's prompt was compressed
             "compress_drafter_sha256": self.compress_drafter_sha256 or None,
             **drafter,
         }
-
-    def _scoring_window_key(self) -> str:
-        """How long prompts are scored: the window decides which chunks survive compression."""
-        window = self.compressor.scoring_window
-        return "exact" if window is None else f"w{window.window}-b{window.block}-s{window.sink}"
 
     # ---- many jobs per step ---------------------------------------------------------------
 

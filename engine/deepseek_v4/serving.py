@@ -6,9 +6,11 @@ It offers what the service uses of `engine.runtime.Engine` (`generate`, `generat
 engine.batch.generate.BatchSession, the worker's engine loop and `batchd generate` run V4 jobs
 unchanged: each request is encoded, queued in a `V4BatchEngine` (the batch scheduler over a paged
 pool) and comes back as a GenerationResult with its hashes and telemetry. What the capability row
-refuses (PFlash, block-sparse attention, and `--spec draft` for a checkpoint without an MTP
-layer: its MTP layer is its drafter, engine.deepseek_v4.mtp) is refused at start or for that job,
-with the reason.
+refuses (block-sparse attention, and `--spec draft` for a checkpoint without an MTP layer: its
+MTP layer is its drafter, engine.deepseek_v4.mtp) is refused at start or for that job, with the
+reason. PFlash compresses prompts as for any target (engine.pflash, text-level): a small dense
+`--compress-drafter` scores them beside V4, resident; V4 is never parked to make room for it
+(a drafter that does not fit fails its jobs with the out-of-memory reason).
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ from typing import Optional
 import torch
 
 from batchd.engine.batch.generate import generate_many
-from batchd.engine.capabilities import check_compression, check_features
+from batchd.engine.capabilities import check_features
 from batchd.engine.checkpoint.base import files_sha256
 from batchd.engine.config import parse_dtype
 from batchd.engine.checkpoint.hf import _read_tokenizer, _weight_files
@@ -29,7 +31,7 @@ from batchd.engine.deepseek_v4.batch import V4BatchEngine
 from batchd.engine.deepseek_v4.model import load_folder
 from batchd.engine.deepseek_v4.mtp import MTPLayer, build_mtp
 from batchd.engine.errors import CheckpointError, EngineError, UnsupportedFeatureError
-from batchd.engine.pflash import Compressed, PromptCompressor
+from batchd.engine.pflash import PromptCompressor, compress_requests, scoring_window_key
 from batchd.engine.residency import Residency
 from batchd.engine.text import TextCodec
 from batchd.engine.types import GenerationRequest, GenerationResult, Telemetry
@@ -70,7 +72,7 @@ class V4Engine:
                                           "its own MTP layer (--spec draft), not a separate model")
         if self.device.type == "cuda" and config.cuda_graphs:
             self.notes.append("CUDA graphs requested: the deepseek_v4 path runs eagerly")
-        self.compressor = PromptCompressor(Residency())   # never parks (PFlash is refused), but the loop asks
+        self.compressor = PromptCompressor(Residency(park="never"))   # V4's pool and weights stay put
         self._batch: Optional[V4BatchEngine] = None
 
     @classmethod
@@ -105,32 +107,31 @@ class V4Engine:
         return generate_many(self, requests, **kwargs)
 
     def compress(self, prompt_ids: list[int], request: GenerationRequest, telemetry: Telemetry) -> list[int]:
-        """PFlash is refused for V4 until it is wired (the capability row says why)."""
-        self.compress_drafter_sha256 = ""
-        telemetry.notes += check_compression(ARCHITECTURE, str(self.device), request.compression)
-        return prompt_ids
+        """PFlash when the job asks for it (engine.pflash); sets `compress_drafter_sha256`."""
+        [outcome] = compress_requests(self, [(prompt_ids, request, telemetry)])
+        if isinstance(outcome, Exception):
+            self.compress_drafter_sha256 = ""
+            raise outcome
+        self.compress_drafter_sha256 = outcome.drafter_sha256
+        return outcome.ids
 
     def compress_many(self, jobs: list[tuple[list[int], GenerationRequest, Telemetry]]) -> list:
-        """Each job's prompt unchanged (`Compressed`), or the refusal of its PFlash options."""
-        out = []
-        for prompt_ids, request, telemetry in jobs:
-            try:
-                out.append(Compressed(self.compress(prompt_ids, request, telemetry), ""))
-            except EngineError as exc:
-                out.append(exc)
-        return out
+        """Jobs that arrived together: each one's `engine.pflash.Compressed` or its error; the
+        compressing ones share drafter visits."""
+        return compress_requests(self, jobs)
 
     def fingerprint(self, request: GenerationRequest) -> dict:
-        s, spec = request.sampling, request.speculation
+        s, spec, comp = request.sampling, request.speculation, request.compression
         return {
             "target_sha256": self.checkpoint_sha256, "target_path": self.checkpoint_path,
             "dtype": str(self.model.dtype).removeprefix("torch."), "kv_dtype": str(self.model.dtype).removeprefix("torch."),
             "device": str(self.device), "host": socket.gethostname(), "temperature": s.temperature, "top_k": s.top_k,
             "top_p": s.top_p, "seed": s.seed, "max_new_tokens": s.max_new_tokens, "spec_method": spec.method,
             "spec_width": spec.width, "drafter_path": "mtp.0" if spec.method == "draft" else None,
-            "compress": "off", "keep_ratio": None,
-            "scoring_window": None, "attention": "dense", "decode_mlp": "moe-reference",
-            "compress_drafter_sha256": None, "architecture": ARCHITECTURE,
+            "compress": comp.mode, "keep_ratio": comp.keep_ratio if comp.mode != "off" else None,
+            "scoring_window": scoring_window_key(self.compressor) if comp.mode != "off" else None,
+            "attention": "dense", "decode_mlp": "moe-reference",
+            "compress_drafter_sha256": self.compress_drafter_sha256 or None, "architecture": ARCHITECTURE,
         }
 
     def warm_up(self) -> float:

@@ -215,6 +215,12 @@ def default_scoring_chunk(device) -> int:
     return 131072 if torch.device(device).type == "cuda" else 8192
 
 
+def scoring_window_key(compressor: PromptCompressor) -> str:
+    """How long prompts are scored, for a job's fingerprint: the window decides which chunks survive."""
+    window = compressor.scoring_window
+    return "exact" if window is None else f"w{window.window}-b{window.block}-s{window.sink}"
+
+
 def ensure_target_resident(engine) -> None:
     """For the worker before any job: if an earlier job's restore failed and left the target
     parked, restore it now (raises TargetRestoreError if it still cannot)."""

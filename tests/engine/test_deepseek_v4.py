@@ -224,14 +224,13 @@ def test_v4_refuses_block_sparse_attention_and_says_why():
         check_features("deepseek_v4", "cuda", attention="sparse")
 
 
-def test_v4_refuses_pflash_with_the_reason_and_never_drafts_for_it():
+def test_v4_takes_a_dense_pflash_drafter_and_never_drafts_for_it():
     from batchd.engine.capabilities import check_compression
     from batchd.engine.errors import UnsupportedFeatureError
     from batchd.engine.types import CompressionOptions
 
     options = CompressionOptions(mode="always", drafter_path="/models/qwen3-0.6b")
-    with pytest.raises(UnsupportedFeatureError, match="PFlash is not wired into V4's engine yet"):
-        check_compression("deepseek_v4", "cuda", options, drafter_architecture="qwen3")
+    assert check_compression("deepseek_v4", "cuda", options, drafter_architecture="qwen3") == []
     with pytest.raises(UnsupportedFeatureError, match="cannot be a PFlash drafter.*dense attention rows"):
         check_compression("llama", "cuda", options, drafter_architecture="deepseek_v4")
 

@@ -19,7 +19,7 @@ from batchd.engine.errors import UnsupportedFeatureError  # noqa: E402
 from batchd.engine.runtime import Engine, EngineConfig  # noqa: E402
 from batchd.engine.types import (CompressionOptions, GenerationRequest, SamplingParams,  # noqa: E402
                                  SpeculationOptions)
-from tests.engine.test_checkpoint_builders import TEXT, tiny_tokenizer, write_hf_folder  # noqa: E402
+from tests.engine.test_checkpoint_builders import TEXT, tiny_hf_model, tiny_tokenizer, write_hf_folder  # noqa: E402
 from tests.engine.test_deepseek_v4 import reference_model  # noqa: E402
 
 VOCAB = 320
@@ -62,11 +62,31 @@ def test_jobs_together_with_lookup_keep_their_tokens_and_refusals_fail_alone(ser
     outcomes = dict(engine.generate_many([
         request(), request(speculation=SpeculationOptions(method="lookup", width=3)),
         request(speculation=SpeculationOptions(method="draft", drafter_path="/models/x")),
-        request(compression=CompressionOptions(mode="always", drafter_path="/models/qwen3-0.6b")),
+        request(compression=CompressionOptions(mode="always", drafter_path="/models/no-such-drafter")),
     ]))
     assert outcomes[0].token_ids == alone and outcomes[1].token_ids == alone
     assert isinstance(outcomes[2], UnsupportedFeatureError) and "MTP layer" in str(outcomes[2])
-    assert isinstance(outcomes[3], UnsupportedFeatureError) and "PFlash is not wired" in str(outcomes[3])
+    assert isinstance(outcomes[3], Exception) and "no-such-drafter" in str(outcomes[3])
+
+
+def test_pflash_compresses_v4_prompts_with_a_small_dense_drafter(served, tmp_path_factory):
+    """A tiny llama drafter (the same tokenizer) scores V4's prompts: jobs that ask are compressed
+    (telemetry, fingerprint), give the same tokens alone and batched, and a job without PFlash
+    beside them keeps its own tokens."""
+    _, _, engine = served
+    drafter = write_hf_folder(tmp_path_factory.mktemp("v4-pflash-drafter"), tiny_hf_model("llama", VOCAB),
+                              tiny_tokenizer(VOCAB))
+    options = CompressionOptions(mode="always", keep_ratio=0.3, drafter_path=str(drafter))
+    alone = engine.generate(request(compression=options))
+    outcomes = dict(engine.generate_many([request(compression=options), request(), request(compression=options)]))
+    prompt_tokens = len(engine.codec.encode(PROMPT))
+    for result in (alone, outcomes[0], outcomes[2]):
+        assert result.telemetry.compressed and result.telemetry.compress_tokens_before == prompt_tokens
+        assert result.effective_prompt_tokens < prompt_tokens
+        assert result.token_ids == alone.token_ids
+        assert result.fingerprint["compress"] == "always" and result.fingerprint["compress_drafter_sha256"]
+    assert outcomes[1].token_ids == engine.generate(request()).token_ids
+    assert not outcomes[1].telemetry.compressed and outcomes[1].fingerprint["compress"] == "off"
 
 
 def test_a_worker_asking_v4_for_sparse_attention_stops_at_start(served):

@@ -1,6 +1,6 @@
 """A DeepSeek V4 folder served by a real worker: `batchd run` (SQLite, the embedded broker, relay
-and worker) finishes a batch of V4 jobs, and the option V4's row refuses fails its job alone with
-the reason."""
+and worker) finishes a batch of V4 jobs, and a PFlash job with no dense drafter (V4 cannot score
+prompts for itself) fails alone with the reason."""
 from __future__ import annotations
 
 import json
@@ -32,4 +32,4 @@ def test_a_worker_runs_a_batch_of_v4_jobs(tmp_path):
     rows = {line.split()[0]: line for line in stdout.splitlines() if line.split()[:1] in (["plain"], ["lookup"],
                                                                                           ["pflash"])}
     assert "succeeded" in rows["plain"] and "succeeded" in rows["lookup"]
-    assert "failed" in rows["pflash"] and "bad_input: --compress always is not supported" in rows["pflash"]
+    assert "failed" in rows["pflash"] and "bad_input: --compress-drafter" in rows["pflash"]

@@ -30,7 +30,8 @@ from batchd.engine.generate import TokenOutput, generate_plain, synchronize
 from batchd.engine.hashes import sha256_hex, token_ids_sha256  # noqa: F401 (re-exported)
 from batchd.engine.kv_cache import ContiguousKVCache, KVCache
 from batchd.engine.model import Transformer, build_model, choose_fused_mlp, init_random  # noqa: F401 (re-exported)
-from batchd.engine.pflash import PromptCompressor, compress_requests, ensure_target_resident, scoring_window_key
+from batchd.engine.pflash import (PromptCompressor, compress_for_request, compress_requests, ensure_target_resident,
+                                  scoring_window_key)
 from batchd.engine.residency import Residency
 from batchd.engine.sampling import Sampler
 from batchd.engine.speculative import Drafters, DraftTarget, generate_speculative
@@ -233,12 +234,7 @@ class Engine:
     def compress(self, prompt_ids: list[int], request: GenerationRequest, telemetry: Telemetry) -> list[int]:
         """PFlash prompt compression when the job asks for it (engine.pflash). Sets
         `compress_drafter_sha256` to the drafter checkpoint's hash when this job was compressed."""
-        [outcome] = compress_requests(self, [(prompt_ids, request, telemetry)])
-        if isinstance(outcome, Exception):
-            self.compress_drafter_sha256 = ""
-            raise outcome
-        self.compress_drafter_sha256 = outcome.drafter_sha256
-        return outcome.ids
+        return compress_for_request(self, prompt_ids, request, telemetry)
 
     def warm_up(self) -> float:
         """Compile the fused kernels and capture the decode graph before the first job, so its

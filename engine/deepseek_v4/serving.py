@@ -31,7 +31,7 @@ from batchd.engine.deepseek_v4.batch import V4BatchEngine
 from batchd.engine.deepseek_v4.model import load_folder
 from batchd.engine.deepseek_v4.mtp import MTPLayer, build_mtp
 from batchd.engine.errors import CheckpointError, EngineError, UnsupportedFeatureError
-from batchd.engine.pflash import PromptCompressor, compress_requests, scoring_window_key
+from batchd.engine.pflash import PromptCompressor, compress_for_request, compress_requests, scoring_window_key
 from batchd.engine.residency import Residency
 from batchd.engine.text import TextCodec
 from batchd.engine.types import GenerationRequest, GenerationResult, Telemetry
@@ -108,12 +108,7 @@ class V4Engine:
 
     def compress(self, prompt_ids: list[int], request: GenerationRequest, telemetry: Telemetry) -> list[int]:
         """PFlash when the job asks for it (engine.pflash); sets `compress_drafter_sha256`."""
-        [outcome] = compress_requests(self, [(prompt_ids, request, telemetry)])
-        if isinstance(outcome, Exception):
-            self.compress_drafter_sha256 = ""
-            raise outcome
-        self.compress_drafter_sha256 = outcome.drafter_sha256
-        return outcome.ids
+        return compress_for_request(self, prompt_ids, request, telemetry)
 
     def compress_many(self, jobs: list[tuple[list[int], GenerationRequest, Telemetry]]) -> list:
         """Jobs that arrived together: each one's `engine.pflash.Compressed` or its error; the

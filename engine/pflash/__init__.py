@@ -228,10 +228,14 @@ def ensure_target_resident(engine) -> None:
 
 
 def compress_for_request(engine, prompt_ids: list[int], request: GenerationRequest, telemetry: Telemetry) -> list[int]:
-    """The effective target prompt ids for a job; fills the job's PFlash telemetry."""
+    """The effective target prompt ids for a job; fills the job's PFlash telemetry and sets
+    `engine.compress_drafter_sha256` (the drafter's checkpoint hash, "" when not compressed), which
+    the engine's fingerprint of the job names. Engine.compress and V4Engine.compress are this."""
     [outcome] = compress_requests(engine, [(prompt_ids, request, telemetry)])
     if isinstance(outcome, Exception):
+        engine.compress_drafter_sha256 = ""
         raise outcome
+    engine.compress_drafter_sha256 = outcome.drafter_sha256
     return outcome.ids
 
 

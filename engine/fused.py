@@ -51,8 +51,8 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 # layer at 4,096 rows of Qwen2.5-0.5B). The two may round differently in the last bit (inductor
 # need not round silu to the model dtype before the product), so the choice follows the row count
 # alone: decode (1 row a sequence) and verify (up to 17) steps stay on the compiled function and
-# keep their bits, and a prompt chunk's rows are fixed by the sequence. Callers that pack several
-# chunks into one call judge each chunk by its own rows (engine.batch.chunks).
+# keep their bits, and a prompt chunk's rows are fixed by the sequence. (The batch engine's rows and
+# packed chunks call kernels.silu_mul directly at any row count: engine.batch.rows.silu_mul_rows.)
 SILU_MUL_KERNEL_ROWS = 64
 
 

@@ -18,8 +18,8 @@ the step. Projections run in fixed slabs of `ChunkPacking.slab_rows` rows over t
 (the CPU: a chunk's GEMM shape is its own length, and chunk boundaries are fixed by the sequence:
 engine.batch.scheduler), norms one row at a time (kernels.rms_norm),
 rope and the MLP's gate elementwise (on CUDA kernels.silu_mul for every packed row, whatever
-the row count; residual adds inside the next norm's kernel), attention in tiles counted from each chunk's first row; the
-logits of each chunk's last row go through the fixed-shape slabs of the decode rows.
+the row count; residual adds inside the next norm's kernel), attention in tiles counted from
+each chunk's first row; the logits of each chunk's last row go through the fixed-shape slabs of the decode rows.
 """
 from __future__ import annotations
 

@@ -103,10 +103,7 @@ def add_norm_rows(added: Optional[torch.Tensor], hidden: torch.Tensor, weight: t
 def silu_mul_rows(gate_up: torch.Tensor) -> torch.Tensor:
     """[N, 2I] -> silu(gate) * up [N, I]: one launch on CUDA (kernels.silu_mul, which rounds as
     eager `F.silu(gate) * up` does), the eager ops on the CPU."""
-    if gate_up.is_cuda:
-        return silu_mul_kernel(gate_up)
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
+    return silu_mul_kernel(gate_up) if gate_up.is_cuda else fused.silu_mul(gate_up)
 
 
 def rope_and_write_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

@@ -11,6 +11,17 @@ one-sequence prefill, the continuing ones together over the paged pool: engine.b
 decode, verify and replay rows in one pass (engine.batch.rows); one read-back of the chosen tokens.
 Sequences that speculate with a draft model get their drafts from its own paged pool first
 (engine.batch.drafting), verified as rows of the same pass.
+
+Launching ahead. A step of greedy decode rows only (no prompt chunks, replays, drafts or sampled
+rows: most steps of an overnight batch) is launched before the previous step's tokens are read
+back: each row whose input is still on the device takes it there (RowRunner.run's `carried`), and
+the host reads the previous step's tokens while the GPU computes this one, so the GPU never waits
+for the host's stop checks, planning and input building. Each sequence holds a placeholder for
+its token in flight (Sequence.pending), so the plan's positions and blocks are exact; a sequence
+learns that it stopped one step late, and the row it ran in that step is dropped (it wrote only
+into its own blocks, freed after it in stream order). A step of any other kind reads back the one
+in flight first. The tokens are the same either way: a row's logits and argmax do not depend on
+the step it runs in.
 """
 from __future__ import annotations
 
@@ -26,7 +37,7 @@ from batchd.engine.batch.first_chunks import FirstChunkRunner
 from batchd.engine.batch.graphs import RowRunner
 from batchd.engine.batch.paged_cache import PagedKVCache, bytes_per_block
 from batchd.engine.batch.scheduler import PromptChunk, Scheduler, StepPlan
-from batchd.engine.batch.sequence import Sequence
+from batchd.engine.batch.sequence import PENDING_TOKEN, Sequence, SequenceStatus
 from batchd.engine.errors import BadInputError, PromptTooLongError, UnsupportedFeatureError
 from batchd.engine.generate import synchronize
 from batchd.engine.sampling import Sampler
@@ -81,6 +92,17 @@ class BatchOptions:
     # prompt-chunk projections in fixed slabs of this many rows, short first chunks packed with the
     # rest (engine.batch.chunks.ChunkPacking); None: 1,024 on CUDA, one GEMM per chunk on the CPU; 0: off
     chunk_slab_rows: Optional[int] = None
+    launch_ahead: bool = True   # greedy decode steps launched before the last one is read back (above)
+
+
+@dataclass
+class InFlightStep:
+    """A decode step launched ahead, its tokens not read back yet."""
+
+    rows: dict[int, tuple[Sequence, int]]   # seq_id -> (the sequence, its row in `ids`)
+    ids: torch.Tensor                        # [N] long on the device: each row's greedy token
+    host: torch.Tensor                       # [N] long on the host: ids' copy, complete once `ready` is
+    ready: Optional[torch.cuda.Event]        # None on the CPU (the copy is done when it returns)
 
 
 class BatchEngine:
@@ -131,6 +153,8 @@ class BatchEngine:
         self._draft_rows = 0
         self._draft_share = 0   # the most draft rows one sequence takes this step
         self.last_plan: Optional[StepPlan] = None
+        self.in_flight: Optional[InFlightStep] = None
+        self.steps_ahead = 0   # steps launched ahead (tests check the path ran)
 
     @property
     def has_work(self) -> bool:
@@ -219,7 +243,8 @@ class BatchEngine:
 
     @torch.inference_mode()
     def step(self) -> list[Sequence]:
-        """Run one step; return the sequences that finished in it (cancelled ones included)."""
+        """Run one step; return the sequences that finished in it (cancelled ones included). A
+        step launched ahead reports its sequences at the next step (docstring, "Launching ahead")."""
         self._draft_rows = self._draft_row_budget()
         began = time.perf_counter()
         self._drafting_s = 0.0
@@ -230,20 +255,88 @@ class BatchEngine:
         for seq in [c.seq for c in plan.chunks] + [s for s, *_ in plan.replay] + [s for s, _ in plan.decode]:
             if seq.first_scheduled_at is None:
                 seq.first_scheduled_at = now
-        if plan.chunks:
-            self._prefill_chunks(plan.chunks, finished)
-        if plan.decode or plan.replay:
-            self._propose_drafts(plan)
-            self._run_rows(plan, finished)
-            if not plan.chunks and not plan.replay:   # the rows' read-back synchronised the step
-                self._time_bucket(sum(1 + len(d) for _, d in plan.decode),
-                                  time.perf_counter() - began - self._drafting_s)
+        if self._can_launch_ahead(plan):
+            launched = self._launch_decode(plan)
+            self._read_back(finished)   # the step before, while this one runs
+            self.in_flight = launched
+            self.steps_ahead += 1
+        else:
+            settled = time.perf_counter()
+            if self._read_back(finished):
+                drop_finished(plan)
+            began += time.perf_counter() - settled   # the bucket timing below is this step's alone
+            if plan.chunks:
+                self._prefill_chunks(plan.chunks, finished)
+            if plan.decode or plan.replay:
+                self._propose_drafts(plan)
+                self._run_rows(plan, finished)
+                if not plan.chunks and not plan.replay:   # the rows' read-back synchronised the step
+                    self._time_bucket(sum(1 + len(d) for _, d in plan.decode),
+                                      time.perf_counter() - began - self._drafting_s)
         self.steps += 1
         for seq in finished:
             seq.finished_at = time.perf_counter()
             self._proposers.pop(seq.seq_id, None)
             self._draft_states.pop(seq.seq_id, None)
         return finished
+
+    # ---- launching ahead -------------------------------------------------------------------
+
+    def _can_launch_ahead(self, plan: StepPlan) -> bool:
+        """Only greedy decode rows without drafts, of sequences that need no token on the host
+        next step (prompt lookup and drafters read the tokens)."""
+        return (self.options.launch_ahead and bool(plan.decode) and not plan.chunks and not plan.replay
+                and all(not drafts and seq.sampler.greedy and seq.seq_id not in self._proposers
+                        and seq.seq_id not in self._draft_states for seq, drafts in plan.decode))
+
+    def _launch_decode(self, plan: StepPlan) -> InFlightStep:
+        """Queue the plan's decode rows and their argmax; a row whose input token is pending takes
+        it from the step in flight, on the device."""
+        previous = self.in_flight
+        tokens, positions, tables, sources = [], [], [], []
+        for seq, _ in plan.decode:
+            if seq.pending:   # its input is the token of the step in flight
+                tokens.append(0), sources.append(previous.rows[seq.seq_id][1])
+            else:
+                tokens.append(seq.generated[-1]), sources.append(-1)
+            positions.append(seq.computed), tables.append(seq.blocks)
+        carried = (previous.ids, sources) if previous is not None and max(sources) >= 0 else None
+        ids = self.rows.run(tokens, positions, tables, carried).argmax(-1)   # [N] on the device
+        if ids.is_cuda:
+            host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
+            host.copy_(ids, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record()
+        else:
+            host, ready = ids, None
+        rows = {}
+        for i, (seq, _) in enumerate(plan.decode):
+            rows[seq.seq_id] = (seq, i)
+            seq.generated.append(PENDING_TOKEN)
+            seq.pending += 1
+            seq.computed += 1
+            seq.batch_sizes.append(len(plan.decode))
+        return InFlightStep(rows, ids, host, ready)
+
+    def _read_back(self, finished: list[Sequence]) -> bool:
+        """Read the step in flight's tokens and accept them (stop checks); False if none was."""
+        step, self.in_flight = self.in_flight, None
+        if step is None:
+            return False
+        if step.ready is not None:
+            step.ready.synchronize()
+        ids = step.host.tolist()
+        for seq, row in step.rows.values():
+            later = seq.pending - 1   # placeholders of a step launched after this one
+            del seq.generated[len(seq.generated) - seq.pending:]
+            seq.pending = 0
+            if seq.status is SequenceStatus.FINISHED:   # cancelled meanwhile: its rows are dropped
+                continue
+            self._accept(seq, [ids[row]], finished)
+            if seq.status is not SequenceStatus.FINISHED and later:
+                seq.generated += [PENDING_TOKEN] * later
+                seq.pending = later
+        return True
 
     def _prefill_chunks(self, chunks: list[PromptChunk], finished: list[Sequence]) -> None:
         """The step's prompt chunks. Chunks that continue a prompt, and on CUDA short first chunks,
@@ -444,3 +537,13 @@ class BatchEngine:
         if reason is not None:
             self.scheduler.finish(seq, reason)
             finished.append(seq)
+
+
+def drop_finished(plan: StepPlan) -> None:
+    """Drop the rows and chunks of sequences that turned out to have finished before this step
+    (learnt from the step read back after the plan): their blocks are free again."""
+    def live(seq: Sequence) -> bool:
+        return seq.status is not SequenceStatus.FINISHED
+    plan.chunks = [c for c in plan.chunks if live(c.seq)]
+    plan.replay = [r for r in plan.replay if live(r[0])]
+    plan.decode = [d for d in plan.decode if live(d[0])]

@@ -7,12 +7,21 @@ is sized for the whole context, so one graph serves every length.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import numpy as np
 import torch
 
 from batchd.engine.batch.paged_cache import PagedKVCache
 from batchd.engine.cuda_graphs import capture
 from batchd.engine.batch.rows import RowBatch, forward_rows
+
+
+def take_carried(tokens: torch.Tensor, ids: torch.Tensor, sources: list[int]) -> None:
+    """tokens [N] long on the device, in place: row n takes ids[sources[n]] where sources[n] >= 0."""
+    source = torch.tensor(sources, dtype=torch.long)
+    source = (source.pin_memory() if tokens.is_cuda else source).to(tokens.device, non_blocking=True)
+    tokens.copy_(torch.where(source >= 0, ids[source.clamp(min=0)], tokens))
 
 
 class RowRunner:
@@ -34,8 +43,12 @@ class RowRunner:
         return -(-rows // step) * step
 
     @torch.inference_mode()
-    def run(self, tokens: list[int], positions: list[int], tables: list[list[int]]) -> torch.Tensor:
-        """One row per (token, position, its sequence's block table) -> logits [N, V] float32."""
+    def run(self, tokens: list[int], positions: list[int], tables: list[list[int]],
+            carried: Optional[tuple[torch.Tensor, list[int]]] = None) -> torch.Tensor:
+        """One row per (token, position, its sequence's block table) -> logits [N, V] float32.
+        `carried`: (ids [M] long on the device, a source per row): a row whose source s >= 0
+        takes ids[s] as its token instead of tokens[n], on the device, so the host never waits
+        for a step it launched ahead (engine.batch.batch_engine, "Launching ahead")."""
         n = len(tokens)
         width = self.max_blocks if self.cuda_graphs else max(map(len, tables))
         rows = self.bucket(n) if self.cuda_graphs else n
@@ -54,11 +67,16 @@ class RowRunner:
         if not self.cuda_graphs:
             device = self.model.device
             ids, block_tables = host_ids.to(device), host_tables.to(device)
+            if carried is not None:
+                take_carried(ids[0, :n], *carried)
             batch = RowBatch.derive(ids[0], ids[1], block_tables, self.cache.block_size, max(positions) + 1)
             return forward_rows(self.model, self.cache, batch, slab_rows=self.slab_rows)
         graph, static_ids, static_tables, logits = self._graphs.get(rows) or self._capture(rows)
-        static_ids.copy_(host_ids, non_blocking=True)
-        static_tables.copy_(host_tables, non_blocking=True)
+        # pinned sources: a copy from pageable memory may wait for the stream (the step in flight)
+        static_ids.copy_(host_ids.pin_memory(), non_blocking=True)
+        static_tables.copy_(host_tables.pin_memory(), non_blocking=True)
+        if carried is not None:
+            take_carried(static_ids[0, :n], *carried)
         graph.replay()
         return logits[:n]
 

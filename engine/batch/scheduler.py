@@ -2,7 +2,8 @@
 
 Rules, in order, each step:
 1. Cancelled sequences leave and free their blocks.
-2. Every decoding sequence gets its next row (its last token, plus drafts when it speculates).
+2. Every decoding sequence gets its next row (its last token, plus drafts when it speculates),
+   unless its last allowed token is already computed and only waits to be read back.
    When a new row needs a block and none is free, the most recently admitted sequence is
    preempted: its blocks are freed and it waits at the head of the queue to be recomputed.
 3. Replays (generated tokens of a preempted sequence, recomputed as decode rows) and prompt
@@ -71,7 +72,7 @@ class Scheduler:
         plan = StepPlan()
         self._drop_cancelled(plan)
         for seq in list(self.running):
-            if seq.status is SequenceStatus.RUNNING and seq.decoding:
+            if seq.status is SequenceStatus.RUNNING and seq.decoding and not seq.out_of_budget:
                 drafts = drafts_for(seq)
                 if self._grow(seq, seq.computed + 1 + len(drafts)):
                     plan.decode.append((seq, drafts))

@@ -5,6 +5,10 @@ are the prompt then what it generated; `computed` counts the positions whose key
 in the pool. While computed < len(prompt) it is prefilling (whole chunks at fixed offsets); after
 a preemption it replays its generated tokens as decode rows (`replaying`); then every step feeds
 its last token (and any drafts) and samples the next.
+
+A decode step launched ahead (engine.batch.batch_engine, "Launching ahead") appends a
+PENDING_TOKEN placeholder to `generated` and counts it in `pending` until its id is read back, so
+positions and lengths stay exact while the token's value is still on the device.
 """
 from __future__ import annotations
 
@@ -16,6 +20,8 @@ from typing import Optional
 from batchd.engine.sampling import Sampler
 from batchd.engine.stopping import StopChecker
 from batchd.engine.types import GenerationRequest
+
+PENDING_TOKEN = -1   # a generated token computed on the device, not read back yet
 
 
 class SequenceStatus(enum.Enum):
@@ -37,6 +43,7 @@ class Sequence:
     computed: int = 0                                     # positions with keys and values in the pool
     shared_chunks: int = 0                                # leading prompt chunks taken from the prefix cache
     registered_chunks: int = 0                            # prompt chunks offered to the prefix cache
+    pending: int = 0                                      # trailing PENDING_TOKENs in `generated`
     finish_reason: Optional[str] = None
     cancelled: bool = False
     preemptions: int = 0
@@ -77,6 +84,11 @@ class Sequence:
     def replaying(self) -> bool:
         """Generated tokens whose rows a preemption dropped, all but the last (the next input)."""
         return not self.prefilling and self.computed < self.num_tokens - 1
+
+    @property
+    def out_of_budget(self) -> bool:
+        """Every token it may generate is computed (the last ones may be pending): no more rows."""
+        return len(self.generated) >= self.request.sampling.max_new_tokens
 
     @property
     def decoding(self) -> bool:

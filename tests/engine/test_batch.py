@@ -10,6 +10,7 @@ from dataclasses import replace
 import pytest
 
 from batchd.engine.batch import BatchOptions
+from batchd.engine.batch.scheduler import Scheduler
 from batchd.engine.errors import BadInputError, PromptTooLongError
 from batchd.engine.runtime import Engine, EngineConfig
 from batchd.engine.types import GenerationRequest, SamplingParams, SpeculationOptions
@@ -99,10 +100,10 @@ def test_generate_runs_a_draft_job_as_a_batch_of_one(engine, alone):
 
 def test_a_pool_too_small_for_all_preempts_and_changes_no_id(smollm2_gguf, alone):
     small = Engine.load(str(smollm2_gguf), EngineConfig(max_context=1024, prefill_chunk=64))
-    batch = small.batch_engine(BatchOptions(block_size=16, max_step_tokens=128, max_blocks=40))
+    batch = small.batch_engine(BatchOptions(block_size=16, max_step_tokens=128, max_blocks=26))
     assert run(small, requests()) == alone
     assert batch.scheduler.preemptions > 0
-    assert batch.cache.blocks.num_free == 40
+    assert batch.cache.blocks.num_free == 26
 
 
 def test_a_pool_too_small_for_all_preempts_drafters_too_and_changes_no_id(smollm2_gguf, alone):
@@ -127,6 +128,59 @@ def test_a_cancelled_job_frees_its_blocks_and_the_others_do_not_change(engine, a
     got = run_partial(engine, requests(), cancel_job_two)
     assert 2 not in got
     assert {i: ids for i, ids in alone.items() if i != 2} == got
+    assert batch.cache.blocks.num_free == batch.cache.blocks.num_blocks
+
+
+def greedy(reqs: list[GenerationRequest]) -> list[GenerationRequest]:
+    return [replace(r, sampling=replace(r.sampling, temperature=0.0, seed=None)) for r in reqs]
+
+
+def stopping_requests() -> list[GenerationRequest]:
+    """Greedy jobs that end early: by EOS (8 and 30 tokens), at a stop string, by length."""
+    return [GenerationRequest(prompt="Answer with one word: what colour is the sky?", chat=True,
+                              sampling=SamplingParams(max_new_tokens=30)),
+            GenerationRequest(prompt="Write about owls.", chat=True, sampling=SamplingParams(max_new_tokens=30, stop=(".",))),
+            GenerationRequest(prompt="Write about tea.", sampling=SamplingParams(max_new_tokens=30, stop=(",",))),
+            GenerationRequest(prompt="Reply with yes or no: is water wet?", chat=True,
+                              sampling=SamplingParams(max_new_tokens=30))]
+
+
+def test_decode_steps_launched_ahead_change_no_id_stop_or_preemption(smollm2_gguf, monkeypatch):
+    """Greedy decode steps are launched before the last one is read back, so a job learns that it
+    stopped one step late: ids, finish reasons and texts equal those of steps read back one by
+    one, with EOS, a stop string and length stops, in a pool small enough that a sequence is
+    preempted while its token is still in flight; every block is free at the end."""
+    small = Engine.load(str(smollm2_gguf), EngineConfig(max_context=1024, prefill_chunk=64))
+    preempted_in_flight = []
+    original = Scheduler.preempt
+    monkeypatch.setattr(Scheduler, "preempt", lambda self, seq: (preempted_in_flight.append(seq.pending),
+                                                                  original(self, seq)))
+    outcomes = {}
+    for ahead in (False, True):
+        batch = small.batch_engine(BatchOptions(block_size=16, max_step_tokens=128, max_blocks=26, launch_ahead=ahead))
+        jobs = greedy(requests()) + stopping_requests()
+        outcomes[ahead] = {i: (r.token_ids, r.finish_reason, r.text) for i, r in small.generate_many(jobs)}
+        assert (batch.steps_ahead > 0) == ahead and batch.scheduler.preemptions > 0
+        assert batch.cache.blocks.num_free == 26 and batch.in_flight is None
+    assert outcomes[True] == outcomes[False]
+    assert {reason for _, reason, _ in outcomes[True].values()} == {"eos", "stop", "length"}
+    assert any(preempted_in_flight)
+
+
+def test_a_job_cancelled_while_its_step_is_in_flight_leaves_the_others_unchanged(engine, alone):
+    batch = engine.batch_engine()
+    reqs = greedy(requests())
+    reference = run(engine, reqs)
+    cancelled_at = {}
+
+    def cancel_job_four(index: int) -> bool:
+        if index == 4 and not cancelled_at and batch.in_flight is not None and batch.steps_ahead >= 3:
+            cancelled_at["step"] = batch.steps
+        return index == 4 and bool(cancelled_at)
+
+    got = run_partial(engine, reqs, cancel_job_four)
+    assert cancelled_at and 4 not in got
+    assert got == {i: ids for i, ids in reference.items() if i != 4}
     assert batch.cache.blocks.num_free == batch.cache.blocks.num_blocks
 
 

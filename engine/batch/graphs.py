@@ -16,9 +16,11 @@ from batchd.engine.batch.rows import RowBatch, forward_rows
 
 
 class RowRunner:
-    def __init__(self, model, cache: PagedKVCache, *, max_context: int, slab_rows: int | None, cuda_graphs: bool):
+    def __init__(self, model, cache: PagedKVCache, *, max_context: int, slab_rows: int | None, cuda_graphs: bool,
+                 decode_gemm: str = "slabs"):
         self.model, self.cache = model, cache
         self.max_context, self.slab_rows = max_context, slab_rows
+        self.decode_gemm = decode_gemm   # BatchOptions.decode_gemm: the CUDA projections' invariant product
         self.max_blocks = -(-max_context // cache.block_size)
         self.cuda_graphs = cuda_graphs and model.device.type == "cuda"
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
@@ -55,7 +57,7 @@ class RowRunner:
             device = self.model.device
             ids, block_tables = host_ids.to(device), host_tables.to(device)
             batch = RowBatch.derive(ids[0], ids[1], block_tables, self.cache.block_size, max(positions) + 1)
-            return forward_rows(self.model, self.cache, batch, slab_rows=self.slab_rows)
+            return forward_rows(self.model, self.cache, batch, slab_rows=self.slab_rows, decode_gemm=self.decode_gemm)
         graph, static_ids, static_tables, logits = self._graphs.get(rows) or self._capture(rows)
         static_ids.copy_(host_ids, non_blocking=True)
         static_tables.copy_(host_tables, non_blocking=True)
@@ -70,7 +72,7 @@ class RowRunner:
         def run():
             batch = RowBatch.derive(static_ids[0], static_ids[1], static_tables, self.cache.block_size,
                                     self.max_context)
-            return forward_rows(self.model, self.cache, batch, slab_rows=self.slab_rows)
+            return forward_rows(self.model, self.cache, batch, slab_rows=self.slab_rows, decode_gemm=self.decode_gemm)
 
         graph, logits = capture(run, self._pool)
         self._pool = graph.pool()

@@ -155,6 +155,19 @@ def test_bad_dtypes_layouts_and_backend_raise():
         row_linear(x, w, backend="cublas")
 
 
+@needs_triton
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU smoke test (the GPU session runs the bench itself)")
+def test_bench_runs_its_cpu_smoke_test(capsys):
+    """bench/row_gemm.py --device cpu --small: the table, the whole-step estimate and a sweep."""
+    from bench import row_gemm
+
+    row_gemm.main(["--device", "cpu", "--small", "--rows", "5", "40"])
+    row_gemm.main(["--device", "cpu", "--small", "--sweep", "--shapes", "down"])
+    out = capsys.readouterr().out
+    assert "whole-step projections" in out and "| NO" not in out and out.count("| yes") == 10
+    assert "(64, 112, 2): RowGemmConfig(" in out
+
+
 # ----------------------------------------------------------------------------------- CUDA only
 
 LLAMA_8B = [  # (N, K) of Llama-3-8B's projections (lm_head: 128256 x 4096, 1 GB, left to the bench)

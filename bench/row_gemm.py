@@ -47,7 +47,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--rows", type=int, nargs="+", default=None, help="M values (default 64 128 192 256 384 512)")
     parser.add_argument("--shapes", nargs="+", choices=list(LLAMA_8B), default=list(LLAMA_8B))
     parser.add_argument("--sweep", action="store_true", help="time candidate configs per shape instead")
-    parser.add_argument("--sweep-rows", type=int, nargs="+", default=None, help="M values a sweep sums (default 64 256 512)")
+    parser.add_argument("--sweep-rows", type=int, nargs="+", default=None,
+                        help="M values a sweep sums (default 64 256 512)")
     parser.add_argument("--sweep-budget-s", type=float, default=100.0, help="seconds of sweeping per shape")
     args = parser.parse_args(argv)
     if args.rows is None:

@@ -168,6 +168,50 @@ def test_bench_runs_its_cpu_smoke_test(capsys):
     assert "(64, 112, 2): RowGemmConfig(" in out
 
 
+def compile_table_for_hopper() -> dict:
+    """Registers, spills and shared memory of every TUNED config (and the heuristic's for a ragged
+    f32 / f16 shape with a bias) compiled for sm_90 with bench/kernel_resources.py. Needs
+    TRITON_INTERPRET unset, no GPU. -> {case: resources}"""
+    from bench import kernel_resources as kr
+    from batchd.kernels.row_gemm import triton_kernel as rk
+
+    cases = {f"{N}x{K} bf16": (N, K, torch.bfloat16, False) for N, K, _ in rk.TUNED}
+    cases.update({"1000x1000 f32 bias": (1000, 1000, torch.float32, True),
+                  "1000x1000 f16 bias": (1000, 1000, torch.float16, True)})
+    out = {}
+    for name, (N, K, dtype, bias) in cases.items():
+        cfg, ty = rk.choose_config(N, K, dtype), {torch.bfloat16: "*bf16", torch.float16: "*fp16"}.get(dtype, "*fp32")
+        pointers = dict(X=ty, W=ty, Bias=ty, Out=ty)
+        consts = dict(HAS_BIAS=bias, EVEN_K=K % cfg.block_k == 0, UPCAST_DOT=False,
+                      DOT_PRECISION=rk.dot_flags(dtype)[1],
+                      BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m)
+        out[name] = kr.resources(cfg, consts, fn=rk._row_gemm_kernel, pointers=pointers,
+                                 divisible=set(pointers) | {"N", "K", "stride_xm", "stride_wn", "stride_om"})
+    return out
+
+
+@needs_triton
+def test_table_configs_compile_for_hopper_without_spills():
+    """What the interpreter never checks: each config compiles for sm_90, spills no registers and
+    leaves room for two programs a multiprocessor at least (a step's m tiles of one weight tile
+    then run side by side)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = ("import json; from tests.kernels.test_row_gemm import compile_table_for_hopper as c; "
+            "print(json.dumps(c()))")
+    done = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[2],
+                          env={**os.environ, "TRITON_INTERPRET": "0"}, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    resources = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(resources) == 7
+    for name, used in resources.items():
+        assert used["spill_stack_bytes"] == 0 and used["ctas_per_sm"] >= 2, f"{name}: {used}"
+
+
 # ----------------------------------------------------------------------------------- CUDA only
 
 LLAMA_8B = [  # (N, K) of Llama-3-8B's projections (lm_head: 128256 x 4096, 1 GB, left to the bench)

@@ -40,6 +40,7 @@ from batchd.engine.batch.scheduler import PromptChunk, Scheduler, StepPlan
 from batchd.engine.batch.sequence import PENDING_TOKEN, Sequence, SequenceStatus
 from batchd.engine.errors import BadInputError, PromptTooLongError, UnsupportedFeatureError
 from batchd.engine.generate import synchronize
+from batchd.engine.linear import CPU_INVARIANT_ROWS
 from batchd.engine.sampling import Sampler
 from batchd.engine.speculative.adaptive import best_width, check_width
 from batchd.engine.speculative.proposers import PromptLookupProposer
@@ -393,7 +394,8 @@ class BatchEngine:
     # where no width gains over plain decoding, that sequence does not speculate.
 
     def _row_step(self) -> int:
-        return (self.options.slab_rows if self.device.type == "cuda" else 17) or 64
+        """Rows a step's cost moves by: the graphs' bucket on CUDA, the invariant group on the CPU."""
+        return self.rows.bucket(1) if self.device.type == "cuda" else CPU_INVARIANT_ROWS
 
     def _draft_row_budget(self) -> int:
         running = [s for s in self.scheduler.running if s.decoding]

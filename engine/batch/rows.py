@@ -1,6 +1,6 @@
 """The forward of decode rows: many sequences' decode, verify and replay positions in one pass.
 
-    logits = forward_rows(model, cache, rows)   # rows: RowBatch of N positions -> [R, V] float32
+    logits = forward_rows(model, cache, rows, slab_rows=128)   # rows: RowBatch of N positions -> [N, V] float32
 
 Every op here computes a row the same way whatever else is in the batch, which is what makes a
 job's greedy output independent of its neighbours (docs/engine.md, "Batch invariance"):

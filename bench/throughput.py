@@ -24,6 +24,7 @@ import gc
 import random
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -129,6 +130,8 @@ def main() -> None:
     parser.add_argument("--slab", type=int, default=BatchOptions.slab_rows, help="rows of every decode projection")
     parser.add_argument("--decode-gemm", choices=["slabs", "row_gemm"], default=BatchOptions.decode_gemm,
                         help="the invariant product of decode rows (BatchOptions.decode_gemm)")
+    parser.add_argument("--no-stepwise", dest="stepwise", action="store_false",
+                        help="skip the row that reads every step back before planning the next (launch_ahead off)")
     parser.add_argument("--phases", action="store_true", help="also time prefill and decode steps apart (synchronised)")
     parser.add_argument("--only-batched", action="store_true", help="the batched rows only (tuning runs)")
     parser.add_argument("--v4-layers", type=int, default=0,
@@ -162,6 +165,13 @@ def main() -> None:
     seconds, ids, steps = run_batched(engine, prompts, outputs, options)
     rows.append(row("batchd batched (invariant)", args.docs, seconds, sum(map(len, ids)), floor, steps=steps))
     print(rows[-1], flush=True)
+    if args.stepwise:   # what launching greedy steps ahead gains, in the same run
+        stepwise = replace(options, launch_ahead=False)
+        sw_seconds, sw_ids, steps = run_batched(engine, prompts, outputs, stepwise)
+        rows.append(row("batchd batched, every step read back first", args.docs, sw_seconds, sum(map(len, sw_ids)),
+                        floor, steps=steps, **{"launch-ahead gain": sw_seconds / seconds - 1,
+                                               "same ids": sw_ids == ids}))
+        print(rows[-1], flush=True)
     if args.phases:
         phases: dict = {}
         run_batched(engine, prompts, outputs, options, phases)

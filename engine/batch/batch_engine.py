@@ -12,8 +12,8 @@ decode, verify and replay rows in one pass (engine.batch.rows); one read-back of
 Sequences that speculate with a draft model get their drafts from its own paged pool first
 (engine.batch.drafting), verified as rows of the same pass.
 
-Launching ahead. A step of greedy decode rows only (no prompt chunks, replays, drafts or sampled
-rows: most steps of an overnight batch) is launched before the previous step's tokens are read
+Launching ahead. A step of decode rows only (no prompt chunks, replays or drafts: most steps of
+an overnight batch) is launched before the previous step's tokens are read
 back: each row whose input is still on the device takes it there (RowRunner.run's `carried`), and
 the host reads the previous step's tokens while the GPU computes this one, so the GPU never waits
 for the host's stop checks, planning and input building. Each sequence holds a placeholder for
@@ -93,7 +93,7 @@ class BatchOptions:
     # prompt-chunk projections in fixed slabs of this many rows, short first chunks packed with the
     # rest (engine.batch.chunks.ChunkPacking); None: 1,024 on CUDA, one GEMM per chunk on the CPU; 0: off
     chunk_slab_rows: Optional[int] = None
-    launch_ahead: bool = True   # greedy decode steps launched before the last one is read back (above)
+    launch_ahead: bool = True   # decode steps launched before the last one is read back (above)
     # the invariant product of CUDA decode rows: "slabs" (cuBLAS over fixed slabs of slab_rows) or
     # "row_gemm" (kernels.row_gemm: one launch, each weight read about once; unmeasured, opt-in)
     decode_gemm: str = "slabs"
@@ -293,15 +293,16 @@ class BatchEngine:
     # ---- launching ahead -------------------------------------------------------------------
 
     def _can_launch_ahead(self, plan: StepPlan) -> bool:
-        """Only greedy decode rows without drafts, of sequences that need no token on the host
-        next step (prompt lookup and drafters read the tokens)."""
+        """Only decode rows without drafts, of sequences that need no token on the host next
+        step (prompt lookup and drafters read the tokens)."""
         return (self.options.launch_ahead and bool(plan.decode) and not plan.chunks and not plan.replay
-                and all(not drafts and seq.sampler.greedy and seq.seq_id not in self._proposers
-                        and seq.seq_id not in self._draft_states for seq, drafts in plan.decode))
+                and all(not drafts and seq.seq_id not in self._proposers and seq.seq_id not in self._draft_states
+                        for seq, drafts in plan.decode))
 
     def _launch_decode(self, plan: StepPlan) -> InFlightStep:
-        """Queue the plan's decode rows and their argmax; a row whose input token is pending takes
-        it from the step in flight, on the device."""
+        """Queue the plan's decode rows and their tokens (the argmax, or a sampled row's draw from
+        its own seeded generator, as the stepwise path draws it); a row whose input token is
+        pending takes it from the step in flight, on the device."""
         previous = self.in_flight
         tokens, positions, tables, sources = [], [], [], []
         for seq, _ in plan.decode:
@@ -311,7 +312,11 @@ class BatchEngine:
                 tokens.append(seq.generated[-1]), sources.append(-1)
             positions.append(seq.computed), tables.append(seq.blocks)
         carried = (previous.ids, sources) if previous is not None and max(sources) >= 0 else None
-        ids = self.rows.run(tokens, positions, tables, carried).argmax(-1)   # [N] on the device
+        logits = self.rows.run(tokens, positions, tables, carried)   # [N, V]
+        ids = logits.argmax(-1)                                       # [N] on the device
+        for i, (seq, _) in enumerate(plan.decode):
+            if not seq.sampler.greedy:
+                ids[i] = seq.sampler.sample(logits[i])
         if ids.is_cuda:
             host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
             host.copy_(ids, non_blocking=True)

@@ -146,9 +146,9 @@ def stopping_requests() -> list[GenerationRequest]:
 
 
 def test_decode_steps_launched_ahead_change_no_id_stop_or_preemption(smollm2_gguf, monkeypatch):
-    """Greedy decode steps are launched before the last one is read back, so a job learns that it
+    """Decode steps are launched before the last one is read back, so a job learns that it
     stopped one step late: ids, finish reasons and texts equal those of steps read back one by
-    one, with EOS, a stop string and length stops, in a pool small enough that a sequence is
+    one, for greedy jobs and a seeded sampled one, with EOS, a stop string and length stops, in a pool small enough that a sequence is
     preempted while its token is still in flight; every block is free at the end."""
     small = Engine.load(str(smollm2_gguf), EngineConfig(max_context=1024, prefill_chunk=64))
     preempted_in_flight = []
@@ -158,7 +158,7 @@ def test_decode_steps_launched_ahead_change_no_id_stop_or_preemption(smollm2_ggu
     outcomes = {}
     for ahead in (False, True):
         batch = small.batch_engine(BatchOptions(block_size=16, max_step_tokens=128, max_blocks=26, launch_ahead=ahead))
-        jobs = greedy(requests()) + stopping_requests()
+        jobs = requests() + stopping_requests()   # job 5 samples with a seed
         outcomes[ahead] = {i: (r.token_ids, r.finish_reason, r.text) for i, r in small.generate_many(jobs)}
         assert (batch.steps_ahead > 0) == ahead and batch.scheduler.preemptions > 0
         assert batch.cache.blocks.num_free == 26 and batch.in_flight is None

@@ -69,3 +69,25 @@ def test_a_small_pool_preempts_and_changes_no_id(engine):
     got = run(small, prompts, news)
     assert got == want
     assert batch.cache.blocks.num_free == 40
+
+
+def test_steps_launched_ahead_change_no_id(engine):
+    """Decode steps launched before the last one is read back (pinned copies, an event, inputs
+    gathered on the device) against steps read back one by one: same ids, a seeded sampled job's
+    draws included, in a pool small enough to preempt."""
+    prompts, news = workload(engine.config.vocab_size, 24, seed=4)
+
+    def run_with(launch_ahead: bool):
+        other = Engine(engine.model, None, EngineConfig(max_context=4096, prefill_chunk=256), eos_ids=set())
+        batch = other.batch_engine(BatchOptions(block_size=64, max_step_tokens=1024, max_blocks=300,
+                                                launch_ahead=launch_ahead))
+        seqs = [batch.submit(p, GenerationRequest(sampling=SamplingParams(
+            max_new_tokens=n, ignore_eos=True, temperature=0.9 if i == 3 else 0.0, seed=11 if i == 3 else None)))
+            for i, (p, n) in enumerate(zip(prompts, news))]
+        while batch.has_work:
+            batch.step()
+        assert (batch.steps_ahead > 0) == launch_ahead and batch.cache.blocks.num_free == 300
+        other.close()
+        return [s.generated for s in seqs]
+
+    assert run_with(True) == run_with(False)

@@ -107,7 +107,8 @@ class BatchSession:
             self.batch.cancel(handle.seq)
 
     def step(self) -> list[tuple[Handle, GenerationResult | None]]:
-        """One engine step; (handle, result) for each request that finished in it (None: cancelled)."""
+        """One engine step; (handle, result) for each request that finished in it (None: cancelled).
+        A decode step launched ahead reports its finished requests at the next step."""
         done = []
         for seq in self.batch.step():
             handle = self.live.pop(seq.seq_id)

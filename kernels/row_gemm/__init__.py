@@ -15,38 +15,12 @@ import torch
 
 from batchd.kernels._backend import resolve_backend
 from batchd.kernels.row_gemm.reference import row_linear_reference
-
-DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+from batchd.kernels.small_matmul.checks import DTYPES, check_linear_inputs
 
 
 def check_row_linear_inputs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
     """Raise ValueError naming the numbers when the shapes, dtypes, layouts or devices do not fit."""
-    if x.dim() != 2 or weight.dim() != 2:
-        raise ValueError(f"expected x [M, K] and weight [N, K], got x {list(x.shape)}, weight {list(weight.shape)}")
-    M, K = x.shape
-    N, Kw = weight.shape
-    if Kw != K:
-        raise ValueError(f"x {list(x.shape)} and weight {list(weight.shape)} differ in K ({K} vs {Kw})")
-    if M < 1:
-        raise ValueError(f"x must hold at least one row, got {list(x.shape)}")
-    if N < 1 or K < 1:
-        raise ValueError(f"weight must be non-empty, got {list(weight.shape)}")
-    if x.dtype not in DTYPES or weight.dtype != x.dtype:
-        raise ValueError(f"x and weight must share one dtype of {DTYPES}, got {x.dtype} and {weight.dtype}")
-    if x.stride(1) != 1 or weight.stride(1) != 1:
-        raise ValueError(f"x and weight rows must be contiguous (stride 1 along K), got strides {x.stride()} "
-                         f"and {weight.stride()}")
-    if x.device != weight.device:
-        raise ValueError(f"x and weight on different devices: {x.device}, {weight.device}")
-    if bias is not None:
-        if bias.shape != (N,):
-            raise ValueError(f"bias must have shape [{N}], got {list(bias.shape)}")
-        if bias.dtype != x.dtype:
-            raise ValueError(f"bias must have x's dtype {x.dtype}, got {bias.dtype}")
-        if bias.stride(0) != 1 and N > 1:
-            raise ValueError(f"bias must be contiguous, got stride {bias.stride()}")
-        if bias.device != x.device:
-            raise ValueError(f"bias on {bias.device}, x on {x.device}")
+    check_linear_inputs(x, weight, bias, max_rows=None)
 
 
 def row_linear(

@@ -371,13 +371,17 @@ class BatchEngine:
             rows = forward_chunks(self.model, self.cache, batch, slab_rows=self.rows.slab_rows,
                                   max_context=self.max_context, chunk_slab_rows=self.packing.slab_rows)   # [C, V]
             logits.update({id(c): rows[i] for i, c in enumerate(packed)})
+        # each prompt's first token: every draw queued, then one read-back for all of them
+        last = [c for c in chunks if c.end == c.seq.prompt_len and not c.seq.generated]   # not a recompute
+        firsts = torch.stack([c.seq.sampler.sample(logits[id(c)]) for c in last]).tolist() if last else []
+        first_of = {id(c): token for c, token in zip(last, firsts)}
         for chunk in chunks:
             seq = chunk.seq
             self.scheduler.chunk_done(seq, chunk.end)
+            if id(chunk) in first_of:
+                self._accept(seq, [first_of[id(chunk)]], finished)
             if chunk.end == seq.prompt_len:
-                if not seq.generated:  # a recompute after preemption already has its tokens
-                    self._accept(seq, [seq.sampler.sample(logits[id(chunk)]).item()], finished)
-                # after the first token's read-back: the prompt's rows are computed by then
+                # after the first tokens' read-back: the prompt's rows are computed by then
                 seq.prompt_done_at = time.perf_counter()
 
     def _prefill_first_chunk(self, chunk: PromptChunk) -> torch.Tensor:

@@ -11,6 +11,8 @@
 #              same with decode_gemm=row_gemm (issue 34)
 #   service    PFlash through the whole service, 256 documents at keep 0.2 (issue 35); needs
 #              .carry/tok (a tokenizer dir: bench/random_checkpoint.py --tokenizer-only)
+#   slab256    the PFlash engine-alone row with 256-row decode slabs (one weight read at ~252 rows;
+#              never measured) against the default 128, and with decode_gemm=row_gemm
 #   row_gemm   bench/row_gemm.py: row_linear against cuBLAS and the slabs per projection
 #   sweep      bench/row_gemm.py --sweep: tile configs to paste into kernels/row_gemm's TUNED table
 #   v4         V4 MTP greedy equality in bf16 on CUDA, and V4 documents/hour (issue 37)
@@ -39,6 +41,11 @@ for stage in "$@"; do
         --decode-gemm row_gemm ;;
     service)
       python3 bench/service_throughput.py --tokenizer-dir "$TOK" --pflash-only --phases ;;
+    slab256)
+      for slab in 128 256; do
+        python3 bench/service_throughput.py --tokenizer-dir "$TOK" --pflash-only --engine-only --slab $slab
+      done
+      python3 bench/service_throughput.py --tokenizer-dir "$TOK" --pflash-only --engine-only --decode-gemm row_gemm ;;
     row_gemm)
       python3 bench/row_gemm.py ;;
     sweep)

@@ -73,12 +73,39 @@ class Attention(nn.Module):
         writes this step's rows into `cache` -> [B, T, H]. `rope`: the layer's family (main for
         sliding layers, compress for CSA/HCA)."""
         B, T, _ = x.shape
-        end = start + T
         cos, sin = rope.at(positions)                                                  # [T, rope/2]
+        q, q_residual, kv = self._project(x, cos[:, None], sin[:, None], cos, sin)
+        out = self._attend(x, q, q_residual, kv, positions, cache, start, rope)
+        return self._output(out, cos[:, None], sin[:, None])
+
+    def forward_rows(self, x: torch.Tensor, positions: torch.Tensor, caches: list[LayerCache],
+                     starts: list[int], rope: RopeTable) -> torch.Tensor:
+        """One decode row of each of B sequences: x [B, 1, H], row b at positions[b] = starts[b] of
+        its own cache -> [B, 1, H]. Projections, norms and rope run over all B rows (the row step's
+        invariant path, as a verify's rows); each sequence's cache, compressor and attention its
+        own, exactly as its decode step alone (B = 1, T = 1) computes them."""
+        cos, sin = rope.at(positions)                                                  # [B, rope/2]
+        cos, sin = cos[:, None], sin[:, None]                                          # [B, 1, rope/2]
+        q, q_residual, kv = self._project(x, cos[:, :, None], sin[:, :, None], cos, sin)
+        out = torch.cat([self._attend(x[b : b + 1], q[b : b + 1], q_residual[b : b + 1], kv[b : b + 1],
+                                      positions[b : b + 1], cache, start, rope)
+                         for b, (cache, start) in enumerate(zip(caches, starts))])
+        return self._output(out, cos[:, :, None], sin[:, :, None])
+
+    def _project(self, x, q_cos, q_sin, kv_cos, kv_sin):
+        """-> (rotated q [B, T, Hq, D], q_residual [B, T, R], rotated kv row [B, T, D]); the cos and
+        sin broadcast over q [B, T, Hq, rope/2] and kv [B, T, rope/2]."""
+        B, T, _ = x.shape
         q_residual = self.q_a_norm(self.q_a_proj(x))                                   # [B, T, R]
         q = self.q_b_proj(q_residual).view(B, T, self.num_heads, self.head_dim)
-        q = apply_rope(unweighted_rms_norm(q, self.eps), cos[:, None], sin[:, None])   # [B, T, Hq, D]
-        cache.rows.write(start, apply_rope(self.kv_norm(self.kv_proj(x)), cos, sin))
+        q = apply_rope(unweighted_rms_norm(q, self.eps), q_cos, q_sin)                 # [B, T, Hq, D]
+        return q, q_residual, apply_rope(self.kv_norm(self.kv_proj(x)), kv_cos, kv_sin)
+
+    def _attend(self, x, q, q_residual, kv, positions, cache: LayerCache, start: int, rope) -> torch.Tensor:
+        """Write the step's kv rows at [start, start + T) of `cache` and attend -> [B, T, Hq, D]."""
+        B, T, _ = x.shape
+        end = start + T
+        cache.rows.write(start, kv)
         first = max(0, start - self.window + 1)  # the oldest row any query of this step sees
         keys = cache.rows.read(first, end).to(x.dtype)                                 # [B, L, D]
         entries = entry_mask = None
@@ -86,16 +113,20 @@ class Attention(nn.Module):
             entries, entry_mask = self._compressed(x, q_residual, positions, cache, start, end, rope)
             entries = entries.to(x.dtype)                                              # [B, n, D], [B, T, n]
         if is_row_step(B * T):
-            out = self._attend_rows(q, keys, first, start, entries, entry_mask)
-        else:
-            key_pos = torch.arange(first, end, device=x.device)
-            in_window = (key_pos[None] <= positions[:, None]) & (key_pos[None] > positions[:, None] - self.window)
-            mask = in_window.expand(B, T, -1)                                          # [B, T, L]
-            if entries is not None:
-                keys = torch.cat([keys, entries], dim=1)                               # [B, L + n, D]
-                mask = torch.cat([mask, entry_mask], dim=-1)
-            out = attend_with_sinks(q, keys, mask, self.sinks, self.scale)             # [B, T, Hq, D]
-        out = apply_rope(out, cos[:, None], -sin[:, None])  # K = V carried rope: rotate back by -t
+            return self._attend_rows(q, keys, first, start, entries, entry_mask)
+        key_pos = torch.arange(first, end, device=x.device)
+        in_window = (key_pos[None] <= positions[:, None]) & (key_pos[None] > positions[:, None] - self.window)
+        mask = in_window.expand(B, T, -1)                                              # [B, T, L]
+        if entries is not None:
+            keys = torch.cat([keys, entries], dim=1)                                   # [B, L + n, D]
+            mask = torch.cat([mask, entry_mask], dim=-1)
+        return attend_with_sinks(q, keys, mask, self.sinks, self.scale)                # [B, T, Hq, D]
+
+    def _output(self, out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """out [B, T, Hq, D] -> [B, T, H]: rotated back (K = V carried rope: by -t), then the grouped
+        output projection."""
+        B, T = out.shape[:2]
+        out = apply_rope(out, cos, -sin)
         return self.o_b_proj(self.o_a_proj(out.reshape(B, T, self.o_groups, -1)))
 
     def _attend_rows(self, q, keys, first, start, entries, entry_mask) -> torch.Tensor:

@@ -168,9 +168,13 @@ class V4BatchEngine:
                 _, streams = self._forward(seq, [seq.token(p) for p in range(first, last)], first, last_only=True)
                 seq.computed = last
                 self._observe(seq, first, streams)
+        plain = [seq for seq, drafts in plan.decode if not drafts]
+        for first in range(0, len(plain), ROW_STEP):   # plain decode rows, up to ROW_STEP sequences a forward
+            self._decode_rows(plain[first : first + ROW_STEP], finished)
         for seq, drafts in plan.decode:
             seq.batch_sizes.append(len(plan.decode))
-            self._decode(seq, drafts, finished)
+            if drafts:
+                self._decode(seq, drafts, finished)
         for seq in finished:
             seq.finished_at = time.perf_counter()
             self._proposers.pop(seq.seq_id, None)
@@ -229,6 +233,23 @@ class V4BatchEngine:
         self._accept(seq, new, finished)
         if streams is not None:
             self._observe(seq, start, streams[: 1 + accepted])   # the rejected rows' streams are dropped
+
+    def _decode_rows(self, seqs: list[Sequence], finished: list[Sequence]) -> None:
+        """One decode row of each sequence (no drafts) in one forward (DeepseekV4.hidden_rows):
+        the projections and the MoE see every row, each row's attention its own sequence's cache,
+        and each row's bits are those of its decode step alone."""
+        views = [self.pool.view(seq.blocks, seq.computed) for seq in seqs]
+        tokens = torch.tensor([seq.generated[-1] for seq in seqs], dtype=torch.long, device=self.model.device)
+        streams = self.model.hidden_rows(tokens, views)                                  # [B, 1, n, H]
+        logits = self.model.head(streams)[:, 0]                                           # [B, V]
+        greedy = logits.argmax(-1).tolist()
+        for b, seq in enumerate(seqs):
+            start = seq.computed
+            token = greedy[b] if seq.sampler.greedy else int(seq.sampler.sample(logits[b]))
+            seq.computed += 1
+            self._accept(seq, [token], finished)
+            if seq.seq_id in self._mtp_states:
+                self._observe(seq, start, streams[b])
 
     def _drafts_for(self, seq: Sequence) -> list[int]:
         proposer, state = self._proposers.get(seq.seq_id), self._mtp_state(seq)

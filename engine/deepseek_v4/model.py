@@ -45,9 +45,17 @@ class Block(nn.Module):
 
     def forward(self, streams, token_ids, positions, cache: LayerCache, start: int, rope: RopeTable):
         """streams [B, T, n, H], token_ids [B, T], positions [T] -> the next streams [B, T, n, H]."""
+        return self._forward(streams, token_ids, lambda x: self.self_attn(x, positions, cache, start, rope))
+
+    def forward_rows(self, streams, token_ids, positions, caches: list[LayerCache], starts: list[int],
+                     rope: RopeTable):
+        """One decode row of each of B sequences (Attention.forward_rows): streams [B, 1, n, H],
+        token_ids [B, 1], positions [B] -> [B, 1, n, H]."""
+        return self._forward(streams, token_ids, lambda x: self.self_attn.forward_rows(x, positions, caches, starts, rope))
+
+    def _forward(self, streams, token_ids, attend):
         post, comb, x = self.attn_hc(streams)
-        attn = self.self_attn(self.input_layernorm(x), positions, cache, start, rope)
-        streams = HyperConnection.merge(streams, attn, post, comb)
+        streams = HyperConnection.merge(streams, attend(self.input_layernorm(x)), post, comb)
         post, comb, x = self.ffn_hc(streams)
         return HyperConnection.merge(streams, self.mlp(self.post_attention_layernorm(x), token_ids), post, comb)
 
@@ -101,6 +109,25 @@ class DeepseekV4(nn.Module):
         for layer, layer_cache in zip(self.layers, cache.layers):
             streams = layer(streams, tokens, positions, layer_cache, start, self.rope[layer.rope_family])
         cache.advance(T)
+        return streams
+
+    @torch.inference_mode()
+    def hidden_rows(self, tokens: torch.Tensor, caches: list) -> torch.Tensor:
+        """One decode row of each of B sequences, each at its own cache's length: tokens [B] ->
+        the last layer's streams [B, 1, n, H]; each cache advances by one. B <= ROW_STEP keeps every
+        row's bits those of its sequence's decode step alone (engine.deepseek_v4.rows)."""
+        starts = [cache.length for cache in caches]
+        for cache in caches:
+            cache.reserve(1)
+        self.setup_rope(max(cache.max_len for cache in caches))
+        positions = torch.tensor(starts, device=tokens.device)
+        tokens = tokens[:, None]                                                               # [B, 1]
+        streams = self.embed_tokens(tokens).unsqueeze(2).expand(-1, -1, self.config.hc_mult, -1).contiguous()
+        for i, layer in enumerate(self.layers):
+            streams = layer.forward_rows(streams, tokens, positions, [cache.layers[i] for cache in caches], starts,
+                                         self.rope[layer.rope_family])
+        for cache in caches:
+            cache.advance(1)
         return streams
 
     def head(self, streams: torch.Tensor) -> torch.Tensor:

@@ -61,6 +61,18 @@ def test_batched_jobs_give_each_job_its_output_alone(model):
     assert run(engine, prompts) == [generate_greedy(model, p, NEW_TOKENS) for p in prompts]
 
 
+def test_more_decoding_jobs_than_a_row_step_run_in_shared_forwards(model, monkeypatch):
+    """20 jobs decode in forwards of up to ROW_STEP (17) sequences' rows, not one forward a job,
+    and each job's tokens are still its own alone."""
+    prompts = [ids(20 + 3 * i, 40 + i) for i in range(20)]
+    calls = []
+    original = model.hidden_rows
+    monkeypatch.setattr(model, "hidden_rows", lambda tokens, caches: (calls.append(len(caches)), original(tokens, caches))[1])
+    engine = V4BatchEngine(model, max_context=128, eos_ids=set(), chunk=32, max_step_tokens=2048)
+    assert run(engine, prompts) == [generate_greedy(model, p, NEW_TOKENS) for p in prompts]
+    assert max(calls) == 17 and sum(calls) == 20 * (NEW_TOKENS - 1)
+
+
 def test_preempted_jobs_recompute_to_the_same_output(model):
     """A pool too small for all three: the latest admitted is preempted and recomputed."""
     prompts = [ids(70, 6), ids(60, 7), ids(64, 8)]

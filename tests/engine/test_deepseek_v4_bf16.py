@@ -61,6 +61,24 @@ def assert_verify_equals_decode(model, seed: int, prompt_len: int, q: int) -> No
     assert torch.equal(model(torch.tensor([following]), verified), one_by_one)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_decode_rows_of_many_sequences_are_each_ones_decode_row_bit_for_bit(folder, dtype):
+    """hidden_rows (one forward for the decode rows of several sequences, each at its own length)
+    gives each row exactly its sequence's own one-row decode logits, step after step, through
+    CSA and HCA windows that close in different steps for different sequences."""
+    model, _ = load_folder(folder, dtype=dtype)
+    prompts = [ids(n, seed) for seed, n in enumerate([33, 70, 90, 45, 64, 17, 81, 50, 38, 99, 60, 72])]
+    together = [model.new_cache(128) for _ in prompts]
+    alone = [model.new_cache(128) for _ in prompts]
+    for p, a, b in zip(prompts, together, alone):
+        model(torch.tensor([p]), a), model(torch.tensor([p]), b)
+    for step in range(6):
+        tokens = [ids(1, 200 + 10 * step + i)[0] for i in range(len(prompts))]
+        rows = model.head(model.hidden_rows(torch.tensor(tokens), together))[:, 0]          # [B, V]
+        for i, (token, cache) in enumerate(zip(tokens, alone)):
+            assert torch.equal(rows[i], model(torch.tensor([[token]]), cache)[0, 0]), (step, i)
+
+
 def test_mtp_drafting_keeps_greedy_output_alone_and_batched(loaded):
     model, mtp = loaded
     assert_drafting_keeps_greedy_output(model, mtp, [ids(40, 3), ids(23, 4), ids(57, 5)])

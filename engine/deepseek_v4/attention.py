@@ -78,19 +78,22 @@ class Attention(nn.Module):
         out = self._attend(x, q, q_residual, kv, positions, cache, start, rope)
         return self._output(out, cos[:, None], sin[:, None])
 
-    def forward_rows(self, x: torch.Tensor, positions: torch.Tensor, caches: list[LayerCache],
-                     starts: list[int], rope: RopeTable) -> torch.Tensor:
-        """One decode row of each of B sequences: x [B, 1, H], row b at positions[b] = starts[b] of
-        its own cache -> [B, 1, H]. Projections, norms and rope run over all B rows (the row step's
-        invariant path, as a verify's rows); each sequence's cache, compressor and attention its
-        own, exactly as its decode step alone (B = 1, T = 1) computes them."""
-        cos, sin = rope.at(positions)                                                  # [B, rope/2]
-        cos, sin = cos[:, None], sin[:, None]                                          # [B, 1, rope/2]
-        q, q_residual, kv = self._project(x, cos[:, :, None], sin[:, :, None], cos, sin)
-        out = torch.cat([self._attend(x[b : b + 1], q[b : b + 1], q_residual[b : b + 1], kv[b : b + 1],
-                                      positions[b : b + 1], cache, start, rope)
-                         for b, (cache, start) in enumerate(zip(caches, starts))])
-        return self._output(out, cos[:, :, None], sin[:, :, None])
+    def forward_rows(self, x: torch.Tensor, positions: torch.Tensor, segments: list[tuple[LayerCache, int, int]],
+                     rope: RopeTable) -> torch.Tensor:
+        """The rows of several sequences in one step: x [1, N, H], rows laid out sequence after
+        sequence; segments: (its cache, start, rows) each, positions [N] -> [1, N, H]. Projections,
+        norms and rope run over all N rows (the row step's invariant path, as a verify's rows);
+        each sequence's cache, compressor and attention on its own rows, exactly as its own step
+        of those rows computes them."""
+        cos, sin = rope.at(positions)                                                  # [N, rope/2]
+        q, q_residual, kv = self._project(x, cos[:, None], sin[:, None], cos, sin)
+        parts, first = [], 0
+        for cache, start, rows in segments:
+            end = first + rows
+            parts.append(self._attend(x[:, first:end], q[:, first:end], q_residual[:, first:end], kv[:, first:end],
+                                      positions[first:end], cache, start, rope))
+            first = end
+        return self._output(torch.cat(parts, dim=1), cos[:, None], sin[:, None])
 
     def _project(self, x, q_cos, q_sin, kv_cos, kv_sin):
         """-> (rotated q [B, T, Hq, D], q_residual [B, T, R], rotated kv row [B, T, D]); the cos and

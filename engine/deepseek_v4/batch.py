@@ -168,13 +168,10 @@ class V4BatchEngine:
                 _, streams = self._forward(seq, [seq.token(p) for p in range(first, last)], first, last_only=True)
                 seq.computed = last
                 self._observe(seq, first, streams)
-        plain = [seq for seq, drafts in plan.decode if not drafts]
-        for first in range(0, len(plain), ROW_STEP):   # plain decode rows, up to ROW_STEP sequences a forward
-            self._decode_rows(plain[first : first + ROW_STEP], finished)
-        for seq, drafts in plan.decode:
+        for seq, _ in plan.decode:
             seq.batch_sizes.append(len(plan.decode))
-            if drafts:
-                self._decode(seq, drafts, finished)
+        for group in row_groups(plan.decode):
+            self._decode(group, finished)
         for seq in finished:
             seq.finished_at = time.perf_counter()
             self._proposers.pop(seq.seq_id, None)
@@ -208,17 +205,32 @@ class V4BatchEngine:
         if state is not None and streams is not None and seq.status is not SequenceStatus.FINISHED:
             self.mtp.observe(state, start, streams, seq.tokens())
 
-    def _decode(self, seq: Sequence, drafts: list[int], finished: list[Sequence]) -> None:
-        """The last token and any drafts as rows; accept the longest verified prefix (greedy) or
-        rejection-sample (arXiv 2211.17192). Rejected rows are forgotten by `computed` alone."""
+    def _decode(self, group: list[tuple[Sequence, list[int]]], finished: list[Sequence]) -> None:
+        """Each sequence's last token and drafts as rows of one forward (DeepseekV4.hidden_rows:
+        dense parts and the MoE over every row, attention on each sequence's own view; up to
+        ROW_STEP rows, so each row's bits are its sequence's own step's)."""
+        rows = [[seq.generated[-1], *drafts] for seq, drafts in group]
+        views = [self.pool.view(seq.blocks, seq.computed) for seq, _ in group]
+        streams = self.model.hidden_rows(rows, views)[0]                                  # [N, n, H]
+        logits = self.model.head(streams[None])[0]                                        # [N, V]
+        greedy = logits.argmax(-1).tolist()
+        first = 0
+        for (seq, drafts), lanes in zip(group, rows):
+            end = first + len(lanes)
+            self._verify(seq, drafts, logits[first:end], greedy[first:end],
+                         streams[first:end] if seq.seq_id in self._mtp_states else None, finished)
+            first = end
+
+    def _verify(self, seq: Sequence, drafts: list[int], lanes: torch.Tensor, greedy: list[int],
+                streams: Optional[torch.Tensor], finished: list[Sequence]) -> None:
+        """lanes [1 + q, V]: accept the longest verified prefix (greedy) or rejection-sample
+        (arXiv 2211.17192). Rejected rows are forgotten by `computed` alone."""
         start = seq.computed
-        lanes, streams = self._forward(seq, [seq.generated[-1], *drafts], start)       # [1 + q, V]
         if seq.sampler.greedy:
-            target = lanes.argmax(-1).tolist()
             accepted = 0
-            while accepted < len(drafts) and drafts[accepted] == target[accepted]:
+            while accepted < len(drafts) and drafts[accepted] == greedy[accepted]:
                 accepted += 1
-            new = target[: accepted + 1]
+            new = greedy[: accepted + 1]
         elif drafts:
             state = self._mtp_states.get(seq.seq_id)
             draft_probs = state.probs if state is not None else None     # None: one-hot (lookup)
@@ -233,23 +245,6 @@ class V4BatchEngine:
         self._accept(seq, new, finished)
         if streams is not None:
             self._observe(seq, start, streams[: 1 + accepted])   # the rejected rows' streams are dropped
-
-    def _decode_rows(self, seqs: list[Sequence], finished: list[Sequence]) -> None:
-        """One decode row of each sequence (no drafts) in one forward (DeepseekV4.hidden_rows):
-        the projections and the MoE see every row, each row's attention its own sequence's cache,
-        and each row's bits are those of its decode step alone."""
-        views = [self.pool.view(seq.blocks, seq.computed) for seq in seqs]
-        tokens = torch.tensor([seq.generated[-1] for seq in seqs], dtype=torch.long, device=self.model.device)
-        streams = self.model.hidden_rows(tokens, views)                                  # [B, 1, n, H]
-        logits = self.model.head(streams)[:, 0]                                           # [B, V]
-        greedy = logits.argmax(-1).tolist()
-        for b, seq in enumerate(seqs):
-            start = seq.computed
-            token = greedy[b] if seq.sampler.greedy else int(seq.sampler.sample(logits[b]))
-            seq.computed += 1
-            self._accept(seq, [token], finished)
-            if seq.seq_id in self._mtp_states:
-                self._observe(seq, start, streams[b])
 
     def _drafts_for(self, seq: Sequence) -> list[int]:
         proposer, state = self._proposers.get(seq.seq_id), self._mtp_state(seq)
@@ -268,3 +263,16 @@ class V4BatchEngine:
         if reason is not None:
             self.scheduler.finish(seq, reason)
             finished.append(seq)
+
+
+def row_groups(decode: list[tuple[Sequence, list[int]]]) -> list[list[tuple[Sequence, list[int]]]]:
+    """The step's decode and verify rows in forwards of at most ROW_STEP rows, in plan order; a
+    sequence's rows (its token and drafts: at most ROW_STEP) are never split."""
+    groups, rows = [], ROW_STEP
+    for seq, drafts in decode:
+        if rows + 1 + len(drafts) > ROW_STEP:
+            groups.append([])
+            rows = 0
+        groups[-1].append((seq, drafts))
+        rows += 1 + len(drafts)
+    return groups

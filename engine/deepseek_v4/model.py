@@ -47,11 +47,11 @@ class Block(nn.Module):
         """streams [B, T, n, H], token_ids [B, T], positions [T] -> the next streams [B, T, n, H]."""
         return self._forward(streams, token_ids, lambda x: self.self_attn(x, positions, cache, start, rope))
 
-    def forward_rows(self, streams, token_ids, positions, caches: list[LayerCache], starts: list[int],
+    def forward_rows(self, streams, token_ids, positions, segments: list[tuple[LayerCache, int, int]],
                      rope: RopeTable):
-        """One decode row of each of B sequences (Attention.forward_rows): streams [B, 1, n, H],
-        token_ids [B, 1], positions [B] -> [B, 1, n, H]."""
-        return self._forward(streams, token_ids, lambda x: self.self_attn.forward_rows(x, positions, caches, starts, rope))
+        """The rows of several sequences (Attention.forward_rows): streams [1, N, n, H], token_ids
+        [1, N], positions [N] -> [1, N, n, H]."""
+        return self._forward(streams, token_ids, lambda x: self.self_attn.forward_rows(x, positions, segments, rope))
 
     def _forward(self, streams, token_ids, attend):
         post, comb, x = self.attn_hc(streams)
@@ -112,22 +112,24 @@ class DeepseekV4(nn.Module):
         return streams
 
     @torch.inference_mode()
-    def hidden_rows(self, tokens: torch.Tensor, caches: list) -> torch.Tensor:
-        """One decode row of each of B sequences, each at its own cache's length: tokens [B] ->
-        the last layer's streams [B, 1, n, H]; each cache advances by one. B <= ROW_STEP keeps every
-        row's bits those of its sequence's decode step alone (engine.deepseek_v4.rows)."""
+    def hidden_rows(self, tokens: list[list[int]], caches: list) -> torch.Tensor:
+        """The next rows of several sequences in one forward, each at its own cache's length:
+        tokens[b] the rows of caches[b] -> the last layer's streams [1, N, n, H], N = all rows,
+        sequence after sequence; each cache advances by its rows. N <= ROW_STEP keeps every row's
+        bits those of its sequence's own step (engine.deepseek_v4.rows)."""
         starts = [cache.length for cache in caches]
-        for cache in caches:
-            cache.reserve(1)
+        for cache, rows in zip(caches, tokens):
+            cache.reserve(len(rows))
         self.setup_rope(max(cache.max_len for cache in caches))
-        positions = torch.tensor(starts, device=tokens.device)
-        tokens = tokens[:, None]                                                               # [B, 1]
-        streams = self.embed_tokens(tokens).unsqueeze(2).expand(-1, -1, self.config.hc_mult, -1).contiguous()
+        positions = torch.tensor([p for start, rows in zip(starts, tokens) for p in range(start, start + len(rows))],
+                                 device=self.device)
+        ids = torch.tensor([[t for rows in tokens for t in rows]], device=self.device)          # [1, N]
+        streams = self.embed_tokens(ids).unsqueeze(2).expand(-1, -1, self.config.hc_mult, -1).contiguous()
         for i, layer in enumerate(self.layers):
-            streams = layer.forward_rows(streams, tokens, positions, [cache.layers[i] for cache in caches], starts,
-                                         self.rope[layer.rope_family])
-        for cache in caches:
-            cache.advance(1)
+            segments = [(cache.layers[i], start, len(rows)) for cache, start, rows in zip(caches, starts, tokens)]
+            streams = layer.forward_rows(streams, ids, positions, segments, self.rope[layer.rope_family])
+        for cache, rows in zip(caches, tokens):
+            cache.advance(len(rows))
         return streams
 
     def head(self, streams: torch.Tensor) -> torch.Tensor:

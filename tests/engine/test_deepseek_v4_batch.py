@@ -62,8 +62,8 @@ def test_batched_jobs_give_each_job_its_output_alone(model):
 
 
 def test_more_decoding_jobs_than_a_row_step_run_in_shared_forwards(model, monkeypatch):
-    """20 jobs decode in forwards of up to ROW_STEP (17) sequences' rows, not one forward a job,
-    and each job's tokens are still its own alone."""
+    """20 jobs decode in forwards of up to ROW_STEP (17) rows, not one forward a job, and each
+    job's tokens are still its own alone."""
     prompts = [ids(20 + 3 * i, 40 + i) for i in range(20)]
     calls = []
     original = model.hidden_rows

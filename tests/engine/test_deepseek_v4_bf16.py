@@ -63,7 +63,7 @@ def assert_verify_equals_decode(model, seed: int, prompt_len: int, q: int) -> No
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_decode_rows_of_many_sequences_are_each_ones_decode_row_bit_for_bit(folder, dtype):
-    """hidden_rows (one forward for the decode rows of several sequences, each at its own length)
+    """hidden_rows (one forward for the decode rows of 12 sequences, each at its own length)
     gives each row exactly its sequence's own one-row decode logits, step after step, through
     CSA and HCA windows that close in different steps for different sequences."""
     model, _ = load_folder(folder, dtype=dtype)
@@ -74,9 +74,27 @@ def test_decode_rows_of_many_sequences_are_each_ones_decode_row_bit_for_bit(fold
         model(torch.tensor([p]), a), model(torch.tensor([p]), b)
     for step in range(6):
         tokens = [ids(1, 200 + 10 * step + i)[0] for i in range(len(prompts))]
-        rows = model.head(model.hidden_rows(torch.tensor(tokens), together))[:, 0]          # [B, V]
+        rows = model.head(model.hidden_rows([[t] for t in tokens], together))[0]          # [B, V]
         for i, (token, cache) in enumerate(zip(tokens, alone)):
             assert torch.equal(rows[i], model(torch.tensor([[token]]), cache)[0, 0]), (step, i)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_verify_rows_of_several_sequences_are_each_ones_verify_rows_bit_for_bit(folder, dtype):
+    """Ragged rows (3, 1, 5 and 8: 17 in all) of four sequences in one forward give each sequence
+    exactly the logits of its own verify step."""
+    model, _ = load_folder(folder, dtype=dtype)
+    prompts, widths = [ids(33, 5), ids(70, 6), ids(90, 7), ids(45, 8)], [3, 1, 5, 8]
+    together = [model.new_cache(128) for _ in prompts]
+    alone = [model.new_cache(128) for _ in prompts]
+    for p, a, b in zip(prompts, together, alone):
+        model(torch.tensor([p]), a), model(torch.tensor([p]), b)
+    rows = [ids(w, 300 + i) for i, w in enumerate(widths)]
+    logits = model.head(model.hidden_rows(rows, together))[0]                                # [17, V]
+    first = 0
+    for tokens, cache in zip(rows, alone):
+        assert torch.equal(logits[first : first + len(tokens)], model(torch.tensor([tokens]), cache)[0])
+        first += len(tokens)
 
 
 def test_mtp_drafting_keeps_greedy_output_alone_and_batched(loaded):

@@ -57,7 +57,7 @@ class Compressor(nn.Module):
 
     def entries(self, state: CompressorState, first: int, last: int, rope: RopeTable) -> torch.Tensor:
         """Entries of windows [first, last) -> [B, last - first, entry_dim]."""
-        m, d, n = self.rate, self.entry_dim, last - first
+        m, n = self.rate, last - first
         kv = state.kv.read(first * m, last * m).unflatten(1, (n, m))                         # [B, n, m, C]
         gate = state.gate.read(first * m, last * m).unflatten(1, (n, m)) + self.position_bias
         if self.overlap:

@@ -139,10 +139,13 @@ class PromptCompressor:
         def score_all(drafter: Drafter) -> list:
             return self._score_group(engine, drafter, jobs, chunk, drafter_path)
 
+        longest = max(len(job.prompt_ids) for job in jobs)
+        # the room a scoring forward needs: a padded one holds `scoring_slots` prompts
+        tokens = max(longest, self.scoring_slots * min(longest, PADDED_SCORING_MAX))
         visit = Telemetry()   # the group's load, park and unpark, shared out below
         try:
             scored = self.residency.with_drafter(engine, drafter_path, score_all, visit, activation_rows=chunk,
-                                                 prompt_tokens=max(len(job.prompt_ids) for job in jobs))
+                                                 prompt_tokens=tokens)
         except Exception as exc:  # noqa: BLE001 - with_drafter raises the group's EngineError
             scored = [exc] * len(jobs)
         # the visit's seconds that were no job's scoring (load, park, unpark), shared equally

@@ -82,6 +82,14 @@ def test_a_bad_slots_value_is_refused(model, slots):
         PromptCompressor(scoring_slots=slots)
 
 
+def test_the_fingerprint_names_slots_other_than_one():
+    from batchd.engine.pflash import scoring_window_key
+
+    assert scoring_window_key(PromptCompressor()) == "w8192-b4096-s128"
+    assert scoring_window_key(PromptCompressor(scoring_slots=4)) == "w8192-b4096-s128-slots4"
+    assert scoring_window_key(PromptCompressor(scoring_window=None, scoring_slots=2)) == "exact-slots2"
+
+
 # ---- PromptCompressor.compress_many through the padded scorer -------------------------------------
 
 @pytest.fixture(scope="module")

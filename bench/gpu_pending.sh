@@ -11,6 +11,9 @@
 #              same with decode_gemm=row_gemm (issue 34)
 #   service    PFlash through the whole service, 256 documents at keep 0.2 (issue 35); needs
 #              .carry/tok (a tokenizer dir: bench/random_checkpoint.py --tokenizer-only)
+#   slots      PFlash scoring 1/2/4/8 prompts a forward: the CUDA bit-equality tests, the scorer
+#              alone (bench/scoring_slots.py), then engine-alone PFlash with 1 and 4 slots;
+#              needs .carry/tok
 #   row_gemm   bench/row_gemm.py: row_linear against cuBLAS and the slabs per projection
 #   sweep      bench/row_gemm.py --sweep: tile configs to paste into kernels/row_gemm's TUNED table
 #   v4         V4 MTP greedy equality in bf16 on CUDA, and V4 documents/hour (issue 37)
@@ -39,6 +42,11 @@ for stage in "$@"; do
         --decode-gemm row_gemm ;;
     service)
       python3 bench/service_throughput.py --tokenizer-dir "$TOK" --pflash-only --phases ;;
+    slots)
+      python3 -m pytest -q -x tests/engine/test_scoring_slots_gpu.py 2>&1 | tail -5
+      python3 bench/scoring_slots.py
+      python3 bench/service_throughput.py --tokenizer-dir "$TOK" --pflash-only --engine-only --phases \
+        --scoring-slots 1,4 ;;
     row_gemm)
       python3 bench/row_gemm.py ;;
     sweep)

@@ -264,7 +264,7 @@ def main() -> None:
                 engine.compressor.scoring_slots = slots
                 engine_alone(engine, requests_for(warm, args, compression))   # loads the drafter, warms its shapes
                 p_alone = engine_alone(engine, requests_for(p_texts, args, compression))
-                slots_label = "" if slot_counts == [1] else f", {slots} scoring slots"
+                slots_label = "" if slot_counts == [1] else f", scoring slots {slots}"
                 rows.append(row(f"PFlash keep {args.keep}{slots_label}: engine alone", args.pflash_docs, p_alone))
                 print(rows[-1], flush=True)
                 if args.phases:

@@ -45,7 +45,7 @@ def test_a_prompt_scores_the_same_in_any_slot_beside_any_neighbours(model):
 @pytest.mark.parametrize("waiting", [1, 3, 4, 5, 9])
 def test_a_prompt_scores_the_same_however_many_prompts_wait(model, waiting):
     scorer = PaddedScorer(model, bucket=BUCKET, slots=4)
-    others = prompts(waiting - 1, seed=waiting, lengths=(20, 200))   # of several padded lengths
+    others = prompts(waiting - 1, seed=waiting)   # of its padded length: they share its forwards
     [mine] = prompts(1, seed=0)
     at = waiting // 2
     together = scorer.score_many(others[:at] + [mine] + others[at:])

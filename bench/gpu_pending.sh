@@ -13,6 +13,9 @@
 #              .carry/tok (a tokenizer dir: bench/random_checkpoint.py --tokenizer-only)
 #   slab256    the PFlash engine-alone row with 256-row decode slabs (one weight read at ~252 rows;
 #              never measured) against the default 128, and with decode_gemm=row_gemm
+#   slots      PFlash scoring 1/2/4/8 prompts a forward: the CUDA bit-equality tests, the scorer
+#              alone (bench/scoring_slots.py), then engine-alone PFlash with 1 and 4 slots;
+#              needs .carry/tok
 #   row_gemm   bench/row_gemm.py: row_linear against cuBLAS and the slabs per projection
 #   sweep      bench/row_gemm.py --sweep: tile configs to paste into kernels/row_gemm's TUNED table
 #   v4         V4 MTP greedy equality in bf16 on CUDA, and V4 documents/hour (issue 37)
@@ -46,6 +49,11 @@ for stage in "$@"; do
         python3 bench/service_throughput.py --tokenizer-dir "$TOK" --pflash-only --engine-only --slab $slab
       done
       python3 bench/service_throughput.py --tokenizer-dir "$TOK" --pflash-only --engine-only --decode-gemm row_gemm ;;
+    slots)
+      python3 -m pytest -q -x tests/engine/test_scoring_slots_gpu.py 2>&1 | tail -5
+      python3 bench/scoring_slots.py
+      python3 bench/service_throughput.py --tokenizer-dir "$TOK" --pflash-only --engine-only --phases \
+        --scoring-slots 1,4 ;;
     row_gemm)
       python3 bench/row_gemm.py ;;
     sweep)

@@ -117,20 +117,20 @@ class Settings:
             "model_name": str(model_name),
             "device": str(get("device") or "cpu"),
             "dtype": get("dtype"),
-            "max_context": _opt_int(get("max_context")),
+            "max_context": _opt_number("max_context", get("max_context"), int),
             "attention": str(get("attention") or "dense"),
-            "sparse_top_k_blocks": _opt_int(get("sparse_top_k_blocks")) or 64,
+            "sparse_top_k_blocks": _opt_number("sparse_top_k_blocks", get("sparse_top_k_blocks"), int) or 64,
             "queue_prefix": str(get("queue_prefix") or "batchd"),
-            "max_jobs": _opt_int(get("max_jobs")),
+            "max_jobs": _opt_number("max_jobs", get("max_jobs"), int),
             "drafters": parse_drafters(get("drafters") or ()),
-            "metrics_port": _opt_int(get("metrics_port")),
+            "metrics_port": _opt_number("metrics_port", get("metrics_port"), int),
         }
         for name, convert in (("job_time_limit_s", float), ("lease_s", float), ("queue_lease_s", float),
                               ("max_attempts", int), ("relay_interval_s", float), ("drain_grace_s", float),
                               ("cancel_poll_s", float), ("unserved_after_s", float), ("pflash_scoring_slots", int)):
-            value = get(name)
+            value = _opt_number(name, get(name), convert)
             if value is not None:
-                fields[name] = convert(value)
+                fields[name] = value
         settings = cls(**fields)
         settings.validate()
         return settings
@@ -221,5 +221,13 @@ def parse_drafters(value: str | Sequence[str]) -> tuple[tuple[str, str], ...]:
     return tuple(pairs)
 
 
-def _opt_int(value: Optional[str]) -> Optional[int]:
-    return None if value is None else int(value)
+def _opt_number(name: str, value, convert):
+    """`value` (an environment string, or a CLI option's number, which click has checked) as int or
+    float; a string that is not one names its variable, not just the conversion that failed."""
+    if value is None:
+        return None
+    try:
+        return convert(value)
+    except (TypeError, ValueError):
+        kind = "a whole number" if convert is int else "a number"
+        raise ValueError(f"BATCHD_{name.upper()} must be {kind}, got {value!r}") from None

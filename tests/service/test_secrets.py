@@ -101,6 +101,14 @@ def test_urls_from_files(tmp_path):
         read_url_file(str(tmp_path / "two"), "--database-url-file")
 
 
+@pytest.mark.parametrize("name, value, kind", [("MAX_JOBS", "many", "a whole number"),
+                                               ("PFLASH_SCORING_SLOTS", "4.5", "a whole number"),
+                                               ("LEASE_S", "soon", "a number")])
+def test_a_number_setting_that_is_not_one_names_its_variable(name, value, kind):
+    with pytest.raises(ValueError, match=f"BATCHD_{name} must be {kind}, got '{value}'"):
+        Settings.from_env(env={f"BATCHD_{name}": value})
+
+
 def test_every_option_that_can_carry_a_password_says_how_to_keep_it_off_the_command_line(tmp_path):
     help_text = " ".join(run_cli(["--help"], service_env("sqlite:///x.db", None, tmp_path, "x")).split())
     assert "--database-url-file" in help_text and "--broker-url-file" in help_text

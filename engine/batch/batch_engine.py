@@ -345,7 +345,7 @@ class BatchEngine:
             later = seq.pending - 1   # placeholders of a step launched after this one
             del seq.generated[len(seq.generated) - seq.pending:]
             seq.pending = 0
-            if seq.status is SequenceStatus.FINISHED:   # cancelled meanwhile: its rows are dropped
+            if seq.status is SequenceStatus.FINISHED:   # cancelled, or stopped a step before: row dropped
                 continue
             self._accept(seq, [ids[row]], finished)
             if seq.status is not SequenceStatus.FINISHED and later:

@@ -54,6 +54,15 @@ def graph_replay_time(fn, repeats: int = 15) -> float:
     return cuda_time(graph.replay, warmup=1, repeats=repeats)
 
 
+def graph_time_per_call(calls, repeats: int = 10) -> float:
+    """Seconds per call of `calls` (callables): one CUDA graph of them all, replayed
+    (graph_replay_time), divided by their number."""
+    def run_all() -> None:
+        for call in calls:
+            call()
+    return graph_replay_time(run_all, repeats=repeats) / len(calls)
+
+
 def print_table(rows: list[dict]) -> None:
     if not rows:
         return

@@ -79,32 +79,16 @@ class Shape:
 
 
 def time_calls(calls, device: str) -> float:
-    """Seconds per call: on CUDA a graph of all calls replayed (bench.common.cuda_time's median);
+    """Seconds per call: on CUDA a graph of all calls replayed (bench.common.graph_time_per_call);
     on the CPU the wall clock of the calls (a smoke test, not a measurement)."""
-    import torch
-
-    from bench.common import cuda_time
+    from bench.common import graph_time_per_call
 
     if device == "cpu":
         start = time.perf_counter()
         for c in calls:
             c()
         return (time.perf_counter() - start) / len(calls)
-    for c in calls[:2]:
-        c()                                    # compile / cuBLAS handles outside the capture
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for c in calls:
-            c()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for c in calls:
-            c()
-    seconds = cuda_time(graph.replay, warmup=2, repeats=10) / len(calls)
-    del graph
-    return seconds
+    return graph_time_per_call(calls)
 
 
 def products():

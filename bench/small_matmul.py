@@ -35,7 +35,7 @@ if DRY:
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from bench.common import copy_bandwidth, cuda_time, print_table  # noqa: E402
+from bench.common import copy_bandwidth, graph_time_per_call, print_table  # noqa: E402
 from batchd.kernels.small_matmul import small_linear  # noqa: E402
 from batchd.kernels.small_matmul import triton_kernel as tk  # noqa: E402
 from batchd.kernels.small_matmul.triton_kernel import SmallLinearConfig, small_linear_triton  # noqa: E402
@@ -117,21 +117,7 @@ def graph_time(calls) -> float:
         for c in calls[:2]:
             c()
         return (time.perf_counter() - start) / 2
-    for c in calls[:2]:
-        c()                                   # compile / cuBLAS handles outside the capture
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for c in calls:
-            c()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for c in calls:
-            c()
-    t = cuda_time(graph.replay, warmup=2, repeats=10) / len(calls)
-    del graph
-    return t
+    return graph_time_per_call(calls)
 
 
 def cublas(x, w, b):

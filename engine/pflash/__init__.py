@@ -30,7 +30,7 @@ from batchd.engine.capabilities import check_compression
 from batchd.engine.checkpoint.gguf_file import read_gguf
 from batchd.engine.errors import CheckpointError, UnsupportedFeatureError
 from batchd.engine.pflash.bridge import INSTRUCTION_TOKENS, MIN_INSTRUCTION_KEPT, DrafterView, drafter_view, target_ids_after
-from batchd.engine.pflash.scoring import TAIL_ROWS, PaddedScorer, score_prompt
+from batchd.engine.pflash.scoring import TAIL_ROWS, PaddedScorer, check_scoring_slots, score_prompt
 from batchd.engine.pflash.selection import SelectionParams, Selection, select_chunks
 from batchd.engine.pflash.window import DEFAULT_SCORING_WINDOW, ScoringWindow
 from batchd.engine.drafter_names import file_identity
@@ -96,9 +96,7 @@ class PromptCompressor:
                  tail_rows: int = TAIL_ROWS, instruction_tokens: int = INSTRUCTION_TOKENS,
                  min_instruction_kept: float = MIN_INSTRUCTION_KEPT, scoring_chunk: Optional[int] = None,
                  scoring_window: Optional[ScoringWindow] = DEFAULT_SCORING_WINDOW, scoring_slots: int = 1):
-        if not isinstance(scoring_slots, int) or isinstance(scoring_slots, bool) or scoring_slots < 1:
-            raise ValueError(f"scoring_slots must be a whole number >= 1 (prompts per scoring forward), "
-                             f"got {scoring_slots!r}")
+        check_scoring_slots(scoring_slots, "scoring_slots")
         self.residency = residency or Residency()
         self.selection, self.tail_rows = selection, tail_rows
         self.instruction_tokens, self.min_instruction_kept = instruction_tokens, min_instruction_kept

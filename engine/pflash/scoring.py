@@ -103,6 +103,12 @@ def score_tail(model: Transformer, tail: torch.Tensor, cache: KVCache,
     return scores
 
 
+def check_scoring_slots(slots, name: str) -> None:
+    """Raise ValueError unless `slots` (prompts per scoring forward, PaddedScorer) is an int >= 1."""
+    if not isinstance(slots, int) or isinstance(slots, bool) or slots < 1:
+        raise ValueError(f"{name} must be a whole number >= 1 (prompts per scoring forward), got {slots!r}")
+
+
 SCORING_BUCKET = 512   # drafter tokens: prompts are padded on the right to a multiple of this
 
 
@@ -132,8 +138,7 @@ class PaddedScorer:
 
     def __init__(self, model: Transformer, *, tail_rows: int = TAIL_ROWS, bucket: int = SCORING_BUCKET,
                  cuda_graphs: bool = True, slots: int = 1):
-        if not isinstance(slots, int) or isinstance(slots, bool) or slots < 1:
-            raise ValueError(f"scoring slots must be a whole number >= 1 (prompts per scoring forward), got {slots!r}")
+        check_scoring_slots(slots, "scoring slots")
         self.model, self.tail_rows, self.bucket, self.slots = model, tail_rows, bucket, slots
         self.cuda_graphs = cuda_graphs and model.device.type == "cuda"
         # padded length -> (graph, tokens [slots, L], positions [slots, tail_rows], scores [slots, L])

@@ -314,9 +314,15 @@ class BatchEngine:
         carried = (previous.ids, sources) if previous is not None and max(sources) >= 0 else None
         logits = self.rows.run(tokens, positions, tables, carried)   # [N, V]
         ids = logits.argmax(-1)                                       # [N] on the device
+        rows = {}
         for i, (seq, _) in enumerate(plan.decode):
             if not seq.sampler.greedy:
                 ids[i] = seq.sampler.sample(logits[i])
+            rows[seq.seq_id] = (seq, i)
+            seq.generated.append(PENDING_TOKEN)
+            seq.pending += 1
+            seq.computed += 1
+            seq.batch_sizes.append(len(plan.decode))
         if ids.is_cuda:
             host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
             host.copy_(ids, non_blocking=True)
@@ -324,13 +330,6 @@ class BatchEngine:
             ready.record()
         else:
             host, ready = ids, None
-        rows = {}
-        for i, (seq, _) in enumerate(plan.decode):
-            rows[seq.seq_id] = (seq, i)
-            seq.generated.append(PENDING_TOKEN)
-            seq.pending += 1
-            seq.computed += 1
-            seq.batch_sizes.append(len(plan.decode))
         return InFlightStep(rows, ids, host, ready)
 
     def _read_back(self, finished: list[Sequence]) -> bool:

@@ -79,8 +79,8 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
     # (engine.deepseek_v4.serving.V4Engine, which Engine.load returns for a V4 folder). What this
     # build runs: prompt lookup (verify rows and rollback work for every part of its cache) and
     # draft speculation with the checkpoint's own MTP layer (engine.deepseek_v4.mtp; a checkpoint
-    # without mtp.* weights refuses it; in bf16/f16 both run on the CPU, whose row-invariant path is proven,
-    # and are refused on CUDA until that path is measured on a GPU: deepseek_v4.batch.speculation_refusal).
+    # without mtp.* weights refuses it); in bf16/f16 both keep greedy output through the row-invariant
+    # path (engine.deepseek_v4.rows), proven on the CPU and the H200 (tests/engine/test_deepseek_v4_bf16.py).
     # PFlash with a small dense --compress-drafter beside it (its scoring is text-level; the drafter
     # stays resident, V4 is never parked for it). Never: batchd's block-sparse decode, or V4
     # scoring prompts for PFlash.

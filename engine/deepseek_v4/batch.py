@@ -42,21 +42,6 @@ from batchd.engine.types import GenerationRequest, Telemetry
 MAX_LOOKUP_WIDTH = 8
 
 
-def speculation_refusal(device_type: str, dtype: torch.dtype) -> Optional[str]:
-    """Why speculation would change this engine's greedy output, or None where it does not. A step
-    of up to 17 rows takes V4's row-invariant path (engine.deepseek_v4.rows), so a verify row's
-    bits are its decode row's: proven on the CPU in bf16 (tests/engine/test_deepseek_v4_bf16.py,
-    `bench/v4_mtp.py --smoke --device cpu`). On CUDA in bf16/f16 the same path (kernels.small_matmul,
-    per-row attention, norms and indexer, the invariant MoE kernel) has not been measured on a GPU
-    yet, and there MTP drafts did change the tokens before it existed: still refused until
-    `bench/v4_mtp.py` on the GPU reports equal tokens. Float32 keeps its tokens everywhere."""
-    if device_type == "cuda" and dtype != torch.float32:
-        return (f"on CUDA in {str(dtype).removeprefix('torch.')} deepseek_v4's row-invariant verify path is not yet "
-                "proven on a GPU (bench/v4_mtp.py), so drafts might change greedy output; run without --spec, "
-                "or load the model in float32")
-    return None
-
-
 class V4BatchEngine:
     def __init__(self, model: DeepseekV4, *, max_context: int, eos_ids: set[int], block_size: int = 16,
                  chunk: int = 64, num_blocks: Optional[int] = None, max_step_tokens: Optional[int] = None,
@@ -112,8 +97,6 @@ class V4BatchEngine:
             raise PromptTooLongError(f"the prompt has {len(prompt_ids)} tokens and max_new_tokens is "
                                      f"{sampling.max_new_tokens}: more than the {self.max_context}-token context; "
                                      "shorten the document or lower max_new_tokens")
-        if spec.method != "none" and (refusal := speculation_refusal(self.model.device.type, self.model.dtype)):
-            raise UnsupportedFeatureError(f"--spec {spec.method} is not supported for deepseek_v4 here: {refusal}")
         if spec.method == "draft" and self.mtp is None:
             raise UnsupportedFeatureError("--spec draft is not supported for this deepseek_v4 checkpoint: "
                                           + capabilities_for("deepseek_v4").reason("--spec draft"))

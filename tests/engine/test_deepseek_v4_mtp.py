@@ -304,32 +304,3 @@ def test_an_incomplete_mtp_layer_leaves_the_target_serving_and_says_why(tmp_path
     engine = Engine.load(str(folder), EngineConfig(device="cpu", max_context=256))
     assert engine.mtp is None and "cannot be built" in engine.notes[0] and "missing" in engine.notes[0]
     assert engine.generate(GenerationRequest(prompt="Name a colour.", sampling=SamplingParams(max_new_tokens=2)))
-
-
-def test_speculation_is_refused_only_where_the_row_invariant_path_is_unproven():
-    """The CPU's row-invariant path is proven in bf16 (test_deepseek_v4_bf16.py); on CUDA in
-    bf16/f16 it is not measured yet, so speculation is refused there with the reason; float32
-    keeps it everywhere."""
-    import torch
-
-    from batchd.engine.deepseek_v4.batch import speculation_refusal
-
-    for dtype in (torch.bfloat16, torch.float16):
-        reason = speculation_refusal("cuda", dtype)
-        assert reason and "verify" in reason and "float32" in reason
-        assert speculation_refusal("cpu", dtype) is None
-    assert speculation_refusal("cuda", torch.float32) is None
-
-
-def test_a_refused_speculation_fails_its_job_alone(tmp_path, monkeypatch):
-    """Where speculation_refusal says no (CUDA bf16), --spec jobs fail with its reason and plain jobs
-    still run."""
-    import batchd.engine.deepseek_v4.batch as v4_batch
-
-    model, aside = load_folder(write_v4_folder(tmp_path, with_mtp=True))
-    engine = V4BatchEngine(model, max_context=128, eos_ids=set(), mtp=build_mtp(model, aside.mtp))
-    monkeypatch.setattr(v4_batch, "speculation_refusal", lambda device, dtype: "as in bf16")
-    for spec in ("draft", "lookup"):
-        with pytest.raises(UnsupportedFeatureError, match=f"--spec {spec} .*as in bf16"):
-            engine.submit(ids(10, 14), request(spec))
-    assert run(engine, [(ids(10, 14), request())])[0].generated

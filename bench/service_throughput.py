@@ -212,8 +212,6 @@ def main() -> None:
     parser.add_argument("--slab", type=int, default=None, help="rows of every decode projection (default: the engine's)")
     parser.add_argument("--chunk-slab", type=int, default=None,
                         help="rows of every prompt-chunk projection (0: one GEMM per chunk; default: the engine's)")
-    parser.add_argument("--decode-gemm", choices=["slabs", "row_gemm"], default=None,
-                        help="the decode rows' invariant product (default: the engine's)")
     args = parser.parse_args()
     slot_counts = [int(n) for n in args.scoring_slots.split(",")]
     tokenizer_dir = Path(args.tokenizer_dir)
@@ -226,13 +224,12 @@ def main() -> None:
     if engine.device.type == "cuda":
         engine.warm_up()
     engine.compressor.residency.keep_resident = 1   # as batchd.worker.load_engine sets it
-    if args.slab or args.chunk_slab is not None or args.decode_gemm:
+    if args.slab or args.chunk_slab is not None:
         from dataclasses import replace
 
         options = engine.batch_engine().options
         engine.batch_engine(replace(options, slab_rows=args.slab or options.slab_rows,
-                                    chunk_slab_rows=options.chunk_slab_rows if args.chunk_slab is None else args.chunk_slab,
-                                    decode_gemm=args.decode_gemm or options.decode_gemm))
+                                    chunk_slab_rows=options.chunk_slab_rows if args.chunk_slab is None else args.chunk_slab))
     texts = documents(codec, args.docs, args.prompt, seed=1)
     # warm-up documents: three of the timed length (the prompt paths), and as many short ones as a
     # timed run holds at once, so that every row bucket's graph is captured before any timing

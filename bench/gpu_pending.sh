@@ -12,9 +12,6 @@
 #              .carry/tok (a tokenizer dir: bench/random_checkpoint.py --tokenizer-only)
 #   slab256    the PFlash engine-alone row with 256-row decode slabs (one weight read at ~252 rows;
 #              never measured) against the default 128
-#   slots      PFlash scoring 1/2/4/8 prompts a forward: the CUDA bit-equality tests, the scorer
-#              alone (bench/scoring_slots.py), then engine-alone PFlash with 1 and 4 slots;
-#              needs .carry/tok
 #   v4         V4 MTP greedy equality in bf16 on CUDA, and V4 documents/hour (issue 37)
 #   table      the full issue-34 table: HF static batch, one job at a time, mixed workload
 #
@@ -42,11 +39,6 @@ for stage in "$@"; do
       for slab in 128 256; do
         python3 bench/service_throughput.py --tokenizer-dir "$TOK" --pflash-only --engine-only --slab $slab
       done ;;
-    slots)
-      python3 -m pytest -q -x tests/engine/test_scoring_slots_gpu.py 2>&1 | tail -5
-      python3 bench/scoring_slots.py
-      python3 bench/service_throughput.py --tokenizer-dir "$TOK" --pflash-only --engine-only --phases \
-        --scoring-slots 1,4 ;;
     v4)
       python3 bench/v4_mtp.py --layers 8 --widths 1 2 4
       python3 bench/throughput.py --v4-layers 4 --docs 16 ;;

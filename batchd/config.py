@@ -50,7 +50,6 @@ class Settings:
     max_context: Optional[int] = None
     attention: str = "dense"  # or "sparse" (engine.capabilities gates it)
     sparse_top_k_blocks: int = 64
-    pflash_scoring_slots: int = 1  # prompts per PFlash scoring forward (engine.pflash.scoring.PaddedScorer)
     queue_prefix: str = "batchd"
     job_time_limit_s: float = 3600.0  # hard limit per job; the soft limit is 30 s earlier
     lease_s: float = 60.0  # a running job's lease, renewed every lease_s / 3 by its worker
@@ -127,7 +126,7 @@ class Settings:
         }
         for name, convert in (("job_time_limit_s", float), ("lease_s", float), ("queue_lease_s", float),
                               ("max_attempts", int), ("relay_interval_s", float), ("drain_grace_s", float),
-                              ("cancel_poll_s", float), ("unserved_after_s", float), ("pflash_scoring_slots", int)):
+                              ("cancel_poll_s", float), ("unserved_after_s", float)):
             value = _opt_number(name, get(name), convert)
             if value is not None:
                 fields[name] = value
@@ -141,8 +140,6 @@ class Settings:
             raise ValueError(f"model name {self.model_name!r}: use letters, digits, '.', '_' or '-' (at most 64)")
         if self.lease_s <= 0 or self.queue_lease_s <= 0 or self.job_time_limit_s <= 0:
             raise ValueError("BATCHD_LEASE_S, BATCHD_QUEUE_LEASE_S and BATCHD_JOB_TIME_LIMIT_S must be positive")
-        if self.pflash_scoring_slots < 1:
-            raise ValueError("--pflash-scoring-slots (BATCHD_PFLASH_SCORING_SLOTS) must be at least 1")
         if self.max_jobs is not None and self.max_jobs < 1:
             raise ValueError("--max-jobs (BATCHD_MAX_JOBS) must be at least 1")
         if self.unserved_after_s <= 0:

@@ -66,7 +66,6 @@ def load_engine(settings: Settings):
         log.info("warmed up (kernels compiled, decode graph captured) in %.1f s", engine.warm_up())
     pool = engine.batch_engine().cache
     engine.compressor.residency.keep_resident = 1   # PFlash: a drafter that fits stays loaded between jobs
-    engine.compressor.scoring_slots = settings.pflash_scoring_slots
     log.info("KV pool: %d blocks of %d positions (%.1f GiB)", pool.blocks.num_blocks, pool.block_size,
              pool.nbytes / 2**30)
     return engine

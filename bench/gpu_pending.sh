@@ -6,18 +6,12 @@
 #
 # Stages (docs/performance.md says what each figure is for):
 #   tests      CUDA tests of code not yet run on a GPU: launch-ahead, rope_paged, silu_mul,
-#              row_gemm, decode_gemm, and the batch invariance / speculation suites (~4 min)
-#   batch      64 x 4,096 -> 256 at 8B: batched (launch ahead) and stepwise in one run, then the
-#              same with decode_gemm=row_gemm (issue 34)
+#              and the batch invariance / speculation suites (~4 min)
+#   batch      64 x 4,096 -> 256 at 8B: batched (launch ahead) and stepwise in one run (issue 34)
 #   service    PFlash through the whole service, 256 documents at keep 0.2 (issue 35); needs
 #              .carry/tok (a tokenizer dir: bench/random_checkpoint.py --tokenizer-only)
 #   slab256    the PFlash engine-alone row with 256-row decode slabs (one weight read at ~252 rows;
-#              never measured) against the default 128, and with decode_gemm=row_gemm
-#   slots      PFlash scoring 1/2/4/8 prompts a forward: the CUDA bit-equality tests, the scorer
-#              alone (bench/scoring_slots.py), then engine-alone PFlash with 1 and 4 slots;
-#              needs .carry/tok
-#   row_gemm   bench/row_gemm.py: row_linear against cuBLAS and the slabs per projection
-#   sweep      bench/row_gemm.py --sweep: tile configs to paste into kernels/row_gemm's TUNED table
+#              never measured) against the default 128
 #   v4         V4 MTP greedy equality in bf16 on CUDA, and V4 documents/hour (issue 37)
 #   table      the full issue-34 table: HF static batch, one job at a time, mixed workload
 #
@@ -36,29 +30,15 @@ for stage in "$@"; do
   case $stage in
     tests)
       python3 -m pytest -q -x tests/engine/test_batch_gpu.py tests/engine/test_spec_gpu.py \
-        tests/kernels/test_rope_paged.py tests/kernels/test_silu_mul.py tests/kernels/test_row_gemm.py \
-        tests/engine/test_decode_gemm.py 2>&1 | tail -15 ;;
+        tests/kernels/test_rope_paged.py tests/kernels/test_silu_mul.py 2>&1 | tail -15 ;;
     batch)
-      python3 bench/throughput.py --only-batched --no-hf --single-docs 0 --mixed-docs 0
-      python3 bench/throughput.py --only-batched --no-hf --single-docs 0 --mixed-docs 0 --no-stepwise \
-        --decode-gemm row_gemm ;;
+      python3 bench/throughput.py --only-batched --no-hf --single-docs 0 --mixed-docs 0 ;;
     service)
       python3 bench/service_throughput.py --tokenizer-dir "$TOK" --pflash-only --phases ;;
     slab256)
       for slab in 128 256; do
         python3 bench/service_throughput.py --tokenizer-dir "$TOK" --pflash-only --engine-only --slab $slab
-      done
-      python3 bench/service_throughput.py --tokenizer-dir "$TOK" --pflash-only --engine-only --decode-gemm row_gemm ;;
-    slots)
-      python3 -m pytest -q -x tests/engine/test_scoring_slots_gpu.py 2>&1 | tail -5
-      python3 bench/scoring_slots.py
-      python3 bench/service_throughput.py --tokenizer-dir "$TOK" --pflash-only --engine-only --phases \
-        --scoring-slots 1,4 ;;
-    row_gemm)
-      python3 bench/row_gemm.py ;;
-    sweep)
-      python3 bench/row_gemm.py --sweep --shapes qkv o gate_up
-      python3 bench/row_gemm.py --sweep --shapes down lm_head ;;
+      done ;;
     v4)
       python3 bench/v4_mtp.py --layers 8 --widths 1 2 4
       python3 bench/throughput.py --v4-layers 4 --docs 16 ;;

@@ -13,16 +13,12 @@ Rows:
                     is committed: submit start to the last commit (the user's wall clock with a
                     worker serving), and first claim to last commit (what the worker adds);
   + PFlash          the same two with compress=always at --keep, a --drafter-shape drafter
-                    (random weights, written as a checkpoint folder) resident beside the target;
-                    an engine-alone row for each --scoring-slots value (prompts per scoring
-                    forward, PaddedScorer's slots), the service rows with the last one.
+                    (random weights, written as a checkpoint folder) resident beside the target.
 The job_results telemetry of each service run is summarised (means over its jobs).
 
     python bench/service_throughput.py --tokenizer-dir .carry/tok
     python bench/service_throughput.py --tokenizer-dir .carry/tok --shape smollm2-135m --device cpu --docs 8 \
         --prompt 256 --new 16 --pflash-docs 8       # a CPU smoke run
-    python bench/service_throughput.py --tokenizer-dir .carry/tok --pflash-only --engine-only --phases \
-        --scoring-slots 1,4                         # scoring 1 and 4 prompts a forward, one run
 """
 from __future__ import annotations
 
@@ -203,8 +199,6 @@ def main() -> None:
     parser.add_argument("--pflash-docs", type=int, default=256, help="0: no PFlash rows")
     parser.add_argument("--keep", type=float, default=0.2)
     parser.add_argument("--drafter-shape", default="qwen2.5-0.5b")
-    parser.add_argument("--scoring-slots", default="1",
-                        help="prompts per PFlash scoring forward, comma-separated: one engine-alone row each")
     parser.add_argument("--max-jobs", type=int, default=None, help="the worker's --max-jobs (default: its own)")
     parser.add_argument("--pflash-only", action="store_true", help="skip the rows without PFlash")
     parser.add_argument("--engine-only", action="store_true", help="the engine-alone rows only (tuning runs)")
@@ -212,10 +206,7 @@ def main() -> None:
     parser.add_argument("--slab", type=int, default=None, help="rows of every decode projection (default: the engine's)")
     parser.add_argument("--chunk-slab", type=int, default=None,
                         help="rows of every prompt-chunk projection (0: one GEMM per chunk; default: the engine's)")
-    parser.add_argument("--decode-gemm", choices=["slabs", "row_gemm"], default=None,
-                        help="the decode rows' invariant product (default: the engine's)")
     args = parser.parse_args()
-    slot_counts = [int(n) for n in args.scoring_slots.split(",")]
     tokenizer_dir = Path(args.tokenizer_dir)
     codec = load_codec(tokenizer_dir)
     config = preset(args.shape)
@@ -226,13 +217,12 @@ def main() -> None:
     if engine.device.type == "cuda":
         engine.warm_up()
     engine.compressor.residency.keep_resident = 1   # as batchd.worker.load_engine sets it
-    if args.slab or args.chunk_slab is not None or args.decode_gemm:
+    if args.slab or args.chunk_slab is not None:
         from dataclasses import replace
 
         options = engine.batch_engine().options
         engine.batch_engine(replace(options, slab_rows=args.slab or options.slab_rows,
-                                    chunk_slab_rows=options.chunk_slab_rows if args.chunk_slab is None else args.chunk_slab,
-                                    decode_gemm=args.decode_gemm or options.decode_gemm))
+                                    chunk_slab_rows=options.chunk_slab_rows if args.chunk_slab is None else args.chunk_slab))
     texts = documents(codec, args.docs, args.prompt, seed=1)
     # warm-up documents: three of the timed length (the prompt paths), and as many short ones as a
     # timed run holds at once, so that every row bucket's graph is captured before any timing
@@ -263,15 +253,11 @@ def main() -> None:
             write_checkpoint(args.drafter_shape, tokenizer_dir, drafter, args.device, seed=1)
             compression = CompressionOptions(mode="always", keep_ratio=args.keep, drafter_path=str(drafter))
             p_texts = documents(codec, args.pflash_docs, args.prompt, seed=3)
-            for slots in slot_counts:   # the resident drafter's scorer is rebuilt for each (its graphs too)
-                engine.compressor.scoring_slots = slots
-                engine_alone(engine, requests_for(warm, args, compression))   # loads the drafter, warms its shapes
-                p_alone = engine_alone(engine, requests_for(p_texts, args, compression))
-                slots_label = "" if slot_counts == [1] else f", scoring slots {slots}"
-                rows.append(row(f"PFlash keep {args.keep}{slots_label}: engine alone", args.pflash_docs, p_alone))
-                print(rows[-1], flush=True)
-                if args.phases:
-                    engine_alone(engine, requests_for(p_texts, args, compression), phases=True)
+            engine_alone(engine, requests_for(warm, args, compression))   # loads the drafter, warms its shapes
+            p_alone = engine_alone(engine, requests_for(p_texts, args, compression))
+            rows.append(row(f"PFlash keep {args.keep}: engine alone", args.pflash_docs, p_alone))
+            if args.phases:
+                engine_alone(engine, requests_for(p_texts, args, compression), phases=True)
             if args.engine_only:
                 return print_table(rows)
             # jobs name drafters the worker serves (batchd.jobs.job_request), never a path
@@ -286,8 +272,7 @@ def main() -> None:
         dispose_all()
         broker.stop()
     print(f"\n{args.shape} on {args.device}: {args.docs} documents of ~{args.prompt} tokens -> {args.new} "
-          f"(PFlash: {args.pflash_docs} documents, keep {args.keep}, {args.drafter_shape}-shape drafter, "
-          f"scoring slots {args.scoring_slots}; the service rows with {slot_counts[-1]})\n")
+          f"(PFlash: {args.pflash_docs} documents, keep {args.keep}, {args.drafter_shape}-shape drafter)\n")
     print_table(rows)
     for name, means in telemetry.items():
         print(f"\njob_results means, {name}: " + ", ".join(f"{k} {v:.3f}" for k, v in means.items()))

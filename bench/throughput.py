@@ -15,7 +15,6 @@ prefill FLOPs / measured bf16 matmul rate + decode bytes (weights once a step, e
 Run on the H200:  python bench/throughput.py
                   python bench/throughput.py --v4-layers 4 --docs 16   (the V4 batch engine, V4-Flash sizes)
                   python bench/throughput.py --shape qwen2.5-1.5b --docs 16 --no-hf --mixed-docs 0
-                  python bench/throughput.py --only-batched --decode-gemm row_gemm   (kernels.row_gemm decode rows)
 """
 from __future__ import annotations
 
@@ -128,8 +127,6 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, default=4096, help="prefill chunk (tokens)")
     parser.add_argument("--step-tokens", type=int, default=8192, help="prompt tokens a step")
     parser.add_argument("--slab", type=int, default=BatchOptions.slab_rows, help="rows of every decode projection")
-    parser.add_argument("--decode-gemm", choices=["slabs", "row_gemm"], default=BatchOptions.decode_gemm,
-                        help="the invariant product of decode rows (BatchOptions.decode_gemm)")
     parser.add_argument("--no-stepwise", dest="stepwise", action="store_false",
                         help="skip the row that reads every step back before planning the next (launch_ahead off)")
     parser.add_argument("--phases", action="store_true", help="also time prefill and decode steps apart (synchronised)")
@@ -154,8 +151,7 @@ def main() -> None:
     outputs = [args.new] * args.docs
     max_context = max(args.prompt + args.new, 16384 + 512 if args.mixed_docs else 0) + 64
     engine = Engine(model, None, EngineConfig(max_context=max_context), eos_ids=set())
-    options = BatchOptions(block_size=64, max_step_tokens=args.step_tokens, slab_rows=args.slab, prefill_chunk=args.chunk,
-                           decode_gemm=args.decode_gemm)
+    options = BatchOptions(block_size=64, max_step_tokens=args.step_tokens, slab_rows=args.slab, prefill_chunk=args.chunk)
     floor = floor_seconds(model, config, [args.prompt] * args.docs, outputs, flops, bandwidth)
     rows = []
     # warm-up: compile, autotune and pick GEMM kernels for every shape the runs take (prompts of

@@ -72,7 +72,7 @@ def params_from_options(options: dict[str, Any]) -> dict[str, Any]:
 
 
 MODEL_OPTIONS = ("model_path", "model_name", "device", "dtype", "max_context", "attention", "sparse_top_k_blocks",
-                 "max_jobs", "drafters", "pflash_scoring_slots")
+                 "max_jobs", "drafters")
 
 
 def model_options(func: Callable) -> Callable:
@@ -95,9 +95,6 @@ def model_options(func: Callable) -> Callable:
         click.option("--drafter-checkpoint", "drafters", multiple=True, metavar="NAME=PATH",
                      help="A drafter jobs may name (repeatable; BATCHD_DRAFTERS='a=PATH,b=PATH'); the model itself "
                           "is one under its --model-name. Jobs never name paths."),
-        click.option("--pflash-scoring-slots", type=int, envvar="BATCHD_PFLASH_SCORING_SLOTS",
-                     help="Prompts per PFlash scoring forward on CUDA (default 1); every forward has that many "
-                          "slots, so a prompt scored alone pays for the empty ones."),
     )(func)
 
 

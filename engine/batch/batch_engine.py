@@ -94,13 +94,6 @@ class BatchOptions:
     # rest (engine.batch.chunks.ChunkPacking); None: 1,024 on CUDA, one GEMM per chunk on the CPU; 0: off
     chunk_slab_rows: Optional[int] = None
     launch_ahead: bool = True   # decode steps launched before the last one is read back (above)
-    # the invariant product of CUDA decode rows: "slabs" (cuBLAS over fixed slabs of slab_rows) or
-    # "row_gemm" (kernels.row_gemm: one launch, each weight read about once; unmeasured, opt-in)
-    decode_gemm: str = "slabs"
-
-    def __post_init__(self):
-        if self.decode_gemm not in ("slabs", "row_gemm"):
-            raise ValueError(f"decode_gemm must be 'slabs' or 'row_gemm', got {self.decode_gemm!r}")
 
 
 @dataclass
@@ -141,8 +134,7 @@ class BatchEngine:
                                    max_running=options.max_running, prefix_sharing=options.prefix_sharing)
         self.chunk = chunk
         slab = options.slab_rows if options.batch_invariant else None
-        self.rows = RowRunner(model, self.cache, max_context=max_context, slab_rows=slab, cuda_graphs=options.cuda_graphs,
-                              decode_gemm=options.decode_gemm)
+        self.rows = RowRunner(model, self.cache, max_context=max_context, slab_rows=slab, cuda_graphs=options.cuda_graphs)
         self.first_chunks = FirstChunkRunner(model, scratch, self.cache, cuda_graphs=options.cuda_graphs)
         self.packing = ChunkPacking.for_device(self.device, options.chunk_slab_rows)
         self._next_id = 0
@@ -231,8 +223,7 @@ class BatchEngine:
                     "BatchOptions.drafters so the pools are sized together, or use --spec lookup")
         return PooledDrafter(drafter_path, drafter, num_blocks=blocks.num_blocks, block_size=blocks.block_size,
                              dtype=dtype, max_context=self.max_context, chunk=self.chunk,
-                             slab_rows=self.rows.slab_rows, cuda_graphs=self.rows.cuda_graphs, packing=self.packing,
-                             decode_gemm=self.rows.decode_gemm)
+                             slab_rows=self.rows.slab_rows, cuda_graphs=self.rows.cuda_graphs, packing=self.packing)
 
     def has_drafter(self, drafter_path: str) -> bool:
         """Whether `drafter_path` has its pool here already."""

@@ -83,12 +83,12 @@ class PooledDrafter:
 
     def __init__(self, name: str, draft_model, *, num_blocks: int, block_size: int, dtype: torch.dtype,
                  max_context: int, chunk: int, slab_rows: Optional[int], cuda_graphs: bool,
-                 packing: ChunkPacking = ChunkPacking(), decode_gemm: str = "slabs"):
+                 packing: ChunkPacking = ChunkPacking()):
         self.name, self.draft_model = name, draft_model
         self.model = draft_model.model
         self.cache = PagedKVCache(self.model.config, num_blocks, block_size, self.model.device, dtype)
         self.rows = RowRunner(self.model, self.cache, max_context=max_context, slab_rows=slab_rows,
-                              cuda_graphs=cuda_graphs, decode_gemm=decode_gemm)   # the target's product
+                              cuda_graphs=cuda_graphs)
         # the target's first-chunk path over the drafter's own contiguous cache (the DraftModel's),
         # so a target drafting for itself holds its very rows (padded and graphed alike on CUDA)
         self.first_chunks = FirstChunkRunner(self.model, draft_model.cache, self.cache, cuda_graphs=cuda_graphs)

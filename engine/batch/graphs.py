@@ -25,11 +25,9 @@ def take_carried(tokens: torch.Tensor, ids: torch.Tensor, sources: list[int]) ->
 
 
 class RowRunner:
-    def __init__(self, model, cache: PagedKVCache, *, max_context: int, slab_rows: int | None, cuda_graphs: bool,
-                 decode_gemm: str = "slabs"):
+    def __init__(self, model, cache: PagedKVCache, *, max_context: int, slab_rows: int | None, cuda_graphs: bool):
         self.model, self.cache = model, cache
         self.max_context, self.slab_rows = max_context, slab_rows
-        self.decode_gemm = decode_gemm   # BatchOptions.decode_gemm: the CUDA projections' invariant product
         self.max_blocks = -(-max_context // cache.block_size)
         self.cuda_graphs = cuda_graphs and model.device.type == "cuda"
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
@@ -72,7 +70,7 @@ class RowRunner:
             if carried is not None:
                 take_carried(ids[0, :n], *carried)
             batch = RowBatch.derive(ids[0], ids[1], block_tables, self.cache.block_size, max(positions) + 1)
-            return forward_rows(self.model, self.cache, batch, slab_rows=self.slab_rows, decode_gemm=self.decode_gemm)
+            return forward_rows(self.model, self.cache, batch, slab_rows=self.slab_rows)
         graph, static_ids, static_tables, logits = self._graphs.get(rows) or self._capture(rows)
         # pinned sources: a copy from pageable memory may wait for the stream (the step in flight)
         static_ids.copy_(host_ids.pin_memory(), non_blocking=True)
@@ -90,7 +88,7 @@ class RowRunner:
         def run():
             batch = RowBatch.derive(static_ids[0], static_ids[1], static_tables, self.cache.block_size,
                                     self.max_context)
-            return forward_rows(self.model, self.cache, batch, slab_rows=self.slab_rows, decode_gemm=self.decode_gemm)
+            return forward_rows(self.model, self.cache, batch, slab_rows=self.slab_rows)
 
         graph, logits = capture(run, self._pool)
         self._pool = graph.pool()

@@ -5,10 +5,8 @@
 Every op here computes a row the same way whatever else is in the batch, which is what makes a
 job's greedy output independent of its neighbours (docs/engine.md, "Batch invariance"):
 - projections: CUDA multiplies fixed slabs of `slab_rows` rows (the last one zero-padded), so the
-  library's GEMM sees one shape only and a row's bits never depend on the batch size, or with
-  decode_gemm="row_gemm" all rows in one kernels.row_gemm launch (tiles fixed by the weight shape,
-  each weight read about once a step, where slabs read it once a slab); the CPU runs groups of at
-  most 17 rows through engine.linear's row-invariant path;
+  library's GEMM sees one shape only and a row's bits never depend on the batch size; the CPU runs
+  groups of at most 17 rows through engine.linear's row-invariant path;
 - norms: kernels.rms_norm (one program per row, with the residual add before it) on CUDA, the
   float32 reference on the CPU;
 - rope of q and k with the k/v write into the pool (one kernels.rope_paged launch on CUDA), silu * up
@@ -30,7 +28,6 @@ from batchd.engine.linear import CPU_INVARIANT_ROWS, project_rows_cpu
 from batchd.kernels.paged_attention import paged_decode_attention
 from batchd.kernels.paged_attention.reference import gather_rows
 from batchd.kernels.rms_norm import rms_norm
-from batchd.kernels.row_gemm import row_linear
 from batchd.kernels.rope_paged import rope_paged_store
 from batchd.kernels.silu_mul import silu_mul as silu_mul_kernel
 
@@ -61,18 +58,14 @@ class RowBatch:
 
 
 def project_invariant(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], slab_rows: Optional[int],
-                      layer=None, decode_gemm: str = "slabs") -> torch.Tensor:
+                      layer=None) -> torch.Tensor:
     """x: [N, K] -> [N, Nout]; row n's bits do not depend on N or on the other rows (slab_rows
-    None on CUDA: one library GEMM of N rows, whose kernel choice, and so a row's bits, follow N).
-    On CUDA decode_gemm picks the invariant product: "slabs" (project_slabs) or "row_gemm"
-    (kernels.row_gemm, one launch over all N rows); the two give different bits for a row."""
+    None on CUDA: one library GEMM of N rows, whose kernel choice, and so a row's bits, follow N)."""
     if slab_rows is None and x.device.type == "cuda":
         return F.linear(x, weight, bias)
     if x.device.type == "cpu":
         parts = [project_rows_cpu(x[i : i + CPU_INVARIANT_ROWS], layer) for i in range(0, x.shape[0], CPU_INVARIANT_ROWS)]
         return torch.cat(parts) if len(parts) > 1 else parts[0]
-    if decode_gemm == "row_gemm":
-        return row_linear(x, weight, bias)
     return project_slabs(x, weight, bias, slab_rows)
 
 
@@ -142,10 +135,9 @@ def attend_rows(q: torch.Tensor, cache, layer: int, rows: RowBatch, scale: float
 
 
 @torch.inference_mode()
-def forward_rows(model, cache, rows: RowBatch, *, slab_rows: Optional[int], decode_gemm: str = "slabs"
-                 ) -> torch.Tensor:
+def forward_rows(model, cache, rows: RowBatch, *, slab_rows: Optional[int]) -> torch.Tensor:
     """Write each row's key and value into the pool and return every row's next-token logits
-    ([N, V] float32). decode_gemm: the CUDA projections' invariant product (project_invariant)."""
+    ([N, V] float32)."""
     config = model.config
     Hq, Hkv, D = config.num_heads, config.num_kv_heads, config.head_dim
     hidden = model.embed_tokens(rows.tokens)                                  # [N, H]
@@ -155,7 +147,7 @@ def forward_rows(model, cache, rows: RowBatch, *, slab_rows: Optional[int], deco
     for i, layer in enumerate(model.layers):
         attn = layer.self_attn
         x, hidden = add_norm_rows(added, hidden, layer.input_layernorm.weight, layer.input_layernorm.eps)
-        qkv = project_invariant(x, attn.qkv_proj.weight, attn.qkv_proj.bias, slab_rows, attn.qkv_proj, decode_gemm)
+        qkv = project_invariant(x, attn.qkv_proj.weight, attn.qkv_proj.bias, slab_rows, attn.qkv_proj)
         q, k, v = qkv.split(attn.split_sizes, dim=-1)
         q, k, v = q.view(-1, Hq, D), k.view(-1, Hkv, D), v.view(-1, Hkv, D)
         if attn.q_norm is not None:  # qwen3: per-head norms before rope
@@ -163,12 +155,11 @@ def forward_rows(model, cache, rows: RowBatch, *, slab_rows: Optional[int], deco
             k = norm_rows(k.reshape(-1, D), attn.k_norm.weight, attn.k_norm.eps).view(-1, Hkv, D)
         q = rope_and_write_rows(q, k, v, cos, sin, cache, i, rows.write_blocks, rows.write_offsets)
         out = attend_rows(q, cache, i, rows, attn.scale).reshape(-1, Hq * D)
-        added = project_invariant(out, attn.o_proj.weight, None, slab_rows, attn.o_proj, decode_gemm)
+        added = project_invariant(out, attn.o_proj.weight, None, slab_rows, attn.o_proj)
         post = layer.post_attention_layernorm
         x, hidden = add_norm_rows(added, hidden, post.weight, post.eps)
         mlp = layer.mlp
-        gate_up = project_invariant(x, mlp.gate_up_proj.weight, None, slab_rows, mlp.gate_up_proj, decode_gemm)
-        added = project_invariant(silu_mul_rows(gate_up), mlp.down_proj.weight, None, slab_rows, mlp.down_proj,
-                                  decode_gemm)
+        gate_up = project_invariant(x, mlp.gate_up_proj.weight, None, slab_rows, mlp.gate_up_proj)
+        added = project_invariant(silu_mul_rows(gate_up), mlp.down_proj.weight, None, slab_rows, mlp.down_proj)
     normed, _ = add_norm_rows(added, hidden, model.norm.weight, model.norm.eps)
-    return project_invariant(normed, model.lm_head.weight, None, slab_rows, model.lm_head, decode_gemm).float()
+    return project_invariant(normed, model.lm_head.weight, None, slab_rows, model.lm_head).float()

@@ -30,7 +30,7 @@ from batchd.engine.capabilities import check_compression
 from batchd.engine.checkpoint.gguf_file import read_gguf
 from batchd.engine.errors import CheckpointError, UnsupportedFeatureError
 from batchd.engine.pflash.bridge import INSTRUCTION_TOKENS, MIN_INSTRUCTION_KEPT, DrafterView, drafter_view, target_ids_after
-from batchd.engine.pflash.scoring import TAIL_ROWS, PaddedScorer, check_scoring_slots, score_prompt
+from batchd.engine.pflash.scoring import TAIL_ROWS, PaddedScorer, score_prompt
 from batchd.engine.pflash.selection import SelectionParams, Selection, select_chunks
 from batchd.engine.pflash.window import DEFAULT_SCORING_WINDOW, ScoringWindow
 from batchd.engine.drafter_names import file_identity
@@ -89,20 +89,17 @@ class PromptCompressor:
     """The PFlash pipeline for one engine: every docs/design.md constant is a parameter here or in
     `selection` (SelectionParams; its keep_ratio is replaced by each job's own). Drafter prompts
     longer than `scoring_window.exact_tokens` are scored with a windowed prefill
-    (engine.pflash.window); `scoring_window=None` scores every length exactly. The padded
-    scorer's forwards (CUDA) take `scoring_slots` prompts each (PaddedScorer's slots)."""
+    (engine.pflash.window); `scoring_window=None` scores every length exactly."""
 
     def __init__(self, residency: Optional[Residency] = None, *, selection: SelectionParams = SelectionParams(),
                  tail_rows: int = TAIL_ROWS, instruction_tokens: int = INSTRUCTION_TOKENS,
                  min_instruction_kept: float = MIN_INSTRUCTION_KEPT, scoring_chunk: Optional[int] = None,
-                 scoring_window: Optional[ScoringWindow] = DEFAULT_SCORING_WINDOW, scoring_slots: int = 1):
-        check_scoring_slots(scoring_slots, "scoring_slots")
+                 scoring_window: Optional[ScoringWindow] = DEFAULT_SCORING_WINDOW):
         self.residency = residency or Residency()
         self.selection, self.tail_rows = selection, tail_rows
         self.instruction_tokens, self.min_instruction_kept = instruction_tokens, min_instruction_kept
         self.scoring_chunk = scoring_chunk  # None: default_scoring_chunk(device)
         self.scoring_window = scoring_window  # None: exact scoring at every length
-        self.scoring_slots = scoring_slots
         self.last_report: Optional[CompressionReport] = None
 
     def compress(self, engine, prompt_ids: list[int], options: CompressionOptions, telemetry: Telemetry) -> list[int]:
@@ -115,8 +112,7 @@ class PromptCompressor:
     def compress_many(self, engine, jobs: list["CompressJob"]) -> list["Compressed | Exception"]:
         """Jobs waiting together, grouped by drafter checkpoint (file identity): each group is
         one drafter visit (one load, one park and unpark when the target must make room) that
-        scores its jobs one after another (`scoring_slots` at a time through the padded scorer).
-        Each job's telemetry gets its own scoring time (its share of a forward it shared) and
+        scores its jobs one after another. Each job's telemetry gets its own scoring and
         selection time and an equal share of the group's load, park and unpark. A drafter that
         cannot be loaded fails its group; a job whose scoring fails fails alone."""
         groups: dict[object, list[int]] = {}
@@ -135,15 +131,12 @@ class PromptCompressor:
         chunk = self.scoring_chunk or default_scoring_chunk(engine.device)
 
         def score_all(drafter: Drafter) -> list:
-            return self._score_group(engine, drafter, jobs, chunk, drafter_path)
+            return [self._score_one(engine, drafter, job, chunk, drafter_path) for job in jobs]
 
-        longest = max(len(job.prompt_ids) for job in jobs)
-        # the room a scoring forward needs: a padded one holds `scoring_slots` prompts
-        tokens = max(longest, self.scoring_slots * min(longest, PADDED_SCORING_MAX))
         visit = Telemetry()   # the group's load, park and unpark, shared out below
         try:
             scored = self.residency.with_drafter(engine, drafter_path, score_all, visit, activation_rows=chunk,
-                                                 prompt_tokens=tokens)
+                                                 prompt_tokens=max(len(job.prompt_ids) for job in jobs))
         except Exception as exc:  # noqa: BLE001 - with_drafter raises the group's EngineError
             scored = [exc] * len(jobs)
         # the visit's seconds that were no job's scoring (load, park, unpark), shared equally
@@ -160,70 +153,24 @@ class PromptCompressor:
                 out.append(exc)
         return out
 
-    def _score_group(self, engine, drafter: Drafter, jobs: list["CompressJob"], chunk: int, drafter_path: str) -> list:
-        """Each job's (view, scores, drafter sha256) or its error: the prompts `_graphed` takes
-        through the padded scorer's forwards, the others one by one; out of memory fails the visit."""
-        out: list = [None] * len(jobs)
-        padded: dict[int, DrafterView] = {}   # job index -> its drafter view, for the padded scorer
-        for i, job in enumerate(jobs):
-            try:
-                view = drafter_view(engine.codec, drafter.codec, job.prompt_ids, instruction_tokens=self.instruction_tokens)
-            except Exception as exc:  # noqa: BLE001 - this job's error; the others still score
-                out[i] = Residency.job_error(exc, drafter_path)
-                continue
-            if self._graphed(drafter, len(view.ids)):
-                padded[i] = view
-            else:
-                out[i] = self._score_one(drafter, job, view, chunk, drafter_path)
-        if padded:
-            scorer, waiting = self._padded_scorer(drafter), list(padded)
-            for forward in scorer.forwards([len(padded[i].ids) for i in waiting]):
-                together = [waiting[k] for k in forward]
-                outcomes = self._score_forward(scorer, drafter, [jobs[i] for i in together],
-                                               [padded[i] for i in together], drafter_path)
-                for i, outcome in zip(together, outcomes):
-                    out[i] = outcome
-        return out
-
-    def _score_one(self, drafter: Drafter, job: "CompressJob", view: DrafterView, chunk: int, drafter_path: str):
-        """A prompt the padded scorer does not take, by chunked prefill: (view, scores, drafter sha256)."""
+    def _score_one(self, engine, drafter: Drafter, job: "CompressJob", chunk: int, drafter_path: str):
+        """(view, scores, drafter sha256), or the job's error; out of memory fails the visit."""
         try:
+            view = drafter_view(engine.codec, drafter.codec, job.prompt_ids, instruction_tokens=self.instruction_tokens)
             began = time.perf_counter()
-            scores = score_prompt(drafter.model, view.ids, tail_rows=self.tail_rows, prefill_chunk=chunk,
-                                  window=self.scoring_window).cpu()
+            if self._graphed(drafter, len(view.ids)):
+                if drafter.scorer is None:
+                    drafter.scorer = PaddedScorer(drafter.model, tail_rows=self.tail_rows)
+                scores = drafter.scorer.score(view.ids).cpu()
+            else:
+                scores = score_prompt(drafter.model, view.ids, tail_rows=self.tail_rows, prefill_chunk=chunk,
+                                      window=self.scoring_window).cpu()
             job.telemetry.scoring_s += time.perf_counter() - began
             return view, scores, drafter.sha256
         except torch.OutOfMemoryError:
             raise   # the residency drops what it holds and fails the visit
         except Exception as exc:  # noqa: BLE001 - this job's error; the others still score
             return Residency.job_error(exc, drafter_path)
-
-    def _score_forward(self, scorer: PaddedScorer, drafter: Drafter, jobs: list["CompressJob"],
-                       views: list[DrafterView], drafter_path: str) -> list:
-        """Jobs that share one padded forward: each one's (view, scores, drafter sha256) and an
-        equal share of the forward's seconds. A forward that fails (not out of memory) is run
-        again for each job alone, so only the job whose prompt fails gets the error."""
-        try:
-            began = time.perf_counter()
-            scores = [s.cpu() for s in scorer.score_many([view.ids for view in views])]
-        except torch.OutOfMemoryError:
-            raise   # the residency drops what it holds and fails the visit
-        except Exception as exc:  # noqa: BLE001 - this job's error, or one of theirs: each alone finds it
-            if len(jobs) == 1:
-                return [Residency.job_error(exc, drafter_path)]
-            return [self._score_forward(scorer, drafter, [job], [view], drafter_path)[0]
-                    for job, view in zip(jobs, views)]
-        share_s = (time.perf_counter() - began) / len(jobs)
-        for job in jobs:
-            job.telemetry.scoring_s += share_s
-        return [(view, job_scores, drafter.sha256) for view, job_scores in zip(views, scores)]
-
-    def _padded_scorer(self, drafter: Drafter) -> PaddedScorer:
-        """The drafter's padded scorer (its graphs kept while the drafter stays loaded)."""
-        scorer = drafter.scorer
-        if scorer is None or scorer.slots != self.scoring_slots or scorer.tail_rows != self.tail_rows:
-            drafter.scorer = scorer = PaddedScorer(drafter.model, tail_rows=self.tail_rows, slots=self.scoring_slots)
-        return scorer
 
     def _select(self, engine, job: "CompressJob", view: DrafterView, scores, drafter_sha256: str,
                 visit_share_s: float) -> "Compressed":
@@ -271,9 +218,7 @@ def default_scoring_chunk(device) -> int:
 def scoring_window_key(compressor: PromptCompressor) -> str:
     """How long prompts are scored, for a job's fingerprint: the window decides which chunks survive."""
     window = compressor.scoring_window
-    key = "exact" if window is None else f"w{window.window}-b{window.block}-s{window.sink}"
-    # the padded forwards' slots change the scores' last bits (a GEMM of another shape)
-    return key if compressor.scoring_slots == 1 else f"{key}-slots{compressor.scoring_slots}"
+    return "exact" if window is None else f"w{window.window}-b{window.block}-s{window.sink}"
 
 
 def ensure_target_resident(engine) -> None:

@@ -103,12 +103,6 @@ def score_tail(model: Transformer, tail: torch.Tensor, cache: KVCache,
     return scores
 
 
-def check_scoring_slots(slots, name: str) -> None:
-    """Raise ValueError unless `slots` (prompts per scoring forward, PaddedScorer) is an int >= 1."""
-    if not isinstance(slots, int) or isinstance(slots, bool) or slots < 1:
-        raise ValueError(f"{name} must be a whole number >= 1 (prompts per scoring forward), got {slots!r}")
-
-
 SCORING_BUCKET = 512   # drafter tokens: prompts are padded on the right to a multiple of this
 
 
@@ -124,102 +118,64 @@ class PaddedScorer:
     layer, as `score_tail_queries_torch` does. A prompt's bits depend on its own length only (the
     padded length follows from it), never on what was scored before it.
 
-    `slots` prompts of one padded length L share a forward ([slots, L] tokens), so its GEMMs see
-    slots x L rows instead of L. Every forward has exactly `slots` slots, the empty ones holding
-    padding: the GEMMs' shape, and so the library's kernel, never depends on how many prompts
-    were waiting, and nothing mixes rows or slots (GEMM rows, norms, rope, attention per slot,
-    each slot's tail scored alone), so a prompt's bits do not depend on its slot or its
-    neighbours either. A lone prompt pays for the empty slots. slots=1 is the one-prompt forward.
-
-        scorer = PaddedScorer(drafter_model, slots=4)
-        scores = scorer.score(ids)               # [len(ids)] float32 on the model's device
-        many = scorer.score_many([ids_a, ids_b])  # one forward when both pad to one length
+        scorer = PaddedScorer(drafter_model)
+        scores = scorer.score(ids)          # [len(ids)] float32 on the model's device
     """
 
     def __init__(self, model: Transformer, *, tail_rows: int = TAIL_ROWS, bucket: int = SCORING_BUCKET,
-                 cuda_graphs: bool = True, slots: int = 1):
-        check_scoring_slots(slots, "scoring slots")
-        self.model, self.tail_rows, self.bucket, self.slots = model, tail_rows, bucket, slots
+                 cuda_graphs: bool = True):
+        self.model, self.tail_rows, self.bucket = model, tail_rows, bucket
         self.cuda_graphs = cuda_graphs and model.device.type == "cuda"
-        # padded length -> (graph, tokens [slots, L], positions [slots, tail_rows], scores [slots, L])
-        self._graphs: dict[int, tuple] = {}
+        self._graphs: dict[int, tuple] = {}   # padded length -> (graph, tokens, positions, scores)
         self._pool = None
 
     def padded_length(self, n: int) -> int:
         return -(-n // self.bucket) * self.bucket
 
-    def forwards(self, lengths: list[int]) -> list[list[int]]:
-        """The prompts (indices into `lengths`) each forward scores: those of one padded length,
-        `slots` at a time, in the order given."""
-        by_length: dict[int, list[int]] = {}
-        for i, n in enumerate(lengths):
-            by_length.setdefault(self.padded_length(n), []).append(i)
-        return [same[k : k + self.slots] for same in by_length.values() for k in range(0, len(same), self.slots)]
-
-    def score(self, ids: list[int]) -> torch.Tensor:
-        [scores] = self.score_many([ids])
-        return scores
-
     @torch.inference_mode()
-    def score_many(self, prompts: list[list[int]]) -> list[torch.Tensor]:
-        """Each prompt's [len(ids)] float32 scores (model's device), in `forwards`' forwards."""
-        for ids in prompts:
-            if not ids:
-                raise ValueError("cannot score an empty prompt")
-            if len(ids) <= self.tail_rows:
-                raise ValueError(f"a prompt of {len(ids)} tokens is all tail: score it with score_prompt")
-        out: list = [None] * len(prompts)
-        for forward in self.forwards([len(ids) for ids in prompts]):
-            for i, scores in zip(forward, self._score_forward([prompts[i] for i in forward])):
-                out[i] = scores
-        return out
-
-    def _score_forward(self, prompts: list[list[int]]) -> list[torch.Tensor]:
-        """Up to `slots` prompts of one padded length L in one forward of `slots` x L tokens."""
-        L = self.padded_length(len(prompts[0]))
-        host = torch.zeros((self.slots, L), dtype=torch.long)
-        # [slots, tail_rows]: the rows whose attention scores; an empty slot's are never read
-        positions = torch.arange(L - self.tail_rows, L).repeat(self.slots, 1)
-        for slot, ids in enumerate(prompts):
-            host[slot, : len(ids)] = torch.tensor(ids, dtype=torch.long)
-            positions[slot] = torch.arange(len(ids) - self.tail_rows, len(ids))
+    def score(self, ids: list[int]) -> torch.Tensor:
+        if not ids:
+            raise ValueError("cannot score an empty prompt")
+        S, L = len(ids), self.padded_length(len(ids))
+        if S <= self.tail_rows:
+            raise ValueError(f"a prompt of {S} tokens is all tail: score it with score_prompt")
+        host = torch.zeros((1, L), dtype=torch.long)
+        host[0, :S] = torch.tensor(ids, dtype=torch.long)
+        positions = torch.arange(S - self.tail_rows, S)   # [tail_rows], the rows whose attention scores
         if not self.cuda_graphs:
-            scores = self._forward(host.to(self.model.device), positions.to(self.model.device))
-        else:
-            graph, tokens, static_positions, scores = self._graphs.get(L) or self._capture(L)
-            tokens.copy_(host, non_blocking=True)
-            static_positions.copy_(positions, non_blocking=True)
-            graph.replay()
-        return [scores[slot, : len(ids)].clone() for slot, ids in enumerate(prompts)]
+            tokens = host.to(self.model.device)
+            return self._forward(tokens, positions.to(self.model.device))[:S].clone()
+        graph, tokens, static_positions, scores = self._graphs.get(L) or self._capture(L)
+        tokens.copy_(host, non_blocking=True)
+        static_positions.copy_(positions, non_blocking=True)
+        graph.replay()
+        return scores[:S].clone()
 
     def _forward(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """tokens [slots, L], positions [slots, tail_rows] (device) -> [slots, L] float32 scores."""
-        model, (slots, L) = self.model, tokens.shape
-        cache = ContiguousKVCache(model.config, L, model.device, model.dtype, batch_size=slots)
-        scores = torch.zeros((slots, L), dtype=torch.float32, device=model.device)
+        """tokens [1, L], positions [tail_rows] (device) -> [L] float32 scores."""
+        model, L = self.model, tokens.shape[1]
+        cache = ContiguousKVCache(model.config, L, model.device, model.dtype)
+        scores = torch.zeros(L, dtype=torch.float32, device=model.device)
         scale = model.layers[0].self_attn.scale
         cols = torch.arange(L, device=model.device)
 
         def observe(layer_idx: int, q, keys, values, start: int) -> None:
-            # q: [slots, Hq, L, D] every row's query; keys: [slots, Hkv, L, D]. Each slot's tail
-            # against its own keys, by the ops of a one-slot forward (the same bits in any slot)
+            # q: [1, Hq, L, D] every row's query; keys: [1, Hkv, L, D]
             Hq, D, Hkv = q.shape[1], q.shape[3], keys.shape[1]
-            group, rows = Hq // Hkv, positions.shape[1]
-            for slot in range(slots):
-                tail = positions[slot]
-                q_tail = q[slot].index_select(1, tail).float().reshape(Hkv, group * rows, D)
-                logits = torch.matmul(q_tail, keys[slot].float().transpose(1, 2)) * scale  # [Hkv, G*T, L]
-                hidden = cols[None, :] > tail.repeat(group)[:, None]                      # causal, padding out
-                probs = logits.masked_fill_(hidden, float("-inf")).softmax(dim=-1)
-                torch.maximum(scores[slot], probs.view(Hq, rows, L).mean(dim=1).amax(dim=0), out=scores[slot])
+            group, rows = Hq // Hkv, positions.shape[0]
+            q_tail = q[0].index_select(1, positions).float().reshape(Hkv, group * rows, D)
+            logits = torch.matmul(q_tail, keys[0].float().transpose(1, 2)) * scale     # [Hkv, G*T, L]
+            hidden = cols[None, :] > positions.repeat(group)[:, None]                 # causal, padding out
+            probs = logits.masked_fill_(hidden, float("-inf")).softmax(dim=-1)
+            torch.maximum(scores, probs.view(Hq, rows, L).mean(dim=1).amax(dim=0), out=scores)
 
         model.forward_at(tokens, cache, 0, observer=observe, last_only=True, head=False)
         return scores
 
     def _capture(self, L: int):
         device = self.model.device
-        tokens = torch.zeros((self.slots, L), dtype=torch.long, device=device)
-        positions = torch.arange(L - self.tail_rows, L, device=device).repeat(self.slots, 1)
+        tokens = torch.zeros((1, L), dtype=torch.long, device=device)
+        positions = torch.arange(L - self.tail_rows, L, device=device)
         graph, scores = capture(lambda: self._forward(tokens, positions), self._pool)
         self._pool = graph.pool()
         self._graphs[L] = (graph, tokens, positions, scores)

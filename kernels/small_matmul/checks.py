@@ -1,7 +1,6 @@
-"""Input checks shared by every linear kernel: small_linear's Triton and reference paths,
-kernels.stream_linear, kernels.fused_mlp and kernels.row_gemm (any number of rows: max_rows=None)
-(a module of its own, so the stream kernel that small_linear routes to imports the checks without
-importing small_linear)."""
+"""Input checks shared by every few-row linear: small_linear's Triton and reference paths,
+kernels.stream_linear and kernels.fused_mlp (a module of its own, so the stream kernel that
+small_linear routes to imports the checks without importing small_linear)."""
 from __future__ import annotations
 
 import torch
@@ -10,20 +9,16 @@ MAX_ROWS = 32
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-def check_linear_inputs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                        max_rows: int | None = MAX_ROWS) -> None:
-    """Raise ValueError naming the numbers when the shapes, dtypes, layouts or devices do not fit
-    (max_rows None: any number of rows from 1)."""
+def check_linear_inputs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    """Raise ValueError naming the numbers when the shapes, dtypes, layouts or devices do not fit."""
     if x.dim() != 2 or weight.dim() != 2:
         raise ValueError(f"expected x [M, K] and weight [N, K], got x {list(x.shape)}, weight {list(weight.shape)}")
     M, K = x.shape
     N, Kw = weight.shape
     if Kw != K:
         raise ValueError(f"x {list(x.shape)} and weight {list(weight.shape)} differ in K ({K} vs {Kw})")
-    if max_rows is None and M < 1:
-        raise ValueError(f"x must hold at least one row, got {list(x.shape)}")
-    if max_rows is not None and not 1 <= M <= max_rows:
-        raise ValueError(f"x must hold 1..{max_rows} rows, got {M}")
+    if not 1 <= M <= MAX_ROWS:
+        raise ValueError(f"x must hold 1..{MAX_ROWS} rows, got {M}")
     if N < 1 or K < 1:
         raise ValueError(f"weight must be non-empty, got {list(weight.shape)}")
     if x.dtype not in DTYPES or weight.dtype != x.dtype:

@@ -61,12 +61,11 @@ def test_submit_folder_glob_and_stdin_then_status_and_export(env, tmp_path, redi
     (["status", "--batch", "never-made"], "no batch named 'never-made'"),
     (["results", "--batch", "never-made"], "no batch named"),
     (["worker", "--model", "/models/missing.gguf"], "no checkpoint at /models/missing.gguf"),
-    (["worker", "--pflash-scoring-slots", "0"], "--pflash-scoring-slots (BATCHD_PFLASH_SCORING_SLOTS) must be at least 1"),
     (["run", "-", "--model", "/models/missing.gguf"], "no checkpoint at /models/missing.gguf"),
     (["generate", "--model", "/models/missing.gguf", "--prompt", "hi"], "no checkpoint"),
     (["submit", "-", "--batch", "b" * 300], "the batch name has 300 characters; give one of at most 255"),
 ], ids=["missing-file", "empty-glob", "negative-tokens", "template", "status", "results", "worker-model",
-        "worker-scoring-slots", "run-model", "generate-model", "batch-name-300"])
+        "run-model", "generate-model", "batch-name-300"])
 def test_person_errors_are_one_line(env, args, words):
     assert words in one_line_error(batchd_cli(args, env, input=b"some text"))
 

@@ -102,7 +102,7 @@ def test_urls_from_files(tmp_path):
 
 
 @pytest.mark.parametrize("name, value, kind", [("MAX_JOBS", "many", "a whole number"),
-                                               ("PFLASH_SCORING_SLOTS", "4.5", "a whole number"),
+                                               ("MAX_ATTEMPTS", "4.5", "a whole number"),
                                                ("LEASE_S", "soon", "a number")])
 def test_a_number_setting_that_is_not_one_names_its_variable(name, value, kind):
     with pytest.raises(ValueError, match=f"BATCHD_{name} must be {kind}, got '{value}'"):

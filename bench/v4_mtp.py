@@ -8,16 +8,19 @@ weights make the MTP's drafts nearly always rejected: the rows measure what draf
 of 1 + k rows cost against a plain decode step (acceptance is in the table; it is not the real
 model's). Every row checks that its tokens equal plain decoding's: V4's row-invariant path
 (engine.deepseek_v4.rows) makes a verify row its decode row bit for bit, so "same ids" must hold in
-bf16 too (proven on the CPU; on CUDA this bench is what lifts batch.speculation_refusal).
+bf16 too (proven on the CPU and, with this bench, on the H200).
 
-Per row: one prompt of --prompt random tokens -> --new greedy tokens (EOS ignored). Columns: steps
-(decode steps), ms/step (wall, all of it), mtp ms/step (the MTP's catch-up and chained drafts,
-synchronised), tok/s, drafts offered and accepted.
+Per row: --sequences prompts (default one) of --prompt random tokens in flight together -> --new
+greedy tokens each (EOS ignored). Columns: steps (decode steps), ms/step (wall, all of it), mtp
+ms/step (the MTP's catch-up and chained drafts, synchronised), tok/s (all sequences), drafts
+offered and accepted.
 
 Run on the H200:  python bench/v4_mtp.py
                   python bench/v4_mtp.py --layers 8 --widths 1 2 4 --new 64
+                  python bench/v4_mtp.py --layers 8 --widths 4 --sequences 12   (drafts of many sequences)
 CPU smoke:        python bench/v4_mtp.py --device cpu --smoke --layers 3 --prompt 40 --new 8
                   python bench/v4_mtp.py --device cpu --layers 2 --experts 6 --prompt 40 --new 5  (real sizes)
+                  python bench/v4_mtp.py --device cpu --smoke --layers 3 --prompt 100 --new 24 --widths 4 --sequences 12
 """
 from __future__ import annotations
 
@@ -63,7 +66,7 @@ def timed_drafter(engine: V4BatchEngine) -> list[float]:
     spent, device = [0.0], engine.model.device
     if engine.mtp is None:
         return spent
-    for method in ("observe", "propose"):
+    for method in ("observe", "propose_many"):
         inner = getattr(engine.mtp, method)
 
         def timed(*args, _inner=inner):
@@ -77,13 +80,15 @@ def timed_drafter(engine: V4BatchEngine) -> list[float]:
     return spent
 
 
-def run(model, mtp, prompt: list[int], new: int, method: str, width) -> dict:
-    engine = V4BatchEngine(model, max_context=len(prompt) + new + 32, eos_ids=set(), chunk=256, mtp=mtp)
+def run(model, mtp, prompts: list[list[int]], new: int, method: str, width) -> dict:
+    """The prompts in flight together (one sequence, or --sequences of them) -> a table row."""
+    engine = V4BatchEngine(model, max_context=max(map(len, prompts)) + new + 32, eos_ids=set(), chunk=256, mtp=mtp,
+                           max_running=len(prompts))
     spent = timed_drafter(engine)
     request = GenerationRequest(sampling=SamplingParams(max_new_tokens=new, ignore_eos=True),
                                 speculation=SpeculationOptions(method=method, width=width))
-    seq = engine.submit(prompt, request)
-    while seq.prompt_done_at is None:
+    seqs = [engine.submit(prompt, request) for prompt in prompts]
+    while any(seq.prompt_done_at is None for seq in seqs):
         engine.step()
     spent[0], steps = 0.0, 0
     synchronize(model.device)
@@ -96,8 +101,9 @@ def run(model, mtp, prompt: list[int], new: int, method: str, width) -> dict:
     return {"mode": "plain" if method == "none" else method,
             "width": width or ("adaptive" if method == "draft" else ""),
             "steps": steps, "ms/step": 1e3 * seconds / steps, "mtp ms/step": 1e3 * spent[0] / steps,
-            "tok/s": (len(seq.generated) - 1) / seconds, "offered": seq.spec_offered, "accepted": seq.spec_accepted,
-            "ids": seq.generated}
+            "tok/s": sum(len(seq.generated) - 1 for seq in seqs) / seconds,
+            "offered": sum(seq.spec_offered for seq in seqs), "accepted": sum(seq.spec_accepted for seq in seqs),
+            "ids": [seq.generated for seq in seqs]}
 
 
 def main() -> None:
@@ -107,15 +113,12 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=512)
     parser.add_argument("--new", type=int, default=48)
     parser.add_argument("--widths", type=int, nargs="+", default=[1, 2, 3])
+    parser.add_argument("--sequences", type=int, default=1, help="sequences in flight together (each its own prompt)")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
                         help="the weights' dtype ('same ids' must hold in both)")
     parser.add_argument("--smoke", action="store_true", help="the tests' tiny sizes (a CPU smoke run)")
     args = parser.parse_args()
-    # jobs are refused speculation where it is not yet proven to keep greedy output (CUDA bf16);
-    # this bench measures drafting there anyway, and its "same ids" column is the proof
-    import batchd.engine.deepseek_v4.batch as v4_batch
-    v4_batch.speculation_refusal = lambda device_type, dtype: None
     config = v4_config(args.layers, tiny=args.smoke)
     if not args.smoke:
         if args.experts < config.experts_per_token:
@@ -126,15 +129,15 @@ def main() -> None:
     with torch.no_grad():
         model.lm_head.weight.normal_(0, 0.5)   # spread logits: greedy picks far from bf16 ties
     mtp = random_mtp(config, args.device, dtype)
-    prompt = torch.randint(0, config.vocab_size, (args.prompt,)).tolist()
-    plain = run(model, None, prompt, args.new, "none", None)
-    rows = [plain] + [run(model, mtp, prompt, args.new, "draft", w) for w in [*args.widths, None]]
+    prompts = [torch.randint(0, config.vocab_size, (args.prompt,)).tolist() for _ in range(args.sequences)]
+    plain = run(model, None, prompts, args.new, "none", None)
+    rows = [plain] + [run(model, mtp, prompts, args.new, "draft", w) for w in [*args.widths, None]]
     plain_ids = plain["ids"]
     for row in rows:
         row["same ids"] = row.pop("ids") == plain_ids
     where = torch.cuda.get_device_name() if args.device.startswith("cuda") else args.device
     print(f"V4 {'tiny' if args.smoke else 'Flash'} shape, {args.dtype}: {args.layers} layers + MTP, "
-          f"{config.num_experts} experts, prompt {args.prompt}, {args.new} new tokens, {where}")
+          f"{config.num_experts} experts, {args.sequences} x prompt {args.prompt}, {args.new} new tokens, {where}")
     print_table(rows)
 
 

@@ -76,6 +76,7 @@ class V4BatchEngine:
         self._proposers: dict[int, PromptLookupProposer] = {}
         self.mtp = MTPDrafter(model, mtp) if mtp is not None else None
         self._mtp_states: dict[int, MTPState] = {}
+        self._mtp_widths: dict[int, int] = {}   # this plan's MTP draft widths, by seq_id
         self._next_id = 0
         model.setup_rope(max_context)
 
@@ -129,6 +130,8 @@ class V4BatchEngine:
     def step(self) -> list[Sequence]:
         """Run one step; return the sequences that finished in it (cancelled ones included)."""
         plan = self.last_plan = self.scheduler.plan(self._drafts_for)
+        if self._mtp_widths:
+            plan.decode = self._mtp_drafts(plan.decode)
         finished = list(plan.finished)
         began = time.perf_counter()   # the marks engine.batch.generate turns into telemetry
         for seq in [c.seq for c in plan.chunks] + [s for s, *_ in plan.replay] + [s for s, _ in plan.decode]:
@@ -239,13 +242,29 @@ class V4BatchEngine:
             width = min(fixed if fixed is not None else min(best_width(seq.spec_alpha, 0.05), MAX_LOOKUP_WIDTH), room)
             return proposer.propose(seq.tokens(), width).tokens.tolist() if width >= 1 else []
         adaptive = min(best_width(seq.spec_alpha, draft_cost(self.model.config)), MAX_ADAPTIVE_WIDTH)
-        return self.mtp.propose(state, seq.tokens(), min(fixed if fixed is not None else adaptive, room), seq.sampler)
+        width = max(0, min(fixed if fixed is not None else adaptive, room))
+        self._mtp_widths[seq.seq_id] = width
+        return [DRAFT_PLACEHOLDER] * width   # the plan reserves their positions; _mtp_drafts fills them
+
+    def _mtp_drafts(self, decode: list[tuple[Sequence, list[int]]]) -> list[tuple[Sequence, list[int]]]:
+        """The planned decode rows with the MTP's drafts in place of the placeholders: every
+        scheduled sequence's drafts at once (MTPDrafter.propose_many), and only theirs, so a
+        sequence the plan preempted draws nothing from its sampler."""
+        widths, self._mtp_widths = self._mtp_widths, {}
+        drafting = [seq for seq, _ in decode if seq.seq_id in widths]
+        proposals = self.mtp.propose_many([(self._mtp_states[seq.seq_id], seq.tokens(), widths[seq.seq_id], seq.sampler)
+                                           for seq in drafting])
+        by_id = {seq.seq_id: drafts for seq, drafts in zip(drafting, proposals)}
+        return [(seq, by_id.get(seq.seq_id, drafts)) for seq, drafts in decode]
 
     def _accept(self, seq: Sequence, new_tokens: list[int], finished: list[Sequence]) -> None:
         reason = seq.stopper.accept(seq.generated, new_tokens)
         if reason is not None:
             self.scheduler.finish(seq, reason)
             finished.append(seq)
+
+
+DRAFT_PLACEHOLDER = -1   # a draft the plan counts before the MTP has made it
 
 
 def row_groups(decode: list[tuple[Sequence, list[int]]]) -> list[list[tuple[Sequence, list[int]]]]:

@@ -35,7 +35,7 @@ from batchd.engine.deepseek_v4.config import CSA, HCA, SLIDING, V4Config
 from batchd.engine.deepseek_v4.hyper_connections import HyperHead
 from batchd.engine.deepseek_v4.model import Block, DeepseekV4, keeps_float32
 from batchd.engine.deepseek_v4.norms import RMSNorm
-from batchd.engine.deepseek_v4.rows import RowLinear
+from batchd.engine.deepseek_v4.rows import ROW_STEP, RowLinear
 from batchd.engine.deepseek_v4.weights import canonical_name, load_tensors
 from batchd.engine.sampling import Sampler
 
@@ -85,6 +85,27 @@ class MTPLayer(nn.Module):
         x = block(x, next_tokens, positions, cache.layers[0], start, target.rope[block.rope_family])
         cache.advance(T)
         return x, target.lm_head(self.norm(self.hc_head(x[:, -1:]))).float()[:, -1]
+
+    @torch.inference_mode()
+    def forward_rows(self, target: DeepseekV4, hidden: torch.Tensor, next_tokens: torch.Tensor,
+                     caches: list[V4Cache]) -> tuple[torch.Tensor, torch.Tensor]:
+        """One row for each of several sequences' caches, in one forward (DeepseekV4.hidden_rows'
+        way): hidden [1, N, n, H] (row b at caches[b].length), next_tokens [1, N] -> (streams
+        [1, N, n, H], logits [N, V] float32). N <= ROW_STEP keeps each row's bits those of
+        `forward` on that row alone (engine.deepseek_v4.rows)."""
+        starts = [cache.length for cache in caches]
+        for cache in caches:
+            cache.reserve(1)
+        target.setup_rope(max(cache.max_len for cache in caches))
+        positions = torch.tensor(starts, device=next_tokens.device)
+        embedded = self.e_proj(self.enorm(target.embed_tokens(next_tokens)))                 # [1, N, H]
+        x = embedded.unsqueeze(2) + self.h_proj(self.hnorm(hidden))                         # [1, N, n, H]
+        block = self.layers[0]
+        segments = [(cache.layers[0], start, 1) for cache, start in zip(caches, starts)]
+        x = block.forward_rows(x, next_tokens, positions, segments, target.rope[block.rope_family])
+        for cache in caches:
+            cache.advance(1)
+        return x, target.lm_head(self.norm(self.hc_head(x))).float()[0]
 
 
 def mtp_names(tensors: dict[str, torch.Tensor], index: int = 0) -> dict[str, torch.Tensor]:
@@ -159,6 +180,21 @@ class MTPState:
         self.pending, self.logits, self.streams = [], None, None
 
 
+@dataclass
+class _Lane:
+    """One sequence's drafting in `MTPDrafter.propose_many`."""
+
+    index: int                          # its place in the requests
+    state: MTPState
+    context: int                        # C: the position of the sequence's last token
+    width: int
+    sampler: Optional[Sampler]          # None: greedy drafts
+    logits: torch.Tensor                # [V]: the guess the next draft is taken from
+    streams: torch.Tensor               # [1, 1, n, H]: the row that guess came from, which the next row reads
+    drafts: list[torch.Tensor] = field(default_factory=list)   # [1, 1] each, on the device
+    probs: list[torch.Tensor] = field(default_factory=list)    # [V] each, sampled drafts' distributions
+
+
 class MTPDrafter:
     """Drafts for many sequences of one target with its MTP layer, one MTPState each."""
 
@@ -186,30 +222,48 @@ class MTPDrafter:
         self._catch_up(state, tokens)
 
     def propose(self, state: MTPState, tokens: list[int], width: int, sampler: Optional[Sampler] = None) -> list[int]:
-        """Up to `width` drafts for the tokens after `tokens` (whose last one, at position
-        C = len(tokens) - 1, the target computes next); the MTP's cache is left at length C.
-        Greedy (the MTP's argmax), or drawn from the MTP's distribution filtered by a sampling
-        job's `sampler`, which `state.probs` keeps for rejection sampling."""
-        self._catch_up(state, tokens)
-        state.probs = None
-        context = len(tokens) - 1
-        if width < 1 or state.logits is None or state.cache.length != context:
-            return []
-        sampled = sampler is not None and not sampler.greedy
-        drafts, probs = [], []                                # [1, 1] each, kept on the device: one sync
-        logits, streams = state.logits, state.streams
-        for i in range(width):
-            if i:
-                streams, rows = self.layer(self.target, streams, drafts[-1], state.cache)
-                logits = rows[0]
-            if sampled:
-                probs.append(sampler.probabilities(logits))                                   # [V]
-                drafts.append(sampler.draw(probs[-1]).view(1, 1))
-            else:
-                drafts.append(logits.argmax().view(1, 1))
-        state.cache.truncate(context)   # the chained rows were guesses; the target's streams replace them
-        state.probs = torch.stack(probs) if sampled else None
-        return torch.cat(drafts, dim=1)[0].tolist()
+        """`propose_many` for one sequence."""
+        return self.propose_many([(state, tokens, width, sampler)])[0]
+
+    def propose_many(self, requests: list[tuple[MTPState, list[int], int, Optional[Sampler]]]) -> list[list[int]]:
+        """Drafts for several sequences: for each (state, tokens, width, sampler), up to `width`
+        tokens after `tokens` (whose last one, at position C = len(tokens) - 1, the target computes
+        next); each MTP cache is left at length C. Draft 1 is the catch-up row's guess; draft i + 1
+        of every sequence still drafting is one row of one forward per ROW_STEP sequences
+        (`MTPLayer.forward_rows`), chained on the MTP's own streams. Greedy (the MTP's argmax), or
+        drawn from the MTP's distribution filtered by a sampling job's `sampler`, which
+        `state.probs` keeps for rejection sampling. One host sync for all of them."""
+        lanes = []
+        for index, (state, tokens, width, sampler) in enumerate(requests):
+            self._catch_up(state, tokens)
+            state.probs = None
+            if width >= 1 and state.logits is not None and state.cache.length == len(tokens) - 1:
+                lanes.append(_Lane(index, state, len(tokens) - 1, width,
+                                   sampler if sampler is not None and not sampler.greedy else None,
+                                   state.logits, state.streams))
+        for i in range(max((lane.width for lane in lanes), default=0)):
+            drafting = [lane for lane in lanes if lane.width > i]
+            for first in range(0, len(drafting) if i else 0, ROW_STEP):
+                group = drafting[first : first + ROW_STEP]
+                streams, logits = self.layer.forward_rows(
+                    self.target, torch.cat([lane.streams for lane in group], dim=1),
+                    torch.cat([lane.drafts[-1] for lane in group], dim=1), [lane.state.cache for lane in group])
+                for j, lane in enumerate(group):
+                    lane.logits, lane.streams = logits[j], streams[:, j : j + 1]
+            for lane in drafting:
+                if lane.sampler is not None:
+                    lane.probs.append(lane.sampler.probabilities(lane.logits))                   # [V]
+                    lane.drafts.append(lane.sampler.draw(lane.probs[-1]).view(1, 1))
+                else:
+                    lane.drafts.append(lane.logits.argmax().view(1, 1))
+        out: list[list[int]] = [[] for _ in requests]
+        if lanes:
+            flat = torch.cat([d for lane in lanes for d in lane.drafts], dim=1)[0].tolist()   # the one sync
+            for lane in lanes:
+                out[lane.index], flat = flat[: lane.width], flat[lane.width :]
+                lane.state.cache.truncate(lane.context)   # the chained rows were guesses; the target's replace them
+                lane.state.probs = torch.stack(lane.probs) if lane.sampler is not None else None
+        return out
 
     def _catch_up(self, state: MTPState, tokens: list[int]) -> None:
         """Run the pending rows whose next token is known (all of them but, after a prompt's last

@@ -16,7 +16,8 @@ if not hasattr(transformers, "DeepseekV4ForCausalLM"):
 from batchd.engine.deepseek_v4 import generate_greedy, load_folder  # noqa: E402
 from batchd.engine.deepseek_v4.batch import V4BatchEngine  # noqa: E402
 from batchd.engine.deepseek_v4.config import CSA  # noqa: E402
-from batchd.engine.deepseek_v4.mtp import build_mtp  # noqa: E402
+from batchd.engine.deepseek_v4.mtp import MTPDrafter, build_mtp  # noqa: E402
+from batchd.engine.sampling import Sampler  # noqa: E402
 from batchd.engine.types import GenerationRequest, SamplingParams  # noqa: E402
 from tests.engine.test_deepseek_v4_mtp import (NEW_TOKENS, assert_drafting_keeps_greedy_output, ids, request,  # noqa: E402
                                               run, write_v4_folder)
@@ -123,15 +124,46 @@ def test_oracle_drafts_accepted_in_part_keep_greedy_output(loaded, monkeypatch):
     prompt = ids(45, 6)
     expected = generate_greedy(model, prompt, NEW_TOKENS)
     engine = V4BatchEngine(model, max_context=128, eos_ids=set(), chunk=16, mtp=mtp)
-    inner = engine.mtp.propose
+    inner = engine.mtp.propose_many
 
-    def oracle(state, tokens, width, sampler=None):
-        inner(state, tokens, width, sampler)
-        done = len(tokens) - len(prompt)
-        return [*expected[done : done + 2], 0][:width]
-    monkeypatch.setattr(engine.mtp, "propose", oracle)
+    def oracle(requests):
+        inner(requests)
+        return [[*expected[len(tokens) - len(prompt) :][:2], 0][:width] for _, tokens, width, _ in requests]
+    monkeypatch.setattr(engine.mtp, "propose_many", oracle)
     seq = run(engine, [(prompt, request("draft", 3))])[0]
     assert seq.generated == expected and 0 < seq.spec_accepted < seq.spec_offered
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+def test_mtp_drafts_of_many_sequences_are_each_ones_drafts_alone(loaded, sampled):
+    """propose_many chains the drafts of several sequences as rows of shared MTP forwards; each
+    sequence's drafts and (sampled) draft distributions are bit for bit those it makes alone, at
+    widths 1 to 4, and each MTP cache is left at its context."""
+    model, mtp = loaded
+    drafter = MTPDrafter(model, mtp)
+    lengths, widths = [33, 70, 45, 90, 58], [4, 2, 1, 3, 4]
+    alone_states, together_states, contexts = [], [], []
+    for seed, length in enumerate(lengths):
+        tokens = ids(length + 1, 40 + seed)
+        streams = model.hidden(tokens_on(model, [tokens[:length]]), model.new_cache(128))[0]     # [length, n, H]
+        pair = [drafter.new_state(128), drafter.new_state(128)]
+        for state in pair:
+            drafter.observe(state, 0, streams, tokens)
+        alone_states.append(pair[0]), together_states.append(pair[1]), contexts.append(tokens)
+
+    def sampler(seed):
+        return Sampler(SamplingParams(temperature=0.8, top_k=20, seed=seed), model.device) if sampled else None
+
+    alone = [drafter.propose(state, tokens, width, sampler(i))
+             for i, (state, tokens, width) in enumerate(zip(alone_states, contexts, widths))]
+    together = drafter.propose_many([(state, tokens, width, sampler(i))
+                                     for i, (state, tokens, width) in enumerate(zip(together_states, contexts, widths))])
+    assert together == alone and [len(d) for d in alone] == widths
+    for a, b, tokens in zip(alone_states, together_states, contexts):
+        assert a.cache.length == b.cache.length == len(tokens) - 1
+        assert (a.probs is None) == (b.probs is None) == (not sampled)
+        if sampled:
+            assert torch.equal(a.probs, b.probs)
 
 
 class OracleLookup:

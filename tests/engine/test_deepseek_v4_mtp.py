@@ -84,16 +84,18 @@ def run(engine: V4BatchEngine, jobs) -> list:
 def with_oracle_drafts(engine: V4BatchEngine, jobs: dict[int, tuple[list[int], list[int]]], right: int = 2) -> None:
     """After the MTP drafts (its chained rows written and rolled back), replace its first `right`
     drafts by the target's greedy tokens. `jobs`: seq_id -> (prompt, generate_greedy's tokens)."""
-    propose = engine.mtp.propose
+    propose_many = engine.mtp.propose_many
 
-    def oracle(state, tokens, width, sampler=None):
-        drafts = propose(state, tokens, width, sampler)
-        seq_id = next(i for i, s in engine._mtp_states.items() if s is state)
-        prompt, expected = jobs[seq_id]
-        truth = expected[len(tokens) - len(prompt) : len(tokens) - len(prompt) + right]
-        return (truth + drafts[len(truth):])[: len(drafts)]
+    def oracle(requests):
+        out = []
+        for (state, tokens, _, _), drafts in zip(requests, propose_many(requests)):
+            seq_id = next(i for i, s in engine._mtp_states.items() if s is state)
+            prompt, expected = jobs[seq_id]
+            truth = expected[len(tokens) - len(prompt) : len(tokens) - len(prompt) + right]
+            out.append((truth + drafts[len(truth):])[: len(drafts)])
+        return out
 
-    engine.mtp.propose = oracle
+    engine.mtp.propose_many = oracle
 
 
 def assert_same_valid_parts(ours, theirs, length: int) -> None:

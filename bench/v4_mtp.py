@@ -66,7 +66,7 @@ def timed_drafter(engine: V4BatchEngine) -> list[float]:
     spent, device = [0.0], engine.model.device
     if engine.mtp is None:
         return spent
-    for method in ("observe", "propose_many"):
+    for method in ("observe_many", "propose_many"):
         inner = getattr(engine.mtp, method)
 
         def timed(*args, _inner=inner):

@@ -187,9 +187,17 @@ class V4BatchEngine:
     def _observe(self, seq: Sequence, start: int, streams: Optional[torch.Tensor]) -> None:
         """Hand the target's streams of positions [start, ...) of `seq` to its MTP (once the tokens
         they were computed for are the sequence's: after acceptance)."""
-        state = self._mtp_state(seq)
-        if state is not None and streams is not None and seq.status is not SequenceStatus.FINISHED:
-            self.mtp.observe(state, start, streams, seq.tokens())
+        self._observe_many([(seq, start, streams)])
+
+    def _observe_many(self, items: list[tuple[Sequence, int, Optional[torch.Tensor]]]) -> None:
+        """`_observe` for several sequences, whose MTP catch-ups share forwards."""
+        observed = []
+        for seq, start, streams in items:
+            state = self._mtp_state(seq)
+            if state is not None and streams is not None and seq.status is not SequenceStatus.FINISHED:
+                observed.append((state, start, streams, seq.tokens()))
+        if observed:
+            self.mtp.observe_many(observed)
 
     def _decode(self, group: list[tuple[Sequence, list[int]]], finished: list[Sequence]) -> None:
         """Each sequence's last token and drafts as rows of one forward (DeepseekV4.hidden_rows:
@@ -200,18 +208,19 @@ class V4BatchEngine:
         streams = self.model.hidden_rows(rows, views)[0]                                  # [N, n, H]
         logits = self.model.head(streams[None])[0]                                        # [N, V]
         greedy = logits.argmax(-1).tolist()
-        first = 0
+        first, accepted_rows = 0, []
         for (seq, drafts), lanes in zip(group, rows):
             end = first + len(lanes)
-            self._verify(seq, drafts, logits[first:end], greedy[first:end],
-                         streams[first:end] if seq.seq_id in self._mtp_states else None, finished)
+            accepted = self._verify(seq, drafts, logits[first:end], greedy[first:end], finished)
+            if seq.seq_id in self._mtp_states:   # the rejected rows' streams are dropped
+                accepted_rows.append((seq, seq.computed - 1 - accepted, streams[first : first + 1 + accepted]))
             first = end
+        self._observe_many(accepted_rows)   # the group's MTP catch-ups share forwards
 
     def _verify(self, seq: Sequence, drafts: list[int], lanes: torch.Tensor, greedy: list[int],
-                streams: Optional[torch.Tensor], finished: list[Sequence]) -> None:
+                finished: list[Sequence]) -> int:
         """lanes [1 + q, V]: accept the longest verified prefix (greedy) or rejection-sample
-        (arXiv 2211.17192). Rejected rows are forgotten by `computed` alone."""
-        start = seq.computed
+        (arXiv 2211.17192); -> the drafts accepted. Rejected rows are forgotten by `computed` alone."""
         if seq.sampler.greedy:
             accepted = 0
             while accepted < len(drafts) and drafts[accepted] == greedy[accepted]:
@@ -229,8 +238,7 @@ class V4BatchEngine:
             seq.record_speculation(len(drafts), accepted)
         seq.computed += 1 + accepted
         self._accept(seq, new, finished)
-        if streams is not None:
-            self._observe(seq, start, streams[: 1 + accepted])   # the rejected rows' streams are dropped
+        return accepted
 
     def _drafts_for(self, seq: Sequence) -> list[int]:
         proposer, state = self._proposers.get(seq.seq_id), self._mtp_state(seq)

@@ -21,10 +21,13 @@ The drafting cycle of one sequence (`MTPDrafter`, driven by engine.deepseek_v4.b
    positions it accepts replace them at the next `observe`.
 So the MTP's cache, like the target's, holds exactly the positions below its length, and a
 rejection costs a length move (every kind of V4 cache rolls back that way: engine.deepseek_v4.cache).
+`observe_many` and `propose_many` run the same cycle for several sequences at once: their rows
+share forwards of up to ROW_STEP rows (`MTPLayer.forward_rows`), each row's bits its own forward's.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from itertools import accumulate
 from typing import Optional
 
 import torch
@@ -88,24 +91,27 @@ class MTPLayer(nn.Module):
 
     @torch.inference_mode()
     def forward_rows(self, target: DeepseekV4, hidden: torch.Tensor, next_tokens: torch.Tensor,
-                     caches: list[V4Cache]) -> tuple[torch.Tensor, torch.Tensor]:
-        """One row for each of several sequences' caches, in one forward (DeepseekV4.hidden_rows'
-        way): hidden [1, N, n, H] (row b at caches[b].length), next_tokens [1, N] -> (streams
-        [1, N, n, H], logits [N, V] float32). N <= ROW_STEP keeps each row's bits those of
-        `forward` on that row alone (engine.deepseek_v4.rows)."""
+                     caches: list[V4Cache], counts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The next counts[b] rows of each of several sequences' caches in one forward
+        (DeepseekV4.hidden_rows' way): hidden [1, N, n, H] (sequence after sequence, N =
+        sum(counts), each sequence's rows from its cache's length on), next_tokens [1, N] ->
+        (streams [1, N, n, H], logits [B, V] float32 of each sequence's last row). N <= ROW_STEP
+        keeps each row's bits those of `forward` on its own sequence's rows (engine.deepseek_v4.rows)."""
         starts = [cache.length for cache in caches]
-        for cache in caches:
-            cache.reserve(1)
+        for cache, count in zip(caches, counts):
+            cache.reserve(count)
         target.setup_rope(max(cache.max_len for cache in caches))
-        positions = torch.tensor(starts, device=next_tokens.device)
+        positions = torch.tensor([p for start, count in zip(starts, counts) for p in range(start, start + count)],
+                                 device=next_tokens.device)
         embedded = self.e_proj(self.enorm(target.embed_tokens(next_tokens)))                 # [1, N, H]
         x = embedded.unsqueeze(2) + self.h_proj(self.hnorm(hidden))                         # [1, N, n, H]
         block = self.layers[0]
-        segments = [(cache.layers[0], start, 1) for cache, start in zip(caches, starts)]
+        segments = [(cache.layers[0], start, count) for cache, start, count in zip(caches, starts, counts)]
         x = block.forward_rows(x, next_tokens, positions, segments, target.rope[block.rope_family])
-        for cache in caches:
-            cache.advance(1)
-        return x, target.lm_head(self.norm(self.hc_head(x))).float()[0]
+        for cache, count in zip(caches, counts):
+            cache.advance(count)
+        last = torch.tensor(list(accumulate(counts)), device=x.device) - 1                 # [B]
+        return x, target.lm_head(self.norm(self.hc_head(x[:, last]))).float()[0]
 
 
 def mtp_names(tensors: dict[str, torch.Tensor], index: int = 0) -> dict[str, torch.Tensor]:
@@ -205,21 +211,27 @@ class MTPDrafter:
         return MTPState(self.layer.new_cache(max_len))
 
     def observe(self, state: MTPState, start: int, streams: torch.Tensor, tokens: list[int]) -> None:
-        """The target computed positions [start, start + T): streams [T, n, H]. `tokens`: the
-        sequence's tokens known now (prompt and generated); rows whose next token is among them
-        are run at once."""
-        if start < state.end:
-            self._rewind(state, start)
-        elif start > state.end:
-            # a prompt head shared from another sequence (prefix sharing): the target did not
-            # compute it here, so it has no streams; the MTP's rows there stay zero (weaker drafts
-            # until its window has passed them; the target's output does not depend on drafts)
-            self._catch_up(state, tokens)
-            state.pending, state.logits, state.streams = [], None, None
-            state.cache.reserve(start - state.cache.length)
-            state.cache.advance(start - state.cache.length)
-        state.pending.append(streams)
-        self._catch_up(state, tokens)
+        """`observe_many` for one sequence."""
+        self.observe_many([(state, start, streams, tokens)])
+
+    def observe_many(self, items: list[tuple[MTPState, int, torch.Tensor, list[int]]]) -> None:
+        """For each (state, start, streams, tokens): the target computed positions [start, start + T)
+        of that sequence, streams [T, n, H]; `tokens` are the sequence's tokens known now (prompt
+        and generated). Rows whose next token is among them are run at once: the sequences' rows
+        share forwards of up to ROW_STEP rows (`_catch_up_many`)."""
+        for state, start, streams, tokens in items:
+            if start < state.end:
+                self._rewind(state, start)
+            elif start > state.end:
+                # a prompt head shared from another sequence (prefix sharing): the target did not
+                # compute it here, so it has no streams; the MTP's rows there stay zero (weaker drafts
+                # until its window has passed them; the target's output does not depend on drafts)
+                self._catch_up_many([(state, tokens)])
+                state.pending, state.logits, state.streams = [], None, None
+                state.cache.reserve(start - state.cache.length)
+                state.cache.advance(start - state.cache.length)
+            state.pending.append(streams)
+        self._catch_up_many([(state, tokens) for state, _, _, tokens in items])
 
     def propose(self, state: MTPState, tokens: list[int], width: int, sampler: Optional[Sampler] = None) -> list[int]:
         """`propose_many` for one sequence."""
@@ -233,9 +245,9 @@ class MTPDrafter:
         (`MTPLayer.forward_rows`), chained on the MTP's own streams. Greedy (the MTP's argmax), or
         drawn from the MTP's distribution filtered by a sampling job's `sampler`, which
         `state.probs` keeps for rejection sampling. One host sync for all of them."""
+        self._catch_up_many([(state, tokens) for state, tokens, _, _ in requests])
         lanes = []
         for index, (state, tokens, width, sampler) in enumerate(requests):
-            self._catch_up(state, tokens)
             state.probs = None
             if width >= 1 and state.logits is not None and state.cache.length == len(tokens) - 1:
                 lanes.append(_Lane(index, state, len(tokens) - 1, width,
@@ -247,7 +259,8 @@ class MTPDrafter:
                 group = drafting[first : first + ROW_STEP]
                 streams, logits = self.layer.forward_rows(
                     self.target, torch.cat([lane.streams for lane in group], dim=1),
-                    torch.cat([lane.drafts[-1] for lane in group], dim=1), [lane.state.cache for lane in group])
+                    torch.cat([lane.drafts[-1] for lane in group], dim=1), [lane.state.cache for lane in group],
+                    [1] * len(group))
                 for j, lane in enumerate(group):
                     lane.logits, lane.streams = logits[j], streams[:, j : j + 1]
             for lane in drafting:
@@ -265,21 +278,43 @@ class MTPDrafter:
                 lane.state.probs = torch.stack(lane.probs) if lane.sampler is not None else None
         return out
 
-    def _catch_up(self, state: MTPState, tokens: list[int]) -> None:
-        """Run the pending rows whose next token is known (all of them but, after a prompt's last
-        chunk, the last one until its token is sampled), as one forward."""
-        if not state.pending:
-            return
-        start = state.cache.length
-        rows = torch.cat(state.pending) if len(state.pending) > 1 else state.pending[0]   # [P, n, H]
-        n = min(rows.shape[0], len(tokens) - 1 - start)
-        if n <= 0:
-            state.pending = [rows]
-            return
-        ids = torch.tensor([tokens[start + 1 : start + 1 + n]], device=self.layer.device)
-        out, logits = self.layer(self.target, rows[None, :n], ids, state.cache)
-        state.pending = [rows[n:]] if n < rows.shape[0] else []
-        state.logits, state.streams = logits[0], out[:, -1:]
+    def _catch_up_many(self, items: list[tuple[MTPState, list[int]]]) -> None:
+        """Run each state's pending rows whose next token is known (all of them but, after a prompt's
+        last chunk, the last one until its token is sampled). A sequence's rows are one forward
+        with those of the sequences beside it while they are at most ROW_STEP rows together (so
+        every row's bits are its own forward's); more rows (a prompt chunk) run alone."""
+        ready = []   # (state, rows [n, n_hc, H], next tokens)
+        for state, tokens in items:
+            if not state.pending:
+                continue
+            start = state.cache.length
+            rows = torch.cat(state.pending) if len(state.pending) > 1 else state.pending[0]   # [P, n, H]
+            n = min(rows.shape[0], len(tokens) - 1 - start)
+            if n <= 0:
+                state.pending = [rows]
+                continue
+            state.pending = [rows[n:]] if n < rows.shape[0] else []
+            ready.append((state, rows[:n], tokens[start + 1 : start + 1 + n]))
+        groups, size = [], ROW_STEP + 1
+        for item in ready:
+            if size + len(item[2]) > ROW_STEP:
+                groups.append([])
+                size = 0
+            groups[-1].append(item)
+            size += len(item[2])
+        for group in groups:
+            ids = torch.tensor([[t for _, _, next_tokens in group for t in next_tokens]], device=self.layer.device)
+            if len(group) == 1:
+                (state, rows, _), = group
+                out, logits = self.layer(self.target, rows[None], ids, state.cache)
+            else:
+                out, logits = self.layer.forward_rows(self.target, torch.cat([rows for _, rows, _ in group])[None], ids,
+                                                      [state.cache for state, _, _ in group],
+                                                      [len(next_tokens) for _, _, next_tokens in group])
+            last = -1
+            for b, (state, _, next_tokens) in enumerate(group):
+                last += len(next_tokens)
+                state.logits, state.streams = logits[b], out[:, last : last + 1]
 
     @staticmethod
     def _rewind(state: MTPState, position: int) -> None:

@@ -135,21 +135,29 @@ def test_oracle_drafts_accepted_in_part_keep_greedy_output(loaded, monkeypatch):
 
 
 @pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
-def test_mtp_drafts_of_many_sequences_are_each_ones_drafts_alone(loaded, sampled):
-    """propose_many chains the drafts of several sequences as rows of shared MTP forwards; each
-    sequence's drafts and (sampled) draft distributions are bit for bit those it makes alone, at
-    widths 1 to 4, and each MTP cache is left at its context."""
+def test_mtp_rows_of_many_sequences_are_each_ones_rows_alone(loaded, sampled):
+    """The MTP's catch-up rows of several sequences (ragged: 3, 1, 5, 2 and 4 accepted rows) share
+    one forward (observe_many), and their chained drafts share forwards too (propose_many); each
+    sequence's guesses, drafts and (sampled) draft distributions are bit for bit those it makes
+    alone, at widths 1 to 4, and each MTP cache is left at its context."""
     model, mtp = loaded
     drafter = MTPDrafter(model, mtp)
-    lengths, widths = [33, 70, 45, 90, 58], [4, 2, 1, 3, 4]
-    alone_states, together_states, contexts = [], [], []
-    for seed, length in enumerate(lengths):
-        tokens = ids(length + 1, 40 + seed)
-        streams = model.hidden(tokens_on(model, [tokens[:length]]), model.new_cache(128))[0]     # [length, n, H]
+    lengths, accepted, widths = [33, 70, 45, 90, 58], [3, 1, 5, 2, 4], [4, 2, 1, 3, 4]
+    alone_states, together_states, contexts, rows = [], [], [], []
+    for seed, (length, extra) in enumerate(zip(lengths, accepted)):
+        tokens = ids(length + extra + 1, 40 + seed)
+        streams = model.hidden(tokens_on(model, [tokens[:-1]]), model.new_cache(128))[0]     # [length + extra, n, H]
         pair = [drafter.new_state(128), drafter.new_state(128)]
         for state in pair:
-            drafter.observe(state, 0, streams, tokens)
+            drafter.observe(state, 0, streams[:length], tokens[: length + 1])    # the prompt: alone
         alone_states.append(pair[0]), together_states.append(pair[1]), contexts.append(tokens)
+        rows.append((length, streams[length:]))
+    for state, tokens, (length, streams) in zip(alone_states, contexts, rows):
+        drafter.observe(state, length, streams, tokens)
+    drafter.observe_many([(state, length, streams, tokens)
+                          for state, tokens, (length, streams) in zip(together_states, contexts, rows)])
+    for a, b in zip(alone_states, together_states):
+        assert torch.equal(a.logits, b.logits) and torch.equal(a.streams, b.streams)
 
     def sampler(seed):
         return Sampler(SamplingParams(temperature=0.8, top_k=20, seed=seed), model.device) if sampled else None

@@ -1,19 +1,23 @@
 #!/usr/bin/env bash
-# The GPU measurements the code in main still waits for, in stages of under 10 minutes each (the
-# device tool's limit per command). Run from the repository root on the GPU machine:
+# The GPU measurements the code in main still waits for, and the regression runs of the figures
+# docs/performance.md quotes, in stages of under 10 minutes each (the device tool's limit per
+# command). Run from the repository root on the GPU machine:
 #
 #   bash bench/gpu_pending.sh STAGE [STAGE ...]
 #
-# Stages (docs/performance.md says what each figure is for):
-#   tests      CUDA tests of code not yet run on a GPU: launch-ahead, rope_paged, silu_mul,
-#              and the batch invariance / speculation suites (~4 min)
+# Stages:
+#   tests      CUDA tests: V4 in bf16 (row invariance, MTP and lookup speculation, shared MTP rows:
+#              never run on a GPU since d57d550), batch invariance, launch-ahead, speculation,
+#              rope_paged, silu_mul (~3 min)
+#   v4         V4 (issue 37): MTP greedy equality and step cost, alone and 12 sequences drafting
+#              together (shared MTP forwards: never measured on a GPU), batch-1 decode against its
+#              roofline (last measured before the row-invariant path), documents/hour
+#   service64  64 x 4,096 -> 256 through the whole service against the engine alone (issue 35;
+#              last measured on the GPU at baa9253, before the bench ended at the last commit)
 #   batch      64 x 4,096 -> 256 at 8B: batched (launch ahead) and stepwise in one run (issue 34)
-#   service    PFlash through the whole service, 256 documents at keep 0.2 (issue 35); needs
-#              .carry/tok (a tokenizer dir: bench/random_checkpoint.py --tokenizer-only)
-#   slab256    the PFlash engine-alone row with 256-row decode slabs (one weight read at ~252 rows;
-#              never measured) against the default 128
-#   v4         V4 MTP greedy equality in bf16 on CUDA, and V4 documents/hour (issue 37)
+#   service    PFlash through the whole service, 256 documents at keep 0.2 (issue 35)
 #   table      the full issue-34 table: HF static batch, one job at a time, mixed workload
+# service and service64 need .carry/tok (a tokenizer dir: bench/random_checkpoint.py --tokenizer-only).
 #
 # Wheels the machine lacks travel in .whl/, made beforehand on a machine with the package index:
 #   python3 -m pip download --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -29,18 +33,19 @@ for stage in "$@"; do
   echo "=== $stage ($(date -u +%H:%M:%S))"
   case $stage in
     tests)
+      python3 -m pytest -q tests/engine/test_deepseek_v4_bf16.py -k cuda 2>&1 | tail -5
       python3 -m pytest -q -x tests/engine/test_batch_gpu.py tests/engine/test_spec_gpu.py \
         tests/kernels/test_rope_paged.py tests/kernels/test_silu_mul.py 2>&1 | tail -15 ;;
     batch)
       python3 bench/throughput.py --only-batched --no-hf --single-docs 0 --mixed-docs 0 ;;
     service)
       python3 bench/service_throughput.py --tokenizer-dir "$TOK" --pflash-only --phases ;;
-    slab256)
-      for slab in 128 256; do
-        python3 bench/service_throughput.py --tokenizer-dir "$TOK" --pflash-only --engine-only --slab $slab
-      done ;;
+    service64)
+      python3 bench/service_throughput.py --tokenizer-dir "$TOK" --pflash-docs 0 ;;
     v4)
       python3 bench/v4_mtp.py --layers 8 --widths 1 2 4
+      python3 bench/v4_mtp.py --layers 8 --widths 4 --sequences 12
+      python3 bench/decode.py --v4-layers 4 --prompt 512 --new-tokens 64
       python3 bench/throughput.py --v4-layers 4 --docs 16 ;;
     table)
       python3 bench/throughput.py --single-docs 2 --mixed-docs 32 ;;

@@ -23,7 +23,8 @@ from batchd.engine.errors import CheckpointError
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 _ITEM_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
-               "U16": 2, "U32": 4, "U64": 8, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+               "U16": 2, "U32": 4, "U64": 8, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1,
+               "F8_E8M0": 1, "F4": 0.5}   # UE8M0 block scales; FP4, two to a byte (the shape counts values)
 # An 8-byte length then a JSON header; anything claiming more than this is not a safetensors file.
 MAX_HEADER_BYTES = 100 << 20
 

@@ -22,6 +22,7 @@ from batchd.engine.deepseek_v4.cache import LayerCache, V4Cache
 from batchd.engine.deepseek_v4.config import SLIDING, V4Config
 from batchd.engine.deepseek_v4.hyper_connections import HyperConnection, HyperHead
 from batchd.engine.deepseek_v4.moe import MoE
+from batchd.engine.deepseek_v4.quantised import PACKED_DTYPES
 from batchd.engine.deepseek_v4.norms import RMSNorm
 from batchd.engine.deepseek_v4.rope import RopeTable
 from batchd.engine.deepseek_v4.rows import RowLinear
@@ -179,8 +180,9 @@ def load_folder(folder: str | Path, device="cpu", dtype: torch.dtype = torch.flo
     tensors = {}
     for path in _weight_files(folder)[0]:
         names = set(read_safetensors_header(path))
-        # integers (the hash routing table) keep their type; floats come in float32, cast by build_model
-        tensors.update({n: t if not t.is_floating_point() else t.float()
+        # integers (the hash routing table, FP4 bytes) keep their type; floats (FP8 values and
+        # scales too) come in float32, dequantised by weights.load_tensors, cast by build_model
+        tensors.update({n: t.float() if t.is_floating_point() and t.dtype not in PACKED_DTYPES else t
                         for n, t in read_tensors_as_stored(path, names).items()})
     model = build_model(config, device, dtype)
     aside = load_tensors(model, tensors, str(folder))

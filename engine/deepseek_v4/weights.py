@@ -7,8 +7,9 @@ table (conversion_mapping.py, "deepseek_v4"), then each layer's per-expert w1/w3
 `gate_up_proj` [E, 2I, H] and `down_proj` [E, H, I].
 
 Set aside with a note: the multi-token-prediction layer (`mtp.*`, the drafter the seed server
-calls DSpark), kept for engine.deepseek_v4.mtp, which builds the drafter from it. Refused:
-quantised tensors (FP8/FP4 with scales), which are not dequantised yet.
+calls DSpark), kept for engine.deepseek_v4.mtp, which builds the drafter from it. Quantised
+weights (FP8 linears, FP4 experts, with block scales) are dequantised first
+(engine.deepseek_v4.quantised).
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from batchd.engine.deepseek_v4.quantised import dequantised
 from batchd.engine.errors import CheckpointError
 
 # (pattern, replacement), applied in order to every name (transformers' table, same order)
@@ -40,12 +42,6 @@ RENAMES = [
     (r"\.scorer\.weights_proj\.", ".weights_proj."),  # transformers' in-memory name -> ours
 ]
 EXPERT = re.compile(r"^(layers\.\d+\.mlp\.experts)\.(\d+)\.(w[123])\.weight$")
-QUANTISED_SUFFIXES = ("_scale_inv", ".weight_scale", ".input_scale")
-
-
-def is_quantisation_scale(canonical: str) -> bool:
-    """FP8/FP4 block scales (`wq_a.scale`, `weight_scale_inv`); not the hyper-connections' `scale`."""
-    return canonical.endswith(QUANTISED_SUFFIXES) or (canonical.endswith(".scale") and not canonical.endswith("_hc.scale"))
 
 
 @dataclass
@@ -70,16 +66,13 @@ def canonical_name(name: str) -> str:
 
 
 def canonical_tensors(tensors: dict[str, torch.Tensor], source: str) -> tuple[dict[str, torch.Tensor], SetAside]:
-    """Checkpoint or transformers names -> the model's names, experts stacked."""
+    """Checkpoint or transformers names -> the model's names, quantised weights dequantised, experts stacked."""
     out, experts, aside = {}, {}, SetAside()
-    for name, value in tensors.items():
+    for name, value in dequantised(tensors, source).items():
         if name.removeprefix("model.").startswith("mtp."):
             aside.mtp[name.removeprefix("model.")] = value
             continue
         canonical = canonical_name(name)
-        if is_quantisation_scale(canonical):
-            raise CheckpointError(f"{source}: {name} is a quantisation scale; batchd does not dequantise V4's "
-                                  "FP8/FP4 weights yet: convert the checkpoint to bfloat16 first")
         match = EXPERT.match(canonical)
         if match:
             experts.setdefault(match[1], {}).setdefault(match[3], {})[int(match[2])] = value

@@ -161,13 +161,94 @@ def test_request_two_after_reset_matches_a_fresh_cache(pair):
     assert torch.equal(second, ours(prompt(40, seed=7), ours.new_cache(128)))
 
 
-def test_quantised_checkpoint_is_refused_with_what_to_do(tmp_path):
+FP4_CODES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+
+
+def quantise_fp8(weight: torch.Tensor, block: int, ue8m0: bool):
+    """weight [N, K] -> (float8_e4m3fn values, scales [N / block, K / block]: float32, or UE8M0)."""
+    N, K = weight.shape
+    blocks = weight.float().reshape(N // block, block, K // block, block)
+    scale = (blocks.abs().amax(dim=(1, 3)) / 448).clamp(min=2**-100)
+    if ue8m0:
+        scale = scale.log2().ceil().exp2()
+    values = (blocks / scale[:, None, :, None]).reshape(N, K).to(torch.float8_e4m3fn)
+    return values, scale.to(torch.float8_e8m0fnu) if ue8m0 else scale
+
+
+def quantise_fp4(weight: torch.Tensor, block: int, exponent_bytes: bool):
+    """weight [N, K] -> (int8 [N, K / 2], two e2m1 codes a byte, low nibble first; UE8M0 scales
+    [N, K / block], as float8_e8m0fnu or as their exponent bytes)."""
+    N, K = weight.shape
+    blocks = weight.float().reshape(N, K // block, block)
+    scale = (blocks.abs().amax(dim=-1) / 6).clamp(min=2**-100).log2().ceil().exp2()
+    x = (blocks / scale[..., None]).reshape(N, K)
+    codes = (x.abs()[..., None] - FP4_CODES).abs().argmin(dim=-1) + 8 * (x < 0)
+    packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8).view(torch.int8)
+    if exponent_bytes:
+        return packed, (scale.log2() + 127).to(torch.uint8)
+    return packed, scale.to(torch.float8_e8m0fnu)
+
+
+def test_fp8_and_fp4_checkpoints_load_as_transformers_dequantises_them(tmp_path):
+    """V4-Flash's formats: FP8 linears with block scales (float32 and UE8M0; transformers' and
+    DeepSeek's scale names) and FP4 routed experts (UE8M0 scales as float8_e8m0fnu and as exponent
+    bytes). Loaded, every parameter equals the one loaded from the same checkpoint dequantised by
+    transformers' own FP8 dequantiser and saved in float32; and the weights stay close to the
+    originals (so the nibble order and the block grid are right)."""
+    from safetensors.torch import load_file, save_file
+    from transformers.integrations.finegrained_fp8 import Fp8Dequantize
+
+    reference_model().save_pretrained(tmp_path / "bf16")
+    original = load_file(str(tmp_path / "bf16" / "model.safetensors"))
+    quantised, kinds = dict(original), set()
+    for i, (name, weight) in enumerate(sorted(original.items())):
+        linear = (".attn.w" in name or ".shared_experts." in name) and name.endswith(".weight") and weight.dim() == 2
+        if ".experts." in name and ".shared_experts." not in name:
+            q, s = quantise_fp4(weight, 16, exponent_bytes=i % 2 == 0)
+            scale_name = name.removesuffix(".weight") + ".scale"                          # DeepSeek's name
+        elif linear and weight.shape[0] % 16 == 0 and weight.shape[1] % 16 == 0:
+            q, s = quantise_fp8(weight, 16, ue8m0=i % 2 == 0)
+            scale_name = name + "_scale_inv" if i % 3 else name.removesuffix(".weight") + ".scale"
+        else:
+            continue
+        quantised[name], quantised[scale_name] = q, s
+        kinds.add((q.dtype, s.dtype))
+    assert kinds == {(torch.float8_e4m3fn, torch.float32), (torch.float8_e4m3fn, torch.float8_e8m0fnu),
+                     (torch.int8, torch.uint8), (torch.int8, torch.float8_e8m0fnu)}
+    (tmp_path / "quantised").mkdir()
+    (tmp_path / "quantised" / "config.json").write_text((tmp_path / "bf16" / "config.json").read_text())
+    save_file(quantised, str(tmp_path / "quantised" / "model.safetensors"))
+
+    reference = Fp8Dequantize(None)
+    dequantised = {name: t for name, t in quantised.items() if not name.endswith(("_scale_inv", ".scale"))}
+    for name, scale in quantised.items():
+        if name.endswith(("_scale_inv", ".scale")):
+            weight = name.removesuffix("_scale_inv") if name.endswith("_scale_inv") else name.removesuffix(".scale") + ".weight"
+            dequantised[weight] = reference._dequantize_one(quantised[weight], scale, output_dtype=torch.float32)
+    (tmp_path / "dequantised").mkdir()
+    (tmp_path / "dequantised" / "config.json").write_text((tmp_path / "bf16" / "config.json").read_text())
+    save_file(dequantised, str(tmp_path / "dequantised" / "model.safetensors"))
+
+    ours, _ = load_folder(tmp_path / "quantised")
+    theirs, _ = load_folder(tmp_path / "dequantised")
+    plain, _ = load_folder(tmp_path / "bf16")
+    for (name, got), (_, want), (_, before) in zip(ours.state_dict().items(), theirs.state_dict().items(),
+                                                   plain.state_dict().items()):
+        assert torch.equal(got, want), name
+        if got.is_floating_point():
+            assert relative_error(got, before) < 0.2, name     # FP4 keeps about one significant bit
+    assert torch.equal(ours(prompt(seed=8), ours.new_cache(128)), theirs(prompt(seed=8), theirs.new_cache(128)))
+
+
+def test_a_scale_without_its_weight_or_of_another_format_says_what_to_do(tmp_path):
     from safetensors.torch import load_file, save_file
 
     reference_model().save_pretrained(tmp_path)
     tensors = load_file(str(tmp_path / "model.safetensors"))
-    tensors["model.layers.0.attn.wq_a.scale"] = torch.ones(1)
-    save_file(tensors, str(tmp_path / "model.safetensors"))
+    save_file(tensors | {"model.layers.0.attn.wq_z.scale": torch.ones(1)}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(CheckpointError, match="no model.layers.0.attn.wq_z.weight; the checkpoint is incomplete"):
+        load_folder(tmp_path)
+    save_file(tensors | {"model.layers.0.attn.wq_a.weight_scale_2": torch.ones(1)}, str(tmp_path / "model.safetensors"))
     with pytest.raises(CheckpointError, match="convert the checkpoint to bfloat16"):
         load_folder(tmp_path)
 

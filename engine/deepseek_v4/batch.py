@@ -30,7 +30,7 @@ from batchd.engine.capabilities import capabilities_for
 from batchd.engine.deepseek_v4.model import DeepseekV4
 from batchd.engine.deepseek_v4.mtp import MAX_ADAPTIVE_WIDTH, MTPDrafter, MTPLayer, MTPState, draft_cost
 from batchd.engine.deepseek_v4.paged import PagedV4Pool
-from batchd.engine.deepseek_v4.rows import ROW_STEP
+from batchd.engine.deepseek_v4.rows import ROW_STEP, row_step_groups
 from batchd.engine.errors import BadInputError, PromptTooLongError, UnsupportedFeatureError
 from batchd.engine.sampling import Sampler
 from batchd.engine.speculative.adaptive import MAX_WIDTH, best_width, check_width
@@ -156,7 +156,8 @@ class V4BatchEngine:
                 self._observe(seq, first, streams)
         for seq, _ in plan.decode:
             seq.batch_sizes.append(len(plan.decode))
-        for group in row_groups(plan.decode):
+        # a sequence's token and drafts (at most ROW_STEP rows) are never split across forwards
+        for group in row_step_groups(plan.decode, lambda entry: 1 + len(entry[1])):
             self._decode(group, finished)
         for seq in finished:
             seq.finished_at = time.perf_counter()
@@ -210,10 +211,10 @@ class V4BatchEngine:
         greedy = logits.argmax(-1).tolist()
         first, accepted_rows = 0, []
         for (seq, drafts), lanes in zip(group, rows):
-            end = first + len(lanes)
+            end, start = first + len(lanes), seq.computed
             accepted = self._verify(seq, drafts, logits[first:end], greedy[first:end], finished)
             if seq.seq_id in self._mtp_states:   # the rejected rows' streams are dropped
-                accepted_rows.append((seq, seq.computed - 1 - accepted, streams[first : first + 1 + accepted]))
+                accepted_rows.append((seq, start, streams[first : first + 1 + accepted]))
             first = end
         self._observe_many(accepted_rows)   # the group's MTP catch-ups share forwards
 
@@ -273,16 +274,3 @@ class V4BatchEngine:
 
 
 DRAFT_PLACEHOLDER = -1   # a draft the plan counts before the MTP has made it
-
-
-def row_groups(decode: list[tuple[Sequence, list[int]]]) -> list[list[tuple[Sequence, list[int]]]]:
-    """The step's decode and verify rows in forwards of at most ROW_STEP rows, in plan order; a
-    sequence's rows (its token and drafts: at most ROW_STEP) are never split."""
-    groups, rows = [], ROW_STEP
-    for seq, drafts in decode:
-        if rows + 1 + len(drafts) > ROW_STEP:
-            groups.append([])
-            rows = 0
-        groups[-1].append((seq, drafts))
-        rows += 1 + len(drafts)
-    return groups

@@ -22,10 +22,10 @@ from batchd.engine.deepseek_v4.cache import LayerCache, V4Cache
 from batchd.engine.deepseek_v4.config import SLIDING, V4Config
 from batchd.engine.deepseek_v4.hyper_connections import HyperConnection, HyperHead
 from batchd.engine.deepseek_v4.moe import MoE
-from batchd.engine.deepseek_v4.quantised import PACKED_DTYPES
 from batchd.engine.deepseek_v4.norms import RMSNorm
+from batchd.engine.deepseek_v4.quantised import PACKED_DTYPES
 from batchd.engine.deepseek_v4.rope import RopeTable
-from batchd.engine.deepseek_v4.rows import RowLinear
+from batchd.engine.deepseek_v4.rows import RowLinear, segment_positions
 from batchd.engine.deepseek_v4.weights import load_tensors, read_tensors_as_stored
 
 # parameters kept in float32 whatever the model's dtype (transformers' _keep_in_fp32_modules_strict)
@@ -122,8 +122,7 @@ class DeepseekV4(nn.Module):
         for cache, rows in zip(caches, tokens):
             cache.reserve(len(rows))
         self.setup_rope(max(cache.max_len for cache in caches))
-        positions = torch.tensor([p for start, rows in zip(starts, tokens) for p in range(start, start + len(rows))],
-                                 device=self.device)
+        positions = segment_positions(starts, [len(rows) for rows in tokens], self.device)
         ids = torch.tensor([[t for rows in tokens for t in rows]], device=self.device)          # [1, N]
         streams = self.embed_tokens(ids).unsqueeze(2).expand(-1, -1, self.config.hc_mult, -1).contiguous()
         for i, layer in enumerate(self.layers):

@@ -38,7 +38,7 @@ from batchd.engine.deepseek_v4.config import CSA, HCA, SLIDING, V4Config
 from batchd.engine.deepseek_v4.hyper_connections import HyperHead
 from batchd.engine.deepseek_v4.model import Block, DeepseekV4, keeps_float32
 from batchd.engine.deepseek_v4.norms import RMSNorm
-from batchd.engine.deepseek_v4.rows import ROW_STEP, RowLinear
+from batchd.engine.deepseek_v4.rows import RowLinear, row_step_groups, segment_positions
 from batchd.engine.deepseek_v4.weights import canonical_name, load_tensors
 from batchd.engine.sampling import Sampler
 
@@ -101,8 +101,7 @@ class MTPLayer(nn.Module):
         for cache, count in zip(caches, counts):
             cache.reserve(count)
         target.setup_rope(max(cache.max_len for cache in caches))
-        positions = torch.tensor([p for start, count in zip(starts, counts) for p in range(start, start + count)],
-                                 device=next_tokens.device)
+        positions = segment_positions(starts, counts, next_tokens.device)
         embedded = self.e_proj(self.enorm(target.embed_tokens(next_tokens)))                 # [1, N, H]
         x = embedded.unsqueeze(2) + self.h_proj(self.hnorm(hidden))                         # [1, N, n, H]
         block = self.layers[0]
@@ -255,8 +254,7 @@ class MTPDrafter:
                                    state.logits, state.streams))
         for i in range(max((lane.width for lane in lanes), default=0)):
             drafting = [lane for lane in lanes if lane.width > i]
-            for first in range(0, len(drafting) if i else 0, ROW_STEP):
-                group = drafting[first : first + ROW_STEP]
+            for group in row_step_groups(drafting, lambda lane: 1) if i else []:   # draft 1: the catch-up's guess
                 streams, logits = self.layer.forward_rows(
                     self.target, torch.cat([lane.streams for lane in group], dim=1),
                     torch.cat([lane.drafts[-1] for lane in group], dim=1), [lane.state.cache for lane in group],
@@ -295,22 +293,11 @@ class MTPDrafter:
                 continue
             state.pending = [rows[n:]] if n < rows.shape[0] else []
             ready.append((state, rows[:n], tokens[start + 1 : start + 1 + n]))
-        groups, size = [], ROW_STEP + 1
-        for item in ready:
-            if size + len(item[2]) > ROW_STEP:
-                groups.append([])
-                size = 0
-            groups[-1].append(item)
-            size += len(item[2])
-        for group in groups:
+        for group in row_step_groups(ready, lambda item: len(item[2])):
             ids = torch.tensor([[t for _, _, next_tokens in group for t in next_tokens]], device=self.layer.device)
-            if len(group) == 1:
-                (state, rows, _), = group
-                out, logits = self.layer(self.target, rows[None], ids, state.cache)
-            else:
-                out, logits = self.layer.forward_rows(self.target, torch.cat([rows for _, rows, _ in group])[None], ids,
-                                                      [state.cache for state, _, _ in group],
-                                                      [len(next_tokens) for _, _, next_tokens in group])
+            out, logits = self.layer.forward_rows(self.target, torch.cat([rows for _, rows, _ in group])[None], ids,
+                                                  [state.cache for state, _, _ in group],
+                                                  [len(next_tokens) for _, _, next_tokens in group])
             last = -1
             for b, (state, _, next_tokens) in enumerate(group):
                 last += len(next_tokens)

@@ -81,3 +81,22 @@ def mean_square(x: torch.Tensor) -> torch.Tensor:
         return x.square().mean(-1, keepdim=True)
     flat = x.reshape(rows, x.shape[-1])
     return torch.cat([flat[i : i + 1].square().mean(-1, keepdim=True) for i in range(rows)]).view(*x.shape[:-1], 1)
+
+
+def row_step_groups(items: list, rows_of) -> list[list]:
+    """`items` in order, in groups whose rows (`rows_of(item)` each) are at most ROW_STEP together,
+    so each group can be one forward on the row-invariant path; an item of more rows goes alone."""
+    groups, rows = [], ROW_STEP + 1
+    for item in items:
+        if rows + rows_of(item) > ROW_STEP:
+            groups.append([])
+            rows = 0
+        groups[-1].append(item)
+        rows += rows_of(item)
+    return groups
+
+
+def segment_positions(starts: list[int], counts: list[int], device) -> torch.Tensor:
+    """The positions of sequences' rows laid out one sequence after another: counts[b] rows from
+    starts[b] -> [sum(counts)]."""
+    return torch.tensor([p for start, count in zip(starts, counts) for p in range(start, start + count)], device=device)

@@ -28,6 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import copy_bandwidth, print_table  # noqa: E402
+from bench.v4_shapes import layer_count  # noqa: E402
 from batchd.engine.presets import hf_config_dict, preset  # noqa: E402
 from batchd.engine.runtime import Engine, EngineConfig, build_model  # noqa: E402
 from batchd.engine.types import GenerationRequest, SamplingParams  # noqa: E402
@@ -131,8 +132,9 @@ def main() -> None:
     parser.add_argument("--no-hf", dest="hf", action="store_false")
     parser.add_argument("--no-fusion", dest="fusion", action="store_false")
     parser.add_argument("--compare-pdl", action="store_true", help="also time with kernel_options(pdl=False)")
-    parser.add_argument("--v4-layers", type=int, default=0,
-                        help="time a DeepSeek V4-Flash-shaped model of this many layers instead of --shapes")
+    parser.add_argument("--v4-layers", type=layer_count, default=0,
+                        help="time a DeepSeek V4-Flash-shaped model of this many layers instead of --shapes "
+                             "('fit': as many as the GPU holds)")
     parser.add_argument("--v4-smoke", action="store_true", help="with --v4-layers: tiny sizes on the CPU")
     args = parser.parse_args()
     if args.v4_layers:

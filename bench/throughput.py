@@ -31,6 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import copy_bandwidth, print_table  # noqa: E402
+from bench.v4_shapes import layer_count  # noqa: E402
 from bench.decode import kv_bytes_per_token, reference_model, weight_bytes_per_token  # noqa: E402
 from batchd.engine.batch import BatchOptions  # noqa: E402
 from batchd.engine.presets import preset  # noqa: E402
@@ -131,8 +132,9 @@ def main() -> None:
                         help="skip the row that reads every step back before planning the next (launch_ahead off)")
     parser.add_argument("--phases", action="store_true", help="also time prefill and decode steps apart (synchronised)")
     parser.add_argument("--only-batched", action="store_true", help="the batched rows only (tuning runs)")
-    parser.add_argument("--v4-layers", type=int, default=0,
-                        help="instead: the V4 batch engine on a DeepSeek V4-Flash-shaped model of N layers")
+    parser.add_argument("--v4-layers", type=layer_count, default=0,
+                        help="instead: the V4 batch engine on a DeepSeek V4-Flash-shaped model of N layers "
+                             "('fit': as many as the GPU holds)")
     parser.add_argument("--v4-smoke", action="store_true", help="with --v4-layers: tiny sizes on the CPU")
     args = parser.parse_args()
     if args.v4_layers:

@@ -1,5 +1,6 @@
 """Decode speed of a V4-shaped model (bench/decode.py --v4-layers N): V4-Flash's per-layer sizes and
-256 experts, N of its layers, random bf16 weights, batch 1.
+256 experts, N of its layers (`--v4-layers fit`: as many as the GPU holds), random bf16 weights,
+batch 1.
 
 The roofline counts the bytes one decode step reads: every weight but the embedding table (a
 gathered row) and the routed experts, plus each layer's k active experts (k distinct experts a
@@ -12,7 +13,7 @@ import time
 
 import torch
 
-from bench.v4_shapes import expert_bytes, random_v4_model, v4_config
+from bench.v4_shapes import expert_bytes, layers_that_fit, random_v4_model, v4_config
 from batchd.engine.generate import synchronize
 
 
@@ -46,8 +47,23 @@ def time_decode(model, prompt_len: int, new_tokens: int, warmup: int = 3) -> tup
     return prompt_len / prefill_s, new_tokens / (time.perf_counter() - start)
 
 
-def bench_v4(layers: int, prompt_len: int, new_tokens: int, bandwidth: float | None, smoke: bool) -> dict:
+# GPU memory left beside the weights with `--v4-layers fit`: the cache (16 documents of 4,352
+# positions keep about 0.4 GB a layer), the MoE's grouped-GEMM workspace and a 512-token chunk's activations
+FIT_RESERVE_BYTES = 12e9
+
+
+def resolve_layers(layers: int | str, smoke: bool) -> int:
+    """--v4-layers: a number, or "fit" (as many V4-Flash layers as the GPU holds in bf16)."""
+    if layers != "fit":
+        return layers
+    if smoke:
+        raise ValueError("--v4-layers fit sizes a V4-Flash model to the GPU; give a number with --v4-smoke")
+    return layers_that_fit("cuda", torch.bfloat16, FIT_RESERVE_BYTES)
+
+
+def bench_v4(layers: int | str, prompt_len: int, new_tokens: int, bandwidth: float | None, smoke: bool) -> dict:
     """One row: tok/s against the roofline of the bytes a decode step reads (no roofline in a smoke run)."""
+    layers = resolve_layers(layers, smoke)
     config = v4_config(layers, tiny=smoke)
     device, dtype = ("cpu", torch.float32) if smoke else ("cuda", torch.bfloat16)
     model = random_v4_model(config, device, dtype)
@@ -63,7 +79,7 @@ def bench_v4(layers: int, prompt_len: int, new_tokens: int, bandwidth: float | N
 
 
 @torch.inference_mode()
-def bench_v4_batch(layers: int, docs: int, prompt_len: int, new_tokens: int, smoke: bool, chunk: int = 512) -> dict:
+def bench_v4_batch(layers: int | str, docs: int, prompt_len: int, new_tokens: int, smoke: bool, chunk: int = 512) -> dict:
     """Documents per hour of the overnight workload on a V4-shaped model (bench/throughput.py
     --v4-layers N): `docs` random prompts of `prompt_len` tokens -> `new_tokens` greedy tokens each
     (EOS ignored) through the V4 batch engine, every document in flight at once; after a warm-up
@@ -71,6 +87,7 @@ def bench_v4_batch(layers: int, docs: int, prompt_len: int, new_tokens: int, smo
     from batchd.engine.deepseek_v4.batch import V4BatchEngine
     from batchd.engine.types import GenerationRequest, SamplingParams
 
+    layers = resolve_layers(layers, smoke)
     config = v4_config(layers, tiny=smoke)
     device, dtype = ("cpu", torch.float32) if smoke else ("cuda", torch.bfloat16)
     model = random_v4_model(config, device, dtype)

@@ -77,6 +77,32 @@ def materialize(config: V4Config, device, dtype: torch.dtype) -> DeepseekV4:
     return model.eval()
 
 
+def layers_that_fit(device, dtype: torch.dtype, reserve_bytes: float) -> int:
+    """How many V4-Flash layers fit in `device`'s free memory beside the embedding, the head and
+    `reserve_bytes` (the cache, the MoE's workspace and activations): `--v4-layers fit`."""
+    free = torch.cuda.mem_get_info(device)[0] if torch.device(device).type == "cuda" else None
+    if free is None:
+        raise ValueError("--v4-layers fit needs a CUDA device (it sizes the model to the GPU's free memory)")
+    one, two = (parameter_bytes(v4_config(n), dtype) for n in (1, 2))
+    layer = two - one   # a learned-routing layer (the hash-routed first one is a little smaller)
+    fixed = one - layer
+    fits = int((free - fixed - reserve_bytes) // layer)
+    total = flash_config_dict()["num_hidden_layers"] - 2
+    if fits < 1:
+        raise ValueError(f"not one V4-Flash layer ({layer / 1e9:.1f} GB) fits in {free / 1e9:.1f} GB free")
+    return min(fits, total)
+
+
+def parameter_bytes(config: V4Config, dtype: torch.dtype) -> int:
+    """The bytes `materialize` allocates for `config` (counted on the meta device)."""
+    return sum(p.numel() * p.element_size() for p in materialize(config, "meta", dtype).parameters())
+
+
+def layer_count(text: str) -> int | str:
+    """argparse type of `--v4-layers`: a number of layers, or "fit" (as many as the GPU holds)."""
+    return text if text == "fit" else int(text)
+
+
 def expert_bytes(config: V4Config, element_size: int) -> int:
     """One routed (or the shared) expert's weights: gate, up [I, H] and down [H, I]."""
     return 3 * config.hidden_size * config.moe_intermediate_size * element_size

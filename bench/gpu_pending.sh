@@ -35,7 +35,8 @@ for stage in "$@"; do
   echo "=== $stage ($(date -u +%H:%M:%S))"
   case $stage in
     tests)
-      python3 -m pytest -q tests/engine/test_deepseek_v4_bf16.py -k cuda 2>&1 | tail -5
+      python3 -m pytest -q tests/engine/test_deepseek_v4_bf16.py tests/engine/test_deepseek_v4.py \
+        tests/kernels/test_hyper_connection.py -k "cuda or hyper or rows_bits" 2>&1 | tail -5
       python3 -m pytest -q -x tests/engine/test_batch_gpu.py tests/engine/test_spec_gpu.py \
         tests/kernels/test_rope_paged.py tests/kernels/test_silu_mul.py 2>&1 | tail -15 ;;
     batch)

@@ -7,8 +7,11 @@ Sinkhorn-Knopp, mixes the incoming streams into the outgoing ones:
 
     streams' = post ⊗ block(sum_j pre_j streams_j) + combᵀ streams
 
-The sums over streams are written out stream by stream (elementwise, so a row's bits never depend
-on the others), and the mixes' projection goes through engine.deepseek_v4.rows.linear.
+The mixes' projection goes through engine.deepseek_v4.rows.linear. On CUDA the rest is one launch
+each side of the block (kernels.hyper_connection: a program per token row, where eager torch
+launched about 170 tiny kernels a block, Sinkhorn's 20 iterations 117 of them); elsewhere the
+kernels' twins (sums over streams written out stream by stream, elementwise, so a row's bits never
+depend on the others), with the sigmoids one call per row in a CPU row step (rows.per_row).
 """
 from __future__ import annotations
 
@@ -18,6 +21,9 @@ from torch import nn
 from batchd.engine.deepseek_v4.config import V4Config
 from batchd.engine.deepseek_v4.norms import unweighted_rms_norm
 from batchd.engine.deepseek_v4.rows import linear, per_row
+from batchd.kernels.hyper_connection import collapse_reference as collapse
+from batchd.kernels.hyper_connection import hc_merge, hc_split
+from batchd.kernels.hyper_connection import sinkhorn_reference as sinkhorn
 
 
 class HyperConnection(nn.Module):
@@ -35,6 +41,8 @@ class HyperConnection(nn.Module):
         """streams [B, T, n, H] -> (post [B, T, n], comb [B, T, n, n], the block input [B, T, H])."""
         n = self.n
         mixes = linear(unweighted_rms_norm(streams.flatten(2).float(), self.norm_eps), self.fn.float())
+        if streams.is_cuda:
+            return hc_split(mixes, self.scale, self.base, streams, self.iters, self.hc_eps)
         pre_w, post_w, comb_w = mixes.split([n, n, n * n], dim=-1)
         pre_b, post_b, comb_b = self.base.split([n, n, n * n])
         pre_s, post_s, comb_s = self.scale.unbind(0)
@@ -46,27 +54,10 @@ class HyperConnection(nn.Module):
 
     @staticmethod
     def merge(streams: torch.Tensor, block_out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
-        """streams [B, T, n, H], block_out [B, T, H] -> the next streams [B, T, n, H]."""
-        dtype = streams.dtype
-        # combᵀ streams in float32, rounded once (as a matmul's accumulator)
-        comb = comb.float()
-        mixed = sum(comb[..., j, :, None] * streams[..., j : j + 1, :].float() for j in range(streams.shape[2]))
-        return post.to(dtype).unsqueeze(-1) * block_out.unsqueeze(-2) + mixed.to(dtype)
-
-
-def collapse(pre: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
-    """pre [B, T, n] (float32), streams [B, T, n, H] -> sum_j pre_j streams_j [B, T, H] in the streams' dtype."""
-    pre = pre.unsqueeze(-1)
-    return sum(pre[..., j, :] * streams[..., j, :] for j in range(streams.shape[2])).to(streams.dtype)
-
-
-def sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
-    """[..., n, n] positive -> nearly doubly stochastic: columns, then rows and columns iters - 1 times."""
-    comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
-    for _ in range(iters - 1):
-        comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
-        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
-    return comb
+        """streams [B, T, n, H], block_out [B, T, H] -> the next streams [B, T, n, H]: post ⊗ block_out
+        formed in the streams' dtype, plus combᵀ streams summed in float32 and rounded once (as a
+        matmul's accumulator)."""
+        return hc_merge(streams, block_out, post, comb)
 
 
 class HyperHead(nn.Module):

@@ -125,6 +125,21 @@ def test_verify_of_q_tokens_matches_transformers(pair, q):
     assert relative_error(ours(draft, cache), reference_step(reference, draft, ref_cache)) < 1e-4
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
+def test_on_cuda_in_float32_prefill_and_decode_match_transformers(pair, tmp_path):
+    """The CUDA path (the hyper-connection kernels, kernels.small_matmul, the grouped MoE kernel)
+    computes the same model: logits within 1e-4 of transformers' on the CPU."""
+    reference, _ = pair
+    reference.save_pretrained(tmp_path)
+    ours, _ = load_folder(tmp_path, device="cuda")
+    ids, following = prompt(), prompt(6, seed=2)
+    ref_cache, cache = transformers.DynamicCache(config=reference.config), ours.new_cache(128)
+    assert relative_error(ours(ids.cuda(), cache).cpu(), reference_step(reference, ids, ref_cache)) < 1e-4
+    for i in range(following.shape[1]):
+        token = following[:, i : i + 1]
+        assert relative_error(ours(token.cuda(), cache).cpu(), reference_step(reference, token, ref_cache)) < 1e-4, i
+
+
 def test_greedy_generation_matches_transformers_token_for_token(pair):
     reference, ours = pair
     ids = prompt()

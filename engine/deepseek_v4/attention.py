@@ -23,7 +23,7 @@ from batchd.engine.deepseek_v4.compressor import Compressor, Indexer, visible_en
 from batchd.engine.deepseek_v4.config import CSA, SLIDING, V4Config
 from batchd.engine.deepseek_v4.norms import RMSNorm, unweighted_rms_norm
 from batchd.engine.deepseek_v4.rope import RopeTable, apply_rope
-from batchd.engine.deepseek_v4.rows import RowLinear, is_row_step, linear
+from batchd.engine.deepseek_v4.rows import CUDA_ROW_SLAB, RowLinear, is_row_step, linear
 
 
 class GroupedLinear(nn.Module):
@@ -38,10 +38,15 @@ class GroupedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [B, T, g, in] -> [B, T, g rank]."""
         w = self.weight.view(self.groups, -1, x.shape[-1])                         # [g, rank, in]
-        if not is_row_step(x.shape[0] * x.shape[1]):
+        B, T, g, _ = x.shape
+        if not is_row_step(B * T):
             return torch.einsum("btgi,gri->btgr", x, w).flatten(2)
-        # a row step: each group's slice as one row-invariant projection [B, T, in] -> [B, T, rank]
-        return torch.cat([linear(x[:, :, g].contiguous(), w[g]) for g in range(self.groups)], dim=-1)
+        if x.is_cuda:  # a row step: every group at once over CUDA_ROW_SLAB zero-padded rows (one shape)
+            padded = torch.cat([x.reshape(B * T, g, -1), x.new_zeros(CUDA_ROW_SLAB - B * T, g, x.shape[-1])])
+            out = torch.bmm(padded.transpose(0, 1), w.transpose(1, 2))                # [g, slab, rank]
+            return out.transpose(0, 1)[: B * T].reshape(B, T, -1)
+        # each group's slice as one row-invariant projection [B, T, in] -> [B, T, rank]
+        return torch.cat([linear(x[:, :, i].contiguous(), w[i]) for i in range(g)], dim=-1)
 
 
 class Attention(nn.Module):

@@ -120,7 +120,7 @@ class Attention(nn.Module):
         if self.compressor is not None:
             entries, entry_mask = self._compressed(x, q_residual, positions, cache, start, end, rope)
             entries = entries.to(x.dtype)                                              # [B, n, D], [B, T, n]
-        if is_row_step(B * T):
+        if is_row_step(B * T):  # (entry_mask here: the CSA rows' picks, or None)
             return self._attend_rows(q, keys, first, start, entries, entry_mask)
         key_pos = torch.arange(first, end, device=x.device)
         in_window = (key_pos[None] <= positions[:, None]) & (key_pos[None] > positions[:, None] - self.window)
@@ -137,47 +137,56 @@ class Attention(nn.Module):
         out = apply_rope(out, cos, -sin)
         return self.o_b_proj(self.o_a_proj(out.reshape(B, T, self.o_groups, -1)))
 
-    def _attend_rows(self, q, keys, first, start, entries, entry_mask) -> torch.Tensor:
+    def _attend_rows(self, q, keys, first, start, entries, picks) -> torch.Tensor:
         """A row step's attention, each query row as its own call over exactly the keys it sees (its
         window's rows, then its visible, in CSA chosen, entries in index order), as its decode step
-        computes it. q [B, T, Hq, D], keys [B, L, D] from position `first`, entries [B, n, D] and
-        entry_mask [B, T, n] or None -> [B, T, Hq, D]."""
+        computes it. q [B, T, Hq, D], keys [B, L, D] from position `first`, entries [B, n, D] or
+        None; picks: a CSA layer's chosen entries of each row ([B][T] ascending indices, None where
+        none is visible: Indexer.select), None in an HCA layer (a row sees every entry whose window
+        ended by it). Nothing is read back to the host. -> [B, T, Hq, D]."""
         B, T = q.shape[:2]
         out = torch.empty_like(q)
         for b in range(B):
             for i in range(T):
                 t = start + i
                 row_keys = keys[b, max(first, t - self.window + 1) - first : t + 1 - first]
-                if entries is not None:
-                    row_keys = torch.cat([row_keys, entries[b][entry_mask[b, i]]])
-                row_keys = row_keys.clone()[None]   # its own (aligned) buffer, as a decode row's   [1, K, D]
-                everything = torch.ones(1, 1, row_keys.shape[1], dtype=torch.bool, device=q.device)
-                out[b, i] = attend_with_sinks(q[b, i].clone()[None, None], row_keys, everything, self.sinks,
+                if entries is None:
+                    row_keys = row_keys.clone()   # its own (aligned) buffer, as a decode row's   [K, D]
+                else:  # concatenated: a buffer of its own too
+                    if picks is None:
+                        seen = entries[b, : (t + 1) // self.compressor.rate]
+                    else:
+                        seen = entries[b, :0] if picks[b][i] is None else entries[b].index_select(0, picks[b][i])
+                    row_keys = torch.cat([row_keys, seen])
+                out[b, i] = attend_with_sinks(q[b, i].clone()[None, None], row_keys[None], None, self.sinks,
                                               self.scale)[0, 0]
         return out
 
     def _compressed(self, x, q_residual, positions, cache: LayerCache, start, end, rope):
         """Store the step's compressor projections, close the windows that completed, and say
-        which entries each query sees -> (entries [B, n, D], mask [B, T, n])."""
+        which entries each query sees -> (entries [B, n, D], mask [B, T, n]); in a row step the
+        mask is None in HCA (every visible entry) and the indexer's picks in CSA (Indexer.select)."""
         compressor = self.compressor
         compressor.store(x, cache.compressor, start)
         n = compressor.close_windows(cache.compressor, start, end, rope)
         entries = cache.compressor.entries.read(0, n)
+        row_step = is_row_step(x.shape[0] * x.shape[1])
         if self.kind != CSA:
-            return entries, visible_entries(positions, n, compressor.rate).expand(x.shape[0], -1, -1)
+            return entries, None if row_step else visible_entries(positions, n, compressor.rate).expand(x.shape[0], -1, -1)
         indexer = compressor.indexer
         indexer.store(x, cache.indexer, start)
         indexer.close_windows(cache.indexer, start, end, rope)
-        chosen = indexer.select(x, q_residual, positions, cache.indexer.entries.read(0, n), rope)
+        chosen = indexer.select(x, q_residual, positions, cache.indexer.entries.read(0, n), rope, start)
         return entries, chosen
 
 
 def attend_with_sinks(q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, sinks: torch.Tensor,
                       scale: float) -> torch.Tensor:
     """Multi-query attention with one sink logit per head (probability mass that goes nowhere).
-    q [B, T, Hq, D], keys (= values) [B, K, D], mask [B, T, K] bool, sinks [Hq] -> [B, T, Hq, D]."""
+    q [B, T, Hq, D], keys (= values) [B, K, D], mask [B, T, K] bool or None, sinks [Hq] -> [B, T, Hq, D]."""
     logits = torch.einsum("bthd,bkd->bhtk", q, keys) * scale                      # [B, Hq, T, K]
-    logits = logits.masked_fill(~mask[:, None], float("-inf"))
+    if mask is not None:   # None: every key
+        logits = logits.masked_fill(~mask[:, None], float("-inf"))
     sink = sinks.to(logits.dtype)[None, :, None, None].expand(*logits.shape[:3], 1)
     combined = torch.cat([logits, sink], dim=-1)
     combined = combined - combined.max(dim=-1, keepdim=True).values

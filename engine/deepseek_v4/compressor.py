@@ -92,10 +92,11 @@ class Indexer(Compressor):
         self.q_b_proj = RowLinear(config.q_lora_rank, self.num_heads * self.head_dim, bias=False)
         self.weights_proj = RowLinear(config.hidden_size, self.num_heads, bias=False)
 
-    def select(self, hidden, q_residual, positions, entries, rope: RopeTable) -> torch.Tensor:
-        """Which entries each query attends to.
-        hidden [B, T, H], q_residual [B, T, R], positions [T], entries [B, n, Di] -> [B, T, n] bool:
-        the top `index_topk` by score among the entries whose window ended at or before the query."""
+    def select(self, hidden, q_residual, positions, entries, rope: RopeTable, start: int):
+        """Which entries each query attends to: the top `index_topk` by score among the entries whose
+        window ended at or before the query. hidden [B, T, H], q_residual [B, T, R], positions [T]
+        = [start, start + T), entries [B, n, Di] -> [B, T, n] bool; in a row step the picks of each
+        row ([B][T] ascending indices, None where no entry is visible yet)."""
         B, T, _ = hidden.shape
         n = entries.shape[1]
         cos, sin = rope.at(positions)                                                  # [T, rope/2]
@@ -103,7 +104,7 @@ class Indexer(Compressor):
         q = apply_rope(q, cos[:, None], sin[:, None])                                  # [B, T, Hi, Di]
         weights = self.weights_proj(hidden).float() * self.num_heads**-0.5             # [B, T, Hi]
         if is_row_step(B * T):
-            return self._select_rows(q, weights, positions, entries)
+            return self._select_rows(q, weights, start, entries)
         scores = torch.matmul(q.float(), entries.float().transpose(-1, -2).unsqueeze(1))   # [B, T, Hi, n]
         scores = F.relu(scores) * self.head_dim**-0.5
         scores = (scores * weights.unsqueeze(-1)).sum(dim=2)                          # [B, T, n]
@@ -116,20 +117,23 @@ class Indexer(Compressor):
         chosen.scatter_(-1, picks, True)
         return chosen & visible
 
-    def _select_rows(self, q, weights, positions, entries) -> torch.Tensor:
+    def _select_rows(self, q, weights, start: int, entries) -> list[list]:
         """`select` of a row step: each query scored against exactly the entries it may see, alone
-        (its decode step's candidate list). q [B, T, Hi, Di], weights [B, T, Hi] -> [B, T, n] bool."""
+        (its decode step's candidate list). q [B, T, Hi, Di], weights [B, T, Hi] -> [B][T] ascending
+        indices of its picks (None: none visible); the host knows how many each row sees, so
+        nothing is read back."""
         B, T = q.shape[:2]
-        chosen = torch.zeros(B, T, entries.shape[1], dtype=torch.bool, device=q.device)
-        for i, seen in enumerate(((positions + 1) // self.rate).tolist()):
+        picks = [[None] * T for _ in range(B)]
+        for i in range(T):
+            seen = (start + i + 1) // self.rate
             if seen == 0:
                 continue
             for b in range(B):
                 row = q[b, i].to(torch.float32, copy=True)                  # its own buffer, as a decode row's
                 scores = F.relu(row @ entries[b, :seen].float().T) * self.head_dim**-0.5                 # [Hi, seen]
                 scores = (scores * weights[b, i, :, None]).sum(dim=0)                                  # [seen]
-                chosen[b, i, scores.topk(min(self.top_k, seen)).indices] = True
-        return chosen
+                picks[b][i] = scores.topk(min(self.top_k, seen)).indices.sort().values
+        return picks
 
 
 def visible_entries(positions: torch.Tensor, n: int, rate: int) -> torch.Tensor:

@@ -23,7 +23,7 @@ from batchd.engine.deepseek_v4.compressor import Compressor, Indexer, visible_en
 from batchd.engine.deepseek_v4.config import CSA, SLIDING, V4Config
 from batchd.engine.deepseek_v4.norms import RMSNorm, unweighted_rms_norm
 from batchd.engine.deepseek_v4.rope import RopeTable, apply_rope
-from batchd.engine.deepseek_v4.rows import CUDA_ROW_SLAB, RowLinear, is_row_step, linear
+from batchd.engine.deepseek_v4.rows import RowLinear, is_row_step, linear, padded_rows
 
 
 class GroupedLinear(nn.Module):
@@ -41,9 +41,8 @@ class GroupedLinear(nn.Module):
         B, T, g, _ = x.shape
         if not is_row_step(B * T):
             return torch.einsum("btgi,gri->btgr", x, w).flatten(2)
-        if x.is_cuda:  # a row step: every group at once over CUDA_ROW_SLAB zero-padded rows (one shape)
-            padded = torch.cat([x.reshape(B * T, g, -1), x.new_zeros(CUDA_ROW_SLAB - B * T, g, x.shape[-1])])
-            out = torch.bmm(padded.transpose(0, 1), w.transpose(1, 2))                # [g, slab, rank]
+        if x.is_cuda:  # a row step: every group at once over CUDA_ROW_SLAB rows (one shape: rows.padded_rows)
+            out = torch.bmm(padded_rows(x.reshape(B * T, g, -1)).transpose(0, 1), w.transpose(1, 2))  # [g, slab, rank]
             return out.transpose(0, 1)[: B * T].reshape(B, T, -1)
         # each group's slice as one row-invariant projection [B, T, in] -> [B, T, rank]
         return torch.cat([linear(x[:, :, i].contiguous(), w[i]) for i in range(g)], dim=-1)

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from batchd.engine.deepseek_v4.config import V4Config
-from batchd.engine.deepseek_v4.norms import unweighted_rms_norm
+from batchd.engine.deepseek_v4.norms import rms_normalize
 from batchd.engine.deepseek_v4.rows import linear, per_row
 from batchd.kernels.hyper_connection import collapse_reference as collapse
 from batchd.kernels.hyper_connection import hc_merge, hc_split
@@ -40,7 +40,7 @@ class HyperConnection(nn.Module):
     def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """streams [B, T, n, H] -> (post [B, T, n], comb [B, T, n, n], the block input [B, T, H])."""
         n = self.n
-        mixes = linear(unweighted_rms_norm(streams.flatten(2).float(), self.norm_eps), self.fn.float())
+        mixes = linear(rms_normalize(streams.flatten(2), self.norm_eps), self.fn.float())
         if streams.is_cuda:
             return hc_split(mixes, self.scale, self.base, streams, self.iters, self.hc_eps)
         pre_w, post_w, comb_w = mixes.split([n, n, n * n], dim=-1)
@@ -73,6 +73,6 @@ class HyperHead(nn.Module):
 
     def forward(self, streams: torch.Tensor) -> torch.Tensor:
         """streams [B, T, n, H] -> [B, T, H]."""
-        mixes = linear(unweighted_rms_norm(streams.flatten(2).float(), self.norm_eps), self.hc_fn.float())
+        mixes = linear(rms_normalize(streams.flatten(2), self.norm_eps), self.hc_fn.float())
         pre = per_row(torch.sigmoid, mixes * self.hc_scale.float() + self.hc_base.float()) + self.hc_eps
         return collapse(pre, streams)

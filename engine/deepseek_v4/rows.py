@@ -4,12 +4,12 @@ Greedy output must not change with speculation on or off, yet a decode step comp
 verify step 1 + q rows; in bf16 a GEMM of M = 2 rounds a row apart from the same row at M = 1
 (docs/deepseek_v4.md, issue 37). So every step of at most `ROW_STEP` rows (decode, verify of up to
 16 drafts, a short prompt tail) takes, wherever a library's arithmetic may follow the row count:
-- projections: `linear`; on CUDA one cuBLAS GEMM of exactly CUDA_ROW_SLAB rows, zero-padded (one
-  shape, so one kernel, and a row's bits follow from its own values: engine.linear.project_slabs);
+- projections: `linear`; on CUDA one cuBLAS GEMM of exactly CUDA_ROW_SLAB rows (`padded_rows`: one
+  shape, so one kernel, and a row's bits follow from its own values, as the dense engine's slabs);
   on the CPU engine.linear's row-invariant path (oneDNN where checked invariant, else one-row products);
-- row reductions (norms): `mean_square`; on CUDA over the same padded CUDA_ROW_SLAB rows (a fixed
-  shape fixes the reduction's split), on the CPU one call per row where a multi-threaded CPU above
-  its grain would split them by the row count;
+- row reductions (norms): on CUDA kernels.rms_norm.rms_norm_f32, one program a row
+  (engine.deepseek_v4.norms); elsewhere `mean_square`, one call per row where a multi-threaded
+  CPU above its grain would split them by the row count;
 - transcendental elementwise functions (sigmoid, softplus, silu) on the CPU: `per_row`, since a
   vectorised kernel computes a tensor's tail elements with scalar code whose exp rounds apart
   (found: a hyper-connection's sigmoid over 17 rows x 2 streams differed from one row's);
@@ -26,12 +26,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from batchd.engine.linear import CPU_INVARIANT_ROWS, MAX_INVARIANT_ROWS, project_rows_cpu, project_slabs
+from batchd.engine.linear import CPU_INVARIANT_ROWS, MAX_INVARIANT_ROWS, project_rows_cpu
 
 ROW_STEP = min(CPU_INVARIANT_ROWS, MAX_INVARIANT_ROWS)  # 16 drafts plus the last accepted token
 CPU_REDUCTION_GRAIN = 32768  # at::internal::GRAIN_SIZE: smaller reductions run on one thread
-# a CUDA row step's fixed shape: every projection and norm of up to ROW_STEP rows runs padded to
-# this many rows (one launch; kernels.small_matmul's wrapper cost about 0.3 ms of host time a call,
+# a CUDA row step's fixed shape: every projection of up to ROW_STEP rows runs padded to this many rows (one launch; kernels.small_matmul's wrapper cost about 0.3 ms of host time a call,
 # a V4 layer makes about 25, and eager V4 is bound by its host)
 CUDA_ROW_SLAB = 32
 assert CUDA_ROW_SLAB >= ROW_STEP
@@ -52,10 +51,20 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
     if x.device.type == "cpu":
         out = project_rows_cpu(flat, layer if layer is not None else SimpleNamespace(weight=weight, bias=bias))
     elif x.device.type == "cuda":
-        out = project_slabs(flat, weight, bias, CUDA_ROW_SLAB)
+        out = F.linear(padded_rows(flat), weight, bias)[:rows]
     else:  # one-row calls: the very call a decode row makes
         out = torch.cat([F.linear(flat[i : i + 1].contiguous(), weight, bias) for i in range(rows)])
     return out.view(*x.shape[:-1], -1)
+
+
+def padded_rows(rows: torch.Tensor) -> torch.Tensor:
+    """rows [R, ...] (R <= CUDA_ROW_SLAB) -> [CUDA_ROW_SLAB, ...], the first R these rows: one GEMM
+    shape for every CUDA row step, so one kernel, and a row's bits follow from its own values. The
+    padding rows are left as allocated (one copy instead of a fill and a copy): no product of a
+    GEMM row reads another row, and their outputs are dropped."""
+    padded = rows.new_empty(CUDA_ROW_SLAB, *rows.shape[1:])
+    padded[: rows.shape[0]] = rows
+    return padded
 
 
 class RowLinear(nn.Linear):
@@ -77,14 +86,10 @@ def per_row(fn, x: torch.Tensor) -> torch.Tensor:
 
 
 def mean_square(x: torch.Tensor) -> torch.Tensor:
-    """x [..., C] -> mean(x², -1) [..., 1], each row reduced as it is alone: CUDA's reduction
-    kernels and a multi-threaded CPU above its grain split a reduction by how many rows there are,
-    so a CUDA row step reduces CUDA_ROW_SLAB rows, zero-padded, and a CPU one one row a call."""
+    """x [..., C] -> mean(x², -1) [..., 1], each row reduced as it is alone: CUDA's reduction kernels
+    and a multi-threaded CPU above its grain split a reduction by how many rows there are, so a row
+    step reduces one row a call there (V4's CUDA norms take kernels.rms_norm instead)."""
     rows = x.numel() // max(x.shape[-1], 1)
-    if x.device.type == "cuda" and is_row_step(rows) and rows:
-        flat = x.reshape(rows, x.shape[-1])
-        padded = torch.cat([flat, flat.new_zeros(CUDA_ROW_SLAB - rows, flat.shape[1])])
-        return padded.square().mean(-1, keepdim=True)[:rows].view(*x.shape[:-1], 1)
     splits = x.device.type != "cpu" or (torch.get_num_threads() > 1 and x.numel() >= CPU_REDUCTION_GRAIN)
     if rows <= 1 or not splits or not is_row_step(rows):
         return x.square().mean(-1, keepdim=True)

@@ -49,3 +49,29 @@ def rms_norm_triton(x, weight, eps, residual=None):
         **launch_options(pdl),
     )
     return out.view(x.shape), (h_out.view(x.shape) if residual is not None else x)
+
+
+@triton.jit
+def _rms_norm_f32_kernel(X, W, Out, eps, H, stride_x, stride_o, HAS_WEIGHT: tl.constexpr, BLOCK: tl.constexpr):
+    """One row: weight * x / rms(x), all in float32, rounded once to Out's dtype."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    ok = offs < H
+    x = tl.load(X + row * stride_x + offs, mask=ok, other=0.0).to(tl.float32)
+    y = x * tl.math.rsqrt(tl.sum(x * x, 0) / H + eps)
+    if HAS_WEIGHT:
+        y = tl.load(W + offs, mask=ok, other=0.0).to(tl.float32) * y
+    tl.store(Out + row * stride_o + offs, y.to(Out.dtype.element_ty), mask=ok)
+
+
+def rms_norm_f32_triton(x, weight, eps, out_dtype):
+    H = x.shape[-1]
+    rows = x.reshape(-1, H)
+    out = torch.empty(rows.shape, dtype=out_dtype, device=x.device)
+    if rows.shape[0]:
+        block = triton.next_power_of_2(H)
+        _rms_norm_f32_kernel[(rows.shape[0],)](
+            rows, weight if weight is not None else rows, out, eps, H, rows.stride(0), out.stride(0),
+            HAS_WEIGHT=weight is not None, BLOCK=block, num_warps=4 if block <= 2048 else 8 if block <= 8192 else 16,
+        )
+    return out.view(x.shape)

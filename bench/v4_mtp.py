@@ -38,7 +38,7 @@ from bench.common import print_table  # noqa: E402
 from bench.v4_shapes import random_v4_model, v4_config  # noqa: E402
 from batchd.engine.deepseek_v4.batch import V4BatchEngine  # noqa: E402
 from batchd.engine.deepseek_v4.config import SLIDING, V4Config  # noqa: E402
-from batchd.engine.deepseek_v4.model import keeps_float32  # noqa: E402
+from batchd.engine.deepseek_v4.model import allocate  # noqa: E402
 from batchd.engine.deepseek_v4.mtp import MTPLayer  # noqa: E402
 from batchd.engine.generate import synchronize  # noqa: E402
 from batchd.engine.types import GenerationRequest, SamplingParams, SpeculationOptions  # noqa: E402
@@ -49,9 +49,8 @@ def random_mtp(config: V4Config, device, dtype) -> MTPLayer:
     """V4-Flash's MTP block (sliding window, learned router) of random weights, as random_v4_model's."""
     with torch.device("meta"):
         layer = MTPLayer(replace(config, num_layers=1, layer_types=[SLIDING], mlp_layer_types=["moe"]))
-    layer = layer.to_empty(device=device)   # one layer: its float32 first allocation is small
+    allocate(layer, device, dtype)
     for name, param in layer.named_parameters():
-        param.data = param.data.to(torch.float32 if keeps_float32(name) else dtype)
         if name.endswith("norm.weight"):
             param.fill_(1.0)
         else:

@@ -8,10 +8,9 @@ or a tiny CPU smoke shape, and a V4 model of random weights at either.
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from batchd.engine.deepseek_v4.config import V4Config
-from batchd.engine.deepseek_v4.model import DeepseekV4, keeps_float32
+from batchd.engine.deepseek_v4.model import DeepseekV4, allocate
 
 # the tiny sizes of tests/engine/test_deepseek_v4.py (every layer kind, 4 experts, top-2)
 TINY = dict(vocab_size=256, hidden_size=64, moe_intermediate_size=32, num_attention_heads=4, head_dim=32,
@@ -62,18 +61,10 @@ def random_v4_model(config: V4Config, device, dtype: torch.dtype, seed: int = 0)
 
 
 def materialize(config: V4Config, device, dtype: torch.dtype) -> DeepseekV4:
-    """build_model's parameters and dtypes, each allocated once in its own dtype (build_model first
-    allocates every weight in float32: 26 GB a V4-Flash layer, which would halve the layers that fit)."""
+    """build_model's parameters and dtypes, each allocated once in its own dtype, left unfilled."""
     with torch.device("meta"):
         model = DeepseekV4(config)
-    for name, param in list(model.named_parameters()):
-        owner, _, attr = name.rpartition(".")
-        kept = torch.float32 if keeps_float32(name) else dtype
-        setattr(model.get_submodule(owner), attr,
-                nn.Parameter(torch.empty(param.shape, dtype=kept, device=device), requires_grad=False))
-    for name, buffer in list(model.named_buffers()):
-        owner, _, attr = name.rpartition(".")
-        model.get_submodule(owner).register_buffer(attr, torch.zeros(buffer.shape, dtype=buffer.dtype, device=device))
+    allocate(model, device, dtype)
     return model.eval()
 
 

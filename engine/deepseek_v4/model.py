@@ -16,17 +16,16 @@ from typing import Iterable, Optional
 import torch
 from torch import nn
 
-from batchd.engine.checkpoint.hf import _read_json, _weight_files, read_safetensors_header
+from batchd.engine.checkpoint.hf import _read_json, _weight_files
 from batchd.engine.deepseek_v4.attention import Attention
 from batchd.engine.deepseek_v4.cache import LayerCache, V4Cache
 from batchd.engine.deepseek_v4.config import SLIDING, V4Config
 from batchd.engine.deepseek_v4.hyper_connections import HyperConnection, HyperHead
 from batchd.engine.deepseek_v4.moe import MoE
 from batchd.engine.deepseek_v4.norms import RMSNorm
-from batchd.engine.deepseek_v4.quantised import PACKED_DTYPES
 from batchd.engine.deepseek_v4.rope import RopeTable
 from batchd.engine.deepseek_v4.rows import RowLinear, segment_positions
-from batchd.engine.deepseek_v4.weights import load_tensors, read_tensors_as_stored
+from batchd.engine.deepseek_v4.weights import TensorFiles, load_tensors
 
 # parameters kept in float32 whatever the model's dtype (transformers' _keep_in_fp32_modules_strict)
 FLOAT32_PARTS = ("attn_hc.", "ffn_hc.", "hc_head.", "sinks", "position_bias", "e_score_correction_bias",
@@ -144,12 +143,24 @@ def build_model(config: V4Config, device="cpu", dtype: torch.dtype = torch.float
     expects (checkpoint or transformers names), or left uninitialised for the caller to fill."""
     with torch.device("meta"):
         model = DeepseekV4(config)
-    model = model.to_empty(device=device)
-    for name, param in model.named_parameters():
-        param.data = param.data.to(torch.float32 if keeps_float32(name) else dtype)
+    allocate(model, device, dtype)
     if tensors is not None:
         load_tensors(model, tensors, source)
     return model.eval().requires_grad_(False)
+
+
+def allocate(module: nn.Module, device, dtype: torch.dtype) -> None:
+    """Give a module built on the meta device its storage on `device`, each parameter allocated once
+    in its own dtype (float32 for the parts transformers keeps so, else `dtype`; a V4-Flash layer
+    allocated in float32 first would take 26 GB) and each buffer zeroed in its dtype."""
+    for name, param in list(module.named_parameters()):
+        owner, _, attr = name.rpartition(".")
+        kept = torch.float32 if keeps_float32(name) else dtype
+        setattr(module.get_submodule(owner), attr,
+                nn.Parameter(torch.empty(param.shape, dtype=kept, device=device), requires_grad=False))
+    for name, buffer in list(module.named_buffers()):
+        owner, _, attr = name.rpartition(".")
+        module.get_submodule(owner).register_buffer(attr, torch.zeros(buffer.shape, dtype=buffer.dtype, device=device))
 
 
 def keeps_float32(name: str) -> bool:
@@ -173,16 +184,11 @@ def generate_greedy(model: DeepseekV4, prompt_ids: list[int], max_new_tokens: in
 
 def load_folder(folder: str | Path, device="cpu", dtype: torch.dtype = torch.float32):
     """A Hugging Face folder holding a deepseek_v4 config.json and safetensors -> (model, SetAside).
-    Token ids only: the tokenizer, if any, is the caller's."""
+    Token ids only: the tokenizer, if any, is the caller's. The parameters are allocated once in
+    their dtypes on `device`, then filled tensor by tensor (engine.deepseek_v4.weights)."""
     folder = Path(folder)
     config = V4Config.from_hf_dict(_read_json(folder / "config.json"), source=str(folder / "config.json"))
-    tensors = {}
-    for path in _weight_files(folder)[0]:
-        names = set(read_safetensors_header(path))
-        # integers (the hash routing table, FP4 bytes) keep their type; floats (FP8 values and
-        # scales too) come in float32, dequantised by weights.load_tensors, cast by build_model
-        tensors.update({n: t.float() if t.is_floating_point() and t.dtype not in PACKED_DTYPES else t
-                        for n, t in read_tensors_as_stored(path, names).items()})
+    tensors = TensorFiles(_weight_files(folder)[0])
     model = build_model(config, device, dtype)
     aside = load_tensors(model, tensors, str(folder))
     return model, aside

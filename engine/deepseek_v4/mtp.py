@@ -26,6 +26,7 @@ share forwards of up to ROW_STEP rows (`MTPLayer.forward_rows`), each row's bits
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from itertools import accumulate
 from typing import Optional
@@ -36,10 +37,10 @@ from torch import nn
 from batchd.engine.deepseek_v4.cache import V4Cache
 from batchd.engine.deepseek_v4.config import CSA, HCA, SLIDING, V4Config
 from batchd.engine.deepseek_v4.hyper_connections import HyperHead
-from batchd.engine.deepseek_v4.model import Block, DeepseekV4, keeps_float32
+from batchd.engine.deepseek_v4.model import Block, DeepseekV4, allocate
 from batchd.engine.deepseek_v4.norms import RMSNorm
 from batchd.engine.deepseek_v4.rows import RowLinear, row_step_groups, segment_positions
-from batchd.engine.deepseek_v4.weights import canonical_name, load_tensors
+from batchd.engine.deepseek_v4.weights import Renamed, canonical_name, load_tensors
 from batchd.engine.sampling import Sampler
 
 # the MTP block's own parts (checkpoint names after `mtp.0.`); everything else is its V4 block
@@ -113,16 +114,16 @@ class MTPLayer(nn.Module):
         return x, target.lm_head(self.norm(self.hc_head(x[:, last]))).float()[0]
 
 
-def mtp_names(tensors: dict[str, torch.Tensor], index: int = 0) -> dict[str, torch.Tensor]:
+def mtp_names(tensors: Mapping[str, torch.Tensor], index: int = 0) -> Renamed:
     """`mtp.{index}.*` checkpoint tensors -> MTPLayer's checkpoint-style names: its own parts at
     the top (`hc_head_fn`, `enorm.weight`, ...), the block's under `layers.0.` (engine.deepseek_v4.weights
-    maps both onto the parameters)."""
-    prefix, out = f"mtp.{index}.", {}
-    for name, value in tensors.items():
+    maps both onto the parameters). A view: nothing is read here."""
+    prefix, names = f"mtp.{index}.", {}
+    for name in tensors:
         if name.startswith(prefix):
             rest = name[len(prefix):]
-            out[rest if rest.startswith(OWN_PARTS) else "layers.0." + rest] = value
-    return out
+            names[rest if rest.startswith(OWN_PARTS) else "layers.0." + rest] = name
+    return Renamed(tensors, names)
 
 
 def mtp_config(target: V4Config, canonical: set[str]) -> V4Config:
@@ -139,7 +140,7 @@ def mtp_config(target: V4Config, canonical: set[str]) -> V4Config:
     return replace(target, num_layers=1, layer_types=[kind], mlp_layer_types=[mlp])
 
 
-def build_mtp(target: DeepseekV4, tensors: dict[str, torch.Tensor], source: str = "checkpoint") -> Optional[MTPLayer]:
+def build_mtp(target: DeepseekV4, tensors: Mapping[str, torch.Tensor], source: str = "checkpoint") -> Optional[MTPLayer]:
     """The MTP layer from a checkpoint's set-aside `mtp.*` tensors (SetAside.mtp), on the target's
     device and dtype (its norms and hyper-connection parts in float32, as the target's); None if
     the checkpoint has none. A checkpoint with several keeps the first (V4 ships one)."""
@@ -149,9 +150,7 @@ def build_mtp(target: DeepseekV4, tensors: dict[str, torch.Tensor], source: str 
     config = mtp_config(target.config, {canonical_name(name) for name in renamed})
     with torch.device("meta"):
         layer = MTPLayer(config)
-    layer = layer.to_empty(device=target.device)
-    for name, param in layer.named_parameters():
-        param.data = param.data.to(torch.float32 if keeps_float32(name) else target.dtype)
+    allocate(layer, target.device, target.dtype)
     load_tensors(layer, renamed, f"{source} (its MTP layer, mtp.0.*)")
     return layer.eval().requires_grad_(False)
 

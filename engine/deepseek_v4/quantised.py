@@ -36,12 +36,13 @@ def scale_of(name: str) -> str | None:
     return None
 
 
-def dequantised(tensors: dict[str, torch.Tensor], source: str) -> dict[str, torch.Tensor]:
-    """The checkpoint's tensors with every quantised weight replaced by its float32 values and its
-    scale dropped; the others unchanged. A scale without its weight, or a format batchd does not
-    read, is a CheckpointError that says what to do."""
-    out = dict(tensors)
-    for name, scale in tensors.items():
+def check_quantisation_names(names, source: str) -> dict[str, str]:
+    """A checkpoint's tensor names -> {quantised weight: its scale}. A scale without its weight,
+    or a format batchd does not read, is a CheckpointError that says what to do (from the names
+    alone, before any tensor is read)."""
+    names = set(names)
+    scales = {}
+    for name in names:
         if name.endswith(UNSUPPORTED_SUFFIXES):
             raise CheckpointError(f"{source}: {name} belongs to a quantisation format batchd does not read "
                                   "(it reads DeepSeek's FP8 block and FP4 expert scales); convert the "
@@ -49,12 +50,11 @@ def dequantised(tensors: dict[str, torch.Tensor], source: str) -> dict[str, torc
         weight_name = scale_of(name)
         if weight_name is None:
             continue
-        if weight_name not in tensors:
+        if weight_name not in names:
             raise CheckpointError(f"{source}: {name} is a quantisation scale but the checkpoint has no "
                                   f"{weight_name}; the checkpoint is incomplete")
-        out[weight_name] = dequantise(tensors[weight_name], scale, f"{source}: {weight_name}")
-        del out[name]
-    return out
+        scales[weight_name] = name
+    return scales
 
 
 def dequantise(weight: torch.Tensor, scale: torch.Tensor, what: str) -> torch.Tensor:

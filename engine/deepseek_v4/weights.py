@@ -10,16 +10,24 @@ Set aside with a note: the multi-token-prediction layer (`mtp.*`, the drafter th
 calls DSpark), kept for engine.deepseek_v4.mtp, which builds the drafter from it. Quantised
 weights (FP8 linears, FP4 experts, with block scales) are dequantised first
 (engine.deepseek_v4.quantised).
+
+Loading goes tensor by tensor: names are checked first (every parameter covered once, every
+expert of every layer present), then each tensor is read from its file (`TensorFiles`), dequantised
+if it has a scale, and copied into its parameter (an expert's w1 / w3 / w2 into its slice of the
+stacked weights) before the next is read. A V4-Flash checkpoint (about 160 GB as stored) never
+sits in host memory whole: the largest tensor read at once is one weight in float32.
 """
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from batchd.engine.deepseek_v4.quantised import dequantised
+from batchd.engine.checkpoint.hf import read_safetensors_header
+from batchd.engine.deepseek_v4.quantised import check_quantisation_names, dequantise, scale_of
 from batchd.engine.errors import CheckpointError
 
 # (pattern, replacement), applied in order to every name (transformers' table, same order)
@@ -48,7 +56,7 @@ EXPERT = re.compile(r"^(layers\.\d+\.mlp\.experts)\.(\d+)\.(w[123])\.weight$")
 class SetAside:
     """What a checkpoint holds that the model does not load (reported at start)."""
 
-    mtp: dict[str, torch.Tensor] = field(default_factory=dict)   # checkpoint name -> tensor
+    mtp: Mapping[str, torch.Tensor] = field(default_factory=dict)   # checkpoint name (no `model.`) -> tensor, read when asked
 
     @property
     def notes(self) -> list[str]:
@@ -65,59 +73,119 @@ def canonical_name(name: str) -> str:
     return name
 
 
-def canonical_tensors(tensors: dict[str, torch.Tensor], source: str) -> tuple[dict[str, torch.Tensor], SetAside]:
-    """Checkpoint or transformers names -> the model's names, quantised weights dequantised, experts stacked."""
-    out, experts, aside = {}, {}, SetAside()
-    for name, value in dequantised(tensors, source).items():
+class TensorFiles(Mapping):
+    """safetensors files' tensors by name, each read from its file (as stored) when asked for;
+    headers are checked against the files' sizes up front."""
+
+    def __init__(self, files: list[Path]):
+        self._file_of: dict[str, Path] = {}
+        for path in files:
+            self._file_of.update(dict.fromkeys(read_safetensors_header(path), path))
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        from safetensors import safe_open
+
+        path = self._file_of[name]
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                return f.get_tensor(name)
+        except Exception as err:  # safetensors raises its own error types for a corrupt file
+            raise CheckpointError(f"{path}: cannot read {name} ({err}); download the file again") from None
+
+    def __iter__(self):
+        return iter(self._file_of)
+
+    def __len__(self) -> int:
+        return len(self._file_of)
+
+
+class Renamed(Mapping):
+    """A view of `source` under other names: {new name: source name}; nothing is read until asked."""
+
+    def __init__(self, source: Mapping, names: dict[str, str]):
+        self._source, self._names = source, names
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._source[self._names[name]]
+
+    def __iter__(self):
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+
+@dataclass
+class _Destination:
+    """Where one checkpoint tensor goes: a parameter, or (an expert's w1 / w3 / w2) its slice."""
+
+    param: str
+    expert: int | None = None
+    rows: slice = field(default_factory=lambda: slice(None))   # gate rows [0, I) or up rows [I, 2I) of gate_up_proj
+
+    def of(self, target: torch.Tensor) -> torch.Tensor:
+        return target if self.expert is None else target[self.expert, self.rows]
+
+
+def load_tensors(model, tensors: Mapping[str, torch.Tensor], source: str = "checkpoint") -> SetAside:
+    """Copy a checkpoint's tensors (a dict, or a lazy mapping such as TensorFiles) into `model`,
+    one at a time: each parameter and buffer exactly once, shapes checked, quantised weights
+    dequantised, experts into their slices of the stacked weights. -> what was set aside
+    (`SetAside.notes` says so at start; its MTP tensors are a lazy view, read by build_mtp)."""
+    names = list(tensors)
+    scales = check_quantisation_names(names, source)
+    targets = dict(model.named_parameters()) | dict(model.named_buffers())
+    plan, experts, mtp = {}, {}, {}
+    for name in names:
+        if scale_of(name) is not None:
+            continue
         if name.removeprefix("model.").startswith("mtp."):
-            aside.mtp[name.removeprefix("model.")] = value
+            mtp[name.removeprefix("model.")] = name
             continue
         canonical = canonical_name(name)
         match = EXPERT.match(canonical)
-        if match:
-            experts.setdefault(match[1], {}).setdefault(match[3], {})[int(match[2])] = value
+        if match is None:
+            plan[name] = _Destination(canonical)
+            continue
+        prefix, expert, kind = match[1], int(match[2]), match[3]
+        experts.setdefault(prefix, {}).setdefault(kind, set()).add(expert)
+        if kind == "w2":
+            plan[name] = _Destination(f"{prefix}.down_proj", expert)
         else:
-            out[canonical] = value
-    for prefix, parts in experts.items():
-        out[f"{prefix}.gate_up_proj"], out[f"{prefix}.down_proj"] = _stack_experts(prefix, parts, source)
-    return out, aside
-
-
-def _stack_experts(prefix: str, parts: dict, source: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """w1 (gate) [I, H], w3 (up) [I, H], w2 (down) [H, I] per expert -> [E, 2I, H], [E, H, I]."""
-    ids = sorted(parts.get("w2", {}))
-    for kind in ("w1", "w3"):
-        if sorted(parts.get(kind, {})) != ids or ids != list(range(len(ids))):
-            raise CheckpointError(f"{source}: {prefix} has experts {ids} for w2 but {sorted(parts.get(kind, {}))} "
-                                  f"for {kind}; the checkpoint is incomplete")
-    gate_up = torch.stack([torch.cat([parts["w1"][e], parts["w3"][e]], dim=0) for e in ids])
-    return gate_up, torch.stack([parts["w2"][e] for e in ids])
-
-
-def load_tensors(model, tensors: dict[str, torch.Tensor], source: str = "checkpoint") -> SetAside:
-    """Copy a checkpoint's tensors into `model` (each parameter and buffer exactly once, shapes
-    checked); -> what was set aside (`SetAside.notes` says so at start)."""
-    named, aside = canonical_tensors(tensors, source)
-    targets = dict(model.named_parameters()) | dict(model.named_buffers())
-    missing, unexpected = sorted(set(targets) - set(named)), sorted(set(named) - set(targets))
-    if missing or unexpected:
-        raise CheckpointError(f"{source}: tensors do not match the deepseek_v4 layout of its config.json "
-                              f"(missing {missing[:4]}, unexpected {unexpected[:4]})")
+            half = targets[f"{prefix}.gate_up_proj"].shape[1] // 2 if f"{prefix}.gate_up_proj" in targets else 0
+            plan[name] = _Destination(f"{prefix}.gate_up_proj", expert,
+                                      slice(0, half) if kind == "w1" else slice(half, 2 * half))
+    _check_coverage(plan, experts, targets, source)
     with torch.no_grad():
-        for name, value in named.items():
-            target = targets[name]
+        for name, destination in plan.items():
+            value = tensors[name]
+            if name in scales:
+                value = dequantise(value, tensors[scales[name]], f"{source}: {name}")
+            target = destination.of(targets[destination.param])
             if tuple(target.shape) != tuple(value.shape):
                 raise CheckpointError(f"{source}: tensor {name} has shape {tuple(value.shape)}, the config "
                                       f"expects {tuple(target.shape)}")
             target.copy_(value)
-    return aside
+            del value
+    for name in list(mtp.values()):   # a quantised MTP weight travels with its scale
+        if name in scales:
+            mtp[scales[name].removeprefix("model.")] = scales[name]
+    return SetAside(mtp=Renamed(tensors, mtp))
 
 
-def read_tensors_as_stored(path: Path, names: set[str]) -> dict[str, torch.Tensor]:
-    from safetensors import safe_open
-
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            return {name: f.get_tensor(name) for name in f.keys() if name in names}
-    except Exception as err:  # safetensors raises its own error types for a corrupt file
-        raise CheckpointError(f"{path}: cannot read tensors ({err}); download the file again") from None
+def _check_coverage(plan: dict, experts: dict, targets: dict, source: str) -> None:
+    """Every parameter and buffer gets a tensor and every tensor a parameter; each layer's experts
+    are 0..E-1 for w1, w3 and w2 alike."""
+    covered = {destination.param for destination in plan.values()}
+    missing, unexpected = sorted(set(targets) - covered), sorted(covered - set(targets))
+    if missing or unexpected:
+        raise CheckpointError(f"{source}: tensors do not match the deepseek_v4 layout of its config.json "
+                              f"(missing {missing[:4]}, unexpected {unexpected[:4]})")
+    for prefix, kinds in experts.items():
+        ids = sorted(kinds.get("w2", ()))
+        count = targets[f"{prefix}.down_proj"].shape[0]
+        for kind in ("w1", "w3", "w2"):
+            if sorted(kinds.get(kind, ())) != list(range(count)):
+                raise CheckpointError(f"{source}: {prefix} has experts {ids} for w2 but "
+                                      f"{sorted(kinds.get(kind, ()))} for {kind} ({count} in the config); "
+                                      "the checkpoint is incomplete")

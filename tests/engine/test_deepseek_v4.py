@@ -12,6 +12,7 @@ transformers too), would make outputs depend on how a sequence is cut into forwa
 from __future__ import annotations
 
 import json
+import weakref
 
 import pytest
 import torch
@@ -21,6 +22,7 @@ if not hasattr(transformers, "DeepseekV4ForCausalLM"):
     pytest.skip("transformers without deepseek_v4 (needs >= 5.8)", allow_module_level=True)
 
 from batchd.engine.deepseek_v4 import generate_greedy, load_folder  # noqa: E402
+from batchd.engine.deepseek_v4.weights import TensorFiles  # noqa: E402
 from batchd.engine.errors import CheckpointError  # noqa: E402
 
 PROMPT_LEN, WINDOW, CSA_RATE, HCA_RATE = 70, 8, 4, 16
@@ -204,12 +206,14 @@ def quantise_fp4(weight: torch.Tensor, block: int, exponent_bytes: bool):
     return packed, scale.to(torch.float8_e8m0fnu)
 
 
-def test_fp8_and_fp4_checkpoints_load_as_transformers_dequantises_them(tmp_path):
+def test_fp8_and_fp4_checkpoints_load_as_transformers_dequantises_them(tmp_path, monkeypatch):
     """V4-Flash's formats: FP8 linears with block scales (float32 and UE8M0; transformers' and
     DeepSeek's scale names) and FP4 routed experts (UE8M0 scales as float8_e8m0fnu and as exponent
     bytes). Loaded, every parameter equals the one loaded from the same checkpoint dequantised by
     transformers' own FP8 dequantiser and saved in float32; and the weights stay close to the
-    originals (so the nibble order and the block grid are right)."""
+    originals (so the nibble order and the block grid are right). The checkpoint is read one
+    tensor at a time: when a tensor is read, at most one read before it (a weight whose scale
+    this is) is still held."""
     from safetensors.torch import load_file, save_file
     from transformers.integrations.finegrained_fp8 import Fp8Dequantize
 
@@ -244,7 +248,19 @@ def test_fp8_and_fp4_checkpoints_load_as_transformers_dequantises_them(tmp_path)
     (tmp_path / "dequantised" / "config.json").write_text((tmp_path / "bf16" / "config.json").read_text())
     save_file(dequantised, str(tmp_path / "dequantised" / "model.safetensors"))
 
+    read, most_held = [], [0]
+    original_read = TensorFiles.__getitem__
+
+    def tracked_read(self, name):
+        most_held[0] = max(most_held[0], sum(ref() is not None for ref in read))
+        tensor = original_read(self, name)
+        read.append(weakref.ref(tensor))
+        return tensor
+
+    monkeypatch.setattr(TensorFiles, "__getitem__", tracked_read)
     ours, _ = load_folder(tmp_path / "quantised")
+    monkeypatch.undo()
+    assert len(read) == len(quantised) and most_held[0] == 1
     theirs, _ = load_folder(tmp_path / "dequantised")
     plain, _ = load_folder(tmp_path / "bf16")
     for (name, got), (_, want), (_, before) in zip(ours.state_dict().items(), theirs.state_dict().items(),

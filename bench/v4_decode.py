@@ -27,11 +27,12 @@ def decode_bytes_per_token(model) -> int:
 
 @torch.inference_mode()
 def time_decode(model, prompt_len: int, new_tokens: int, warmup: int = 3) -> tuple[float, float]:
-    """(prefill tok/s, decode tok/s) of one greedy sequence; the first `warmup` decode steps (kernel
-    compiles) are not timed."""
+    """(prefill tok/s, decode tok/s) of one greedy sequence; a short prompt on a cache of its own
+    and the first `warmup` decode steps (kernel compiles) are not timed."""
     device = model.device
-    cache = model.new_cache(prompt_len + warmup + new_tokens + 1)
     prompt = torch.randint(0, model.config.vocab_size, (1, prompt_len), generator=torch.Generator().manual_seed(0))
+    model(prompt[:, : min(prompt_len, 64)].to(device), model.new_cache(prompt_len + 1), last_only=True)
+    cache = model.new_cache(prompt_len + warmup + new_tokens + 1)
     synchronize(device)
     start = time.perf_counter()
     token = model(prompt.to(device), cache, last_only=True)[0, -1].argmax().view(1, 1)

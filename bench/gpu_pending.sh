@@ -11,9 +11,9 @@
 #              rope_paged, silu_mul (~3 min)
 #   v4         V4 (issue 37): MTP greedy equality and step cost, alone and 12 sequences drafting
 #              together (shared MTP forwards: never measured on a GPU), batch-1 decode against its
-#              roofline (last measured before the row-invariant path), where a decode step's time goes
+#              roofline, where a decode step's time goes (batch 1, and 16 sequences in the batch engine)
 #   v4fit      V4 with as many V4-Flash layers as the GPU holds (bf16): batch-1 decode against its
-#              roofline, documents/hour of the overnight workload
+#              roofline, documents/hour of the overnight workload (chunk and decode steps apart)
 #   service64  64 x 4,096 -> 256 through the whole service against the engine alone (issue 35;
 #              last measured on the GPU at baa9253, before the bench ended at the last commit)
 #   batch      64 x 4,096 -> 256 at 8B: batched (launch ahead) and stepwise in one run (issue 34)
@@ -49,10 +49,11 @@ for stage in "$@"; do
       python3 bench/v4_mtp.py --layers 8 --widths 1 2 4
       python3 bench/v4_mtp.py --layers 8 --widths 4 --sequences 12
       python3 bench/decode.py --v4-layers 4 --prompt 512 --new-tokens 64
-      python3 bench/v4_profile.py --layers 4 ;;
+      python3 bench/v4_profile.py --layers 4
+      python3 bench/v4_profile.py --layers 4 --sequences 16 ;;
     v4fit)
       python3 bench/decode.py --v4-layers fit --prompt 512 --new-tokens 32
-      python3 bench/throughput.py --v4-layers fit --docs 16 ;;
+      python3 bench/throughput.py --v4-layers fit --docs 16 --phases ;;
     table)
       python3 bench/throughput.py --single-docs 2 --mixed-docs 32 ;;
     *)

@@ -140,7 +140,8 @@ def main() -> None:
     if args.v4_layers:
         from bench.v4_decode import bench_v4_batch
 
-        return print_table([bench_v4_batch(args.v4_layers, args.docs, args.prompt, args.new, args.v4_smoke)])
+        return print_table([bench_v4_batch(args.v4_layers, args.docs, args.prompt, args.new, args.v4_smoke,
+                                           phases=args.phases)])
     torch.manual_seed(0)
     bandwidth, flops = copy_bandwidth(), matmul_rate()
     print(f"copy {bandwidth / 1e12:.2f} TB/s, bf16 matmul {flops / 1e12:.0f} TFLOP/s", flush=True)

@@ -80,11 +80,13 @@ def bench_v4(layers: int | str, prompt_len: int, new_tokens: int, bandwidth: flo
 
 
 @torch.inference_mode()
-def bench_v4_batch(layers: int | str, docs: int, prompt_len: int, new_tokens: int, smoke: bool, chunk: int = 512) -> dict:
+def bench_v4_batch(layers: int | str, docs: int, prompt_len: int, new_tokens: int, smoke: bool, chunk: int = 512,
+                   phases: bool = False) -> dict:
     """Documents per hour of the overnight workload on a V4-shaped model (bench/throughput.py
     --v4-layers N): `docs` random prompts of `prompt_len` tokens -> `new_tokens` greedy tokens each
     (EOS ignored) through the V4 batch engine, every document in flight at once; after a warm-up
-    of two short documents."""
+    of two short documents. `phases`: each step synchronised, and the seconds of steps that ran
+    prompt chunks apart from those that only decoded."""
     from batchd.engine.deepseek_v4.batch import V4BatchEngine
     from batchd.engine.types import GenerationRequest, SamplingParams
 
@@ -103,11 +105,23 @@ def bench_v4_batch(layers: int | str, docs: int, prompt_len: int, new_tokens: in
         synchronize(model.device)
         start = time.perf_counter()
         while batch.has_work:
+            began = time.perf_counter()
             batch.step()
+            if phases:
+                synchronize(model.device)
+                kind = "prefill" if batch.last_plan.chunks or batch.last_plan.replay else "decode"
+                spent[kind] += time.perf_counter() - began
+                steps[kind] += 1
         synchronize(model.device)
         return time.perf_counter() - start, sum(len(s.generated) for s in seqs)
 
+    spent, steps = {"prefill": 0.0, "decode": 0.0}, {"prefill": 0, "decode": 0}
     run(2, min(prompt_len, 256), 4)
+    spent.update(prefill=0.0, decode=0.0), steps.update(prefill=0, decode=0)
     seconds, tokens = run(docs, prompt_len, new_tokens)
-    return {"system": f"V4 batch engine, {'v4-tiny' if smoke else 'v4-flash'} x{layers} layers", "docs": docs,
-            "seconds": seconds, "docs/hour": docs / seconds * 3600, "out tok/s": tokens / seconds}
+    row = {"system": f"V4 batch engine, {'v4-tiny' if smoke else 'v4-flash'} x{layers} layers", "docs": docs,
+           "seconds": seconds, "docs/hour": docs / seconds * 3600, "out tok/s": tokens / seconds}
+    if phases:
+        row.update({"chunk steps": steps["prefill"], "chunk steps s": spent["prefill"],
+                    "decode steps": steps["decode"], "decode steps s": spent["decode"]})
+    return row

@@ -6,9 +6,9 @@
 #   bash bench/gpu_pending.sh STAGE [STAGE ...]
 #
 # Stages:
-#   tests      CUDA tests: V4 in bf16 (row invariance, MTP and lookup speculation, shared MTP rows:
-#              never run on a GPU since d57d550), batch invariance, launch-ahead, speculation,
-#              rope_paged, silu_mul (~3 min)
+#   tests      CUDA tests: V4 in bf16 and float32 (row invariance, MTP and lookup speculation, shared
+#              MTP rows, the hyper-connection and norm kernels: passed on the H200 at ff005f7), batch
+#              invariance, launch-ahead, speculation, rope_paged, silu_mul (~3.5 min)
 #   v4         V4 (issue 37): MTP greedy equality and step cost, alone and 12 sequences drafting
 #              together (shared MTP forwards: never measured on a GPU), batch-1 decode against its
 #              roofline, where a decode step's time goes (batch 1, and 16 sequences in the batch engine)

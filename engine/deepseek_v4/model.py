@@ -190,5 +190,8 @@ def load_folder(folder: str | Path, device="cpu", dtype: torch.dtype = torch.flo
     config = V4Config.from_hf_dict(_read_json(folder / "config.json"), source=str(folder / "config.json"))
     tensors = TensorFiles(_weight_files(folder)[0])
     model = build_model(config, device, dtype)
-    aside = load_tensors(model, tensors, str(folder))
+    try:
+        aside = load_tensors(model, tensors, str(folder))
+    finally:
+        tensors.close()   # (the MTP's lazy view opens its files again when build_mtp reads it)
     return model, aside

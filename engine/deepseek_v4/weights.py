@@ -75,10 +75,13 @@ def canonical_name(name: str) -> str:
 
 class TensorFiles(Mapping):
     """safetensors files' tensors by name, each read from its file (as stored) when asked for;
-    headers are checked against the files' sizes up front."""
+    headers are checked against the files' sizes up front. A file stays open once read from
+    (opening one parses its whole header: 14 ms a tensor for a 20,000-tensor shard, where a read
+    from an open file takes 10 us) until `close`; a read after that opens it again."""
 
     def __init__(self, files: list[Path]):
         self._file_of: dict[str, Path] = {}
+        self._open: dict[Path, object] = {}
         for path in files:
             self._file_of.update(dict.fromkeys(read_safetensors_header(path), path))
 
@@ -87,10 +90,14 @@ class TensorFiles(Mapping):
 
         path = self._file_of[name]
         try:
-            with safe_open(str(path), framework="pt") as f:
-                return f.get_tensor(name)
+            if path not in self._open:
+                self._open[path] = safe_open(str(path), framework="pt")
+            return self._open[path].get_tensor(name)
         except Exception as err:  # safetensors raises its own error types for a corrupt file
             raise CheckpointError(f"{path}: cannot read {name} ({err}); download the file again") from None
+
+    def close(self) -> None:
+        self._open.clear()   # safetensors closes a file (and its map) when its handle goes
 
     def __iter__(self):
         return iter(self._file_of)

@@ -271,6 +271,23 @@ def test_fp8_and_fp4_checkpoints_load_as_transformers_dequantises_them(tmp_path,
     assert torch.equal(ours(prompt(seed=8), ours.new_cache(128)), theirs(prompt(seed=8), theirs.new_cache(128)))
 
 
+def test_a_checkpoint_file_is_opened_once_however_many_tensors_it_holds(tmp_path, monkeypatch):
+    """Opening a safetensors file parses its whole header (14 ms a tensor for a 20,000-tensor shard
+    if it were opened per tensor): each file is opened once for the whole load."""
+    import safetensors
+
+    reference_model().save_pretrained(tmp_path)
+    opened, original_open = [], safetensors.safe_open
+
+    def counting_open(*args, **kwargs):
+        opened.append(args[0])
+        return original_open(*args, **kwargs)
+
+    monkeypatch.setattr(safetensors, "safe_open", counting_open)
+    model, _ = load_folder(tmp_path)
+    assert len(opened) == 1 and sum(1 for _ in model.state_dict()) > 50
+
+
 def test_a_scale_without_its_weight_or_of_another_format_says_what_to_do(tmp_path):
     from safetensors.torch import load_file, save_file
 

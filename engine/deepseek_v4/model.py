@@ -26,6 +26,8 @@ from batchd.engine.deepseek_v4.norms import RMSNorm
 from batchd.engine.deepseek_v4.rope import RopeTable
 from batchd.engine.deepseek_v4.rows import RowLinear, segment_positions
 from batchd.engine.deepseek_v4.weights import TensorFiles, load_tensors
+from batchd.engine.errors import DeviceOutOfMemoryError
+from batchd.engine.residency import free_device_bytes
 
 # parameters kept in float32 whatever the model's dtype (transformers' _keep_in_fp32_modules_strict)
 FLOAT32_PARTS = ("attn_hc.", "ffn_hc.", "hc_head.", "sinks", "position_bias", "e_score_correction_bias",
@@ -163,6 +165,20 @@ def allocate(module: nn.Module, device, dtype: torch.dtype) -> None:
         module.get_submodule(owner).register_buffer(attr, torch.zeros(buffer.shape, dtype=buffer.dtype, device=device))
 
 
+def check_fits(config: V4Config, device: torch.device, dtype: torch.dtype, source: str) -> None:
+    """Refuse, before allocating anything, a model whose weights alone exceed the device's free
+    memory (V4-Flash is about 570 GB in bf16), with the sizes and what would make it fit."""
+    with torch.device("meta"):
+        needed = sum(p.numel() * (4 if keeps_float32(name) else dtype.itemsize)
+                     for name, p in DeepseekV4(config).named_parameters())
+    free = free_device_bytes(device)
+    if needed > free:
+        raise DeviceOutOfMemoryError(
+            f"{source}: its {config.num_layers} layers need {needed / 1e9:.3g} GB of weights in "
+            f"{str(dtype).removeprefix('torch.')} and {device} has {free / 1e9:.3g} GB free; batchd runs a model on one device and holds V4's FP8 / "
+            "FP4 weights dequantised, so this checkpoint needs a device that large (or a smaller model)")
+
+
 def keeps_float32(name: str) -> bool:
     return any(part in name for part in FLOAT32_PARTS)
 
@@ -189,6 +205,7 @@ def load_folder(folder: str | Path, device="cpu", dtype: torch.dtype = torch.flo
     folder = Path(folder)
     config = V4Config.from_hf_dict(_read_json(folder / "config.json"), source=str(folder / "config.json"))
     tensors = TensorFiles(_weight_files(folder)[0])
+    check_fits(config, torch.device(device), dtype, str(folder))
     model = build_model(config, device, dtype)
     try:
         aside = load_tensors(model, tensors, str(folder))

@@ -288,6 +288,19 @@ def test_a_checkpoint_file_is_opened_once_however_many_tensors_it_holds(tmp_path
     assert len(opened) == 1 and sum(1 for _ in model.state_dict()) > 50
 
 
+def test_a_model_larger_than_the_device_is_refused_before_anything_is_allocated(tmp_path, monkeypatch):
+    """The weights' bytes are counted from the config first: a V4-Flash on one GPU fails at once
+    with the sizes, not with an allocator error half-way through the layers."""
+    from batchd.engine.deepseek_v4 import model as v4_model
+    from batchd.engine.errors import DeviceOutOfMemoryError
+
+    reference_model().save_pretrained(tmp_path)
+    monkeypatch.setattr(v4_model, "free_device_bytes", lambda device: 1e5)
+    monkeypatch.setattr(v4_model, "build_model", lambda *args: pytest.fail("allocated before the check"))
+    with pytest.raises(DeviceOutOfMemoryError, match=r"its 4 layers need 0\.\d+ GB of weights in float32 and cpu has 0\.0001 GB free"):
+        load_folder(tmp_path)
+
+
 def test_a_scale_without_its_weight_or_of_another_format_says_what_to_do(tmp_path):
     from safetensors.torch import load_file, save_file
 

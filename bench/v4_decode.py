@@ -98,10 +98,12 @@ def bench_v4_batch(layers: int | str, docs: int, prompt_len: int, new_tokens: in
                           chunk=chunk if not smoke else 128, max_running=docs)
     generator = torch.Generator().manual_seed(0)
 
-    def run(n: int, length: int, new: int) -> tuple[float, int]:
+    def run(n: int, length: int, new: int) -> tuple[float, int, dict]:
+        """-> (seconds, tokens generated, {"prefill" / "decode": [steps, synchronised seconds]})."""
         seqs = [batch.submit(torch.randint(0, config.vocab_size, (length,), generator=generator).tolist(),
                              GenerationRequest(sampling=SamplingParams(max_new_tokens=new, ignore_eos=True)))
                 for _ in range(n)]
+        kinds = {"prefill": [0, 0.0], "decode": [0, 0.0]}
         synchronize(model.device)
         start = time.perf_counter()
         while batch.has_work:
@@ -109,19 +111,18 @@ def bench_v4_batch(layers: int | str, docs: int, prompt_len: int, new_tokens: in
             batch.step()
             if phases:
                 synchronize(model.device)
-                kind = "prefill" if batch.last_plan.chunks or batch.last_plan.replay else "decode"
-                spent[kind] += time.perf_counter() - began
-                steps[kind] += 1
+                kind = kinds["prefill" if batch.last_plan.chunks or batch.last_plan.replay else "decode"]
+                kind[0] += 1
+                kind[1] += time.perf_counter() - began
         synchronize(model.device)
-        return time.perf_counter() - start, sum(len(s.generated) for s in seqs)
+        return time.perf_counter() - start, sum(len(s.generated) for s in seqs), kinds
 
-    spent, steps = {"prefill": 0.0, "decode": 0.0}, {"prefill": 0, "decode": 0}
     run(2, min(prompt_len, 256), 4)
-    spent.update(prefill=0.0, decode=0.0), steps.update(prefill=0, decode=0)
-    seconds, tokens = run(docs, prompt_len, new_tokens)
+    seconds, tokens, kinds = run(docs, prompt_len, new_tokens)
     row = {"system": f"V4 batch engine, {'v4-tiny' if smoke else 'v4-flash'} x{layers} layers", "docs": docs,
            "seconds": seconds, "docs/hour": docs / seconds * 3600, "out tok/s": tokens / seconds}
     if phases:
-        row.update({"chunk steps": steps["prefill"], "chunk steps s": spent["prefill"],
-                    "decode steps": steps["decode"], "decode steps s": spent["decode"]})
+        (chunk_steps, chunk_s), (decode_steps, decode_s) = kinds["prefill"], kinds["decode"]
+        row.update({"chunk steps": chunk_steps, "chunk steps s": chunk_s,
+                    "decode steps": decode_steps, "decode steps s": decode_s})
     return row

@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 
 from batchd.engine.deepseek_v4.config import V4Config
-from batchd.engine.deepseek_v4.model import DeepseekV4, allocate
+from batchd.engine.deepseek_v4.model import DeepseekV4, build_model, parameter_bytes
+from batchd.engine.residency import free_device_bytes
 
 # the tiny sizes of tests/engine/test_deepseek_v4.py (every layer kind, 4 experts, top-2)
 TINY = dict(vocab_size=256, hidden_size=64, moe_intermediate_size=32, num_attention_heads=4, head_dim=32,
@@ -45,7 +46,7 @@ def random_v4_model(config: V4Config, device, dtype: torch.dtype, seed: int = 0)
     """Random weights (speed does not depend on their values): N(0, 0.02), norms at 1, every
     hash-routed token to k distinct experts."""
     torch.manual_seed(seed)
-    model = materialize(config, device, dtype)
+    model = build_model(config, device, dtype)   # allocated once in its dtypes, then filled below
     for name, param in model.named_parameters():
         if name.endswith("norm.weight"):
             param.fill_(1.0)
@@ -60,20 +61,12 @@ def random_v4_model(config: V4Config, device, dtype: torch.dtype, seed: int = 0)
     return model
 
 
-def materialize(config: V4Config, device, dtype: torch.dtype) -> DeepseekV4:
-    """build_model's parameters and dtypes, each allocated once in its own dtype, left unfilled."""
-    with torch.device("meta"):
-        model = DeepseekV4(config)
-    allocate(model, device, dtype)
-    return model.eval()
-
-
 def layers_that_fit(device, dtype: torch.dtype, reserve_bytes: float) -> int:
     """How many V4-Flash layers fit in `device`'s free memory beside the embedding, the head and
     `reserve_bytes` (the cache, the MoE's workspace and activations): `--v4-layers fit`."""
-    free = torch.cuda.mem_get_info(device)[0] if torch.device(device).type == "cuda" else None
-    if free is None:
+    if torch.device(device).type != "cuda":
         raise ValueError("--v4-layers fit needs a CUDA device (it sizes the model to the GPU's free memory)")
+    free = free_device_bytes(torch.device(device))
     one, two = (parameter_bytes(v4_config(n), dtype) for n in (1, 2))
     layer = two - one   # a learned-routing layer (the hash-routed first one is a little smaller)
     fixed = one - layer
@@ -82,11 +75,6 @@ def layers_that_fit(device, dtype: torch.dtype, reserve_bytes: float) -> int:
     if fits < 1:
         raise ValueError(f"not one V4-Flash layer ({layer / 1e9:.1f} GB) fits in {free / 1e9:.1f} GB free")
     return min(fits, total)
-
-
-def parameter_bytes(config: V4Config, dtype: torch.dtype) -> int:
-    """The bytes `materialize` allocates for `config` (counted on the meta device)."""
-    return sum(p.numel() * p.element_size() for p in materialize(config, "meta", dtype).parameters())
 
 
 def layer_count(text: str) -> int | str:

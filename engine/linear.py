@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import weakref
 from types import SimpleNamespace
-from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -165,22 +164,3 @@ def _version(t: torch.Tensor) -> int:
         return t._version
     except RuntimeError:  # an inference tensor keeps no version counter
         return 0
-
-
-def project_slabs(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], slab_rows: int) -> torch.Tensor:
-    """x: [N, K] -> [N, Nout] in GEMMs of exactly `slab_rows` rows, the last one zero-padded: the
-    library sees one shape only, so it picks one kernel, and a row's bits follow from its own
-    values, never from N or from the rows packed beside it. Each slab writes its rows of the
-    output in place (a concatenation would copy every output once more)."""
-    n, k = x.shape
-    padded = -(-n // slab_rows) * slab_rows
-    if padded != n:
-        x = torch.cat([x, x.new_zeros(padded - n, k)])
-    out = x.new_empty(padded, weight.shape[0])
-    w = weight.t()
-    for i in range(0, padded, slab_rows):
-        if bias is None:
-            torch.mm(x[i : i + slab_rows], w, out=out[i : i + slab_rows])
-        else:
-            torch.addmm(bias, x[i : i + slab_rows], w, out=out[i : i + slab_rows])
-    return out[:n]

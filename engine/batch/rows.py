@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from batchd.engine import fused
 from batchd.engine.attention import attend_lane_cpu
-from batchd.engine.linear import CPU_INVARIANT_ROWS, project_rows_cpu, project_slabs
+from batchd.engine.linear import CPU_INVARIANT_ROWS, project_rows_cpu
 from batchd.kernels.paged_attention import paged_decode_attention
 from batchd.kernels.paged_attention.reference import gather_rows
 from batchd.kernels.rms_norm import rms_norm
@@ -67,6 +67,25 @@ def project_invariant(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torc
         parts = [project_rows_cpu(x[i : i + CPU_INVARIANT_ROWS], layer) for i in range(0, x.shape[0], CPU_INVARIANT_ROWS)]
         return torch.cat(parts) if len(parts) > 1 else parts[0]
     return project_slabs(x, weight, bias, slab_rows)
+
+
+def project_slabs(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], slab_rows: int) -> torch.Tensor:
+    """x: [N, K] -> [N, Nout] in GEMMs of exactly `slab_rows` rows, the last one zero-padded: the
+    library sees one shape only, so it picks one kernel, and a row's bits follow from its own
+    values, never from N or from the rows packed beside it. Each slab writes its rows of the
+    output in place (a concatenation would copy every output once more)."""
+    n, k = x.shape
+    padded = -(-n // slab_rows) * slab_rows
+    if padded != n:
+        x = torch.cat([x, x.new_zeros(padded - n, k)])
+    out = x.new_empty(padded, weight.shape[0])
+    w = weight.t()
+    for i in range(0, padded, slab_rows):
+        if bias is None:
+            torch.mm(x[i : i + slab_rows], w, out=out[i : i + slab_rows])
+        else:
+            torch.addmm(bias, x[i : i + slab_rows], w, out=out[i : i + slab_rows])
+    return out[:n]
 
 
 def norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

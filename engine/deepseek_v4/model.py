@@ -165,18 +165,24 @@ def allocate(module: nn.Module, device, dtype: torch.dtype) -> None:
         module.get_submodule(owner).register_buffer(attr, torch.zeros(buffer.shape, dtype=buffer.dtype, device=device))
 
 
+def parameter_bytes(config: V4Config, dtype: torch.dtype) -> int:
+    """The bytes build_model allocates for `config`'s parameters in `dtype` (counted on the meta device)."""
+    with torch.device("meta"):
+        model = DeepseekV4(config)
+    allocate(model, "meta", dtype)
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
 def check_fits(config: V4Config, device: torch.device, dtype: torch.dtype, source: str) -> None:
     """Refuse, before allocating anything, a model whose weights alone exceed the device's free
     memory (V4-Flash is about 570 GB in bf16), with the sizes and what would make it fit."""
-    with torch.device("meta"):
-        needed = sum(p.numel() * (4 if keeps_float32(name) else dtype.itemsize)
-                     for name, p in DeepseekV4(config).named_parameters())
-    free = free_device_bytes(device)
+    needed, free = parameter_bytes(config, dtype), free_device_bytes(device)
     if needed > free:
         raise DeviceOutOfMemoryError(
             f"{source}: its {config.num_layers} layers need {needed / 1e9:.3g} GB of weights in "
-            f"{str(dtype).removeprefix('torch.')} and {device} has {free / 1e9:.3g} GB free; batchd runs a model on one device and holds V4's FP8 / "
-            "FP4 weights dequantised, so this checkpoint needs a device that large (or a smaller model)")
+            f"{str(dtype).removeprefix('torch.')} and {device} has {free / 1e9:.3g} GB free; batchd runs a model "
+            "on one device and holds V4's FP8 / FP4 weights dequantised, so this checkpoint needs a device "
+            "that large (or a smaller model)")
 
 
 def keeps_float32(name: str) -> bool:

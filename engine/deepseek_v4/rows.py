@@ -30,8 +30,9 @@ from batchd.engine.linear import CPU_INVARIANT_ROWS, MAX_INVARIANT_ROWS, project
 
 ROW_STEP = min(CPU_INVARIANT_ROWS, MAX_INVARIANT_ROWS)  # 16 drafts plus the last accepted token
 CPU_REDUCTION_GRAIN = 32768  # at::internal::GRAIN_SIZE: smaller reductions run on one thread
-# a CUDA row step's fixed shape: every projection of up to ROW_STEP rows runs padded to this many rows (one launch; kernels.small_matmul's wrapper cost about 0.3 ms of host time a call,
-# a V4 layer makes about 25, and eager V4 is bound by its host)
+# a CUDA row step's fixed shape: every projection of up to ROW_STEP rows runs padded to this many
+# rows, one cuBLAS launch (kernels.small_matmul's wrapper cost about 0.3 ms of host time a call, a
+# V4 layer makes about 25, and eager V4 is bound by its host)
 CUDA_ROW_SLAB = 32
 assert CUDA_ROW_SLAB >= ROW_STEP
 

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from batchd.engine.checkpoint.hf import read_safetensors_header
-from batchd.engine.deepseek_v4.quantised import check_quantisation_names, dequantise, scale_of
+from batchd.engine.deepseek_v4.quantised import check_quantisation_names, dequantise
 from batchd.engine.errors import CheckpointError
 
 # (pattern, replacement), applied in order to every name (transformers' table, same order)
@@ -140,11 +140,12 @@ def load_tensors(model, tensors: Mapping[str, torch.Tensor], source: str = "chec
     dequantised, experts into their slices of the stacked weights. -> what was set aside
     (`SetAside.notes` says so at start; its MTP tensors are a lazy view, read by build_mtp)."""
     names = list(tensors)
-    scales = check_quantisation_names(names, source)
+    scales = check_quantisation_names(names, source)   # {weight: its scale}
+    scale_names = set(scales.values())
     targets = dict(model.named_parameters()) | dict(model.named_buffers())
     plan, experts, mtp = {}, {}, {}
     for name in names:
-        if scale_of(name) is not None:
+        if name in scale_names:   # read with its weight
             continue
         if name.removeprefix("model.").startswith("mtp."):
             mtp[name.removeprefix("model.")] = name
@@ -173,7 +174,7 @@ def load_tensors(model, tensors: Mapping[str, torch.Tensor], source: str = "chec
                 raise CheckpointError(f"{source}: tensor {name} has shape {tuple(value.shape)}, the config "
                                       f"expects {tuple(target.shape)}")
             target.copy_(value)
-            del value
+            del value   # freed before the next tensor is read
     for name in list(mtp.values()):   # a quantised MTP weight travels with its scale
         if name in scales:
             mtp[scales[name].removeprefix("model.")] = scales[name]

@@ -22,8 +22,7 @@ from batchd.engine.deepseek_v4.config import V4Config
 from batchd.engine.deepseek_v4.norms import rms_normalize
 from batchd.engine.deepseek_v4.rows import linear, per_row
 from batchd.kernels.hyper_connection import collapse_reference as collapse
-from batchd.kernels.hyper_connection import hc_merge, hc_split
-from batchd.kernels.hyper_connection import sinkhorn_reference as sinkhorn
+from batchd.kernels.hyper_connection import hc_merge, hc_split, hc_split_reference
 
 
 class HyperConnection(nn.Module):
@@ -31,7 +30,7 @@ class HyperConnection(nn.Module):
 
     def __init__(self, config: V4Config):
         super().__init__()
-        n = self.n = config.hc_mult
+        n = config.hc_mult
         self.iters, self.hc_eps, self.norm_eps = config.hc_sinkhorn_iters, config.hc_eps, config.rms_norm_eps
         self.fn = nn.Parameter(torch.empty((2 + n) * n, n * config.hidden_size))
         self.base = nn.Parameter(torch.zeros((2 + n) * n))
@@ -39,18 +38,11 @@ class HyperConnection(nn.Module):
 
     def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """streams [B, T, n, H] -> (post [B, T, n], comb [B, T, n, n], the block input [B, T, H])."""
-        n = self.n
         mixes = linear(rms_normalize(streams.flatten(2), self.norm_eps), self.fn.float())
         if streams.is_cuda:
             return hc_split(mixes, self.scale, self.base, streams, self.iters, self.hc_eps)
-        pre_w, post_w, comb_w = mixes.split([n, n, n * n], dim=-1)
-        pre_b, post_b, comb_b = self.base.split([n, n, n * n])
-        pre_s, post_s, comb_s = self.scale.unbind(0)
-        pre = per_row(torch.sigmoid, pre_w * pre_s + pre_b) + self.hc_eps
-        post = 2 * per_row(torch.sigmoid, post_w * post_s + post_b)
-        comb = torch.softmax(comb_w.unflatten(-1, (n, n)) * comb_s + comb_b.view(n, n), dim=-1) + self.hc_eps
-        comb = sinkhorn(comb, self.iters, self.hc_eps)
-        return post, comb, collapse(pre, streams)
+        return hc_split_reference(mixes, self.scale, self.base, streams, self.iters, self.hc_eps,
+                                  sigmoid=lambda x: per_row(torch.sigmoid, x))
 
     @staticmethod
     def merge(streams: torch.Tensor, block_out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:

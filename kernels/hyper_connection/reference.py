@@ -6,19 +6,21 @@ import torch
 
 
 def hc_split_reference(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, streams: torch.Tensor,
-                       iters: int, eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                       iters: int, eps: float, sigmoid=torch.sigmoid) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """mixes [N, (2 + n) n] float32 (pre, post, comb logits), scale [3], base [(2 + n) n], streams
     [N, n, H] -> (post [N, n] float32, comb [N, n, n] float32, the block input [N, H] in the streams' dtype):
 
         pre  = sigmoid(pre_w s0 + b) + eps            post = 2 sigmoid(post_w s1 + b)
         comb = sinkhorn(softmax(comb_w s2 + b) + eps)  x    = sum_j pre_j streams_j (float32, rounded once)
+
+    `sigmoid`: the engine's CPU row step passes one applied row by row (engine.deepseek_v4.rows.per_row).
     """
     n = streams.shape[-2]
     pre_w, post_w, comb_w = mixes.float().split([n, n, n * n], dim=-1)
     pre_b, post_b, comb_b = base.float().split([n, n, n * n])
     pre_s, post_s, comb_s = scale.float().unbind(0)
-    pre = torch.sigmoid(pre_w * pre_s + pre_b) + eps
-    post = 2 * torch.sigmoid(post_w * post_s + post_b)
+    pre = sigmoid(pre_w * pre_s + pre_b) + eps
+    post = 2 * sigmoid(post_w * post_s + post_b)
     comb = torch.softmax(comb_w.unflatten(-1, (n, n)) * comb_s + comb_b.view(n, n), dim=-1) + eps
     comb = sinkhorn_reference(comb, iters, eps)
     return post, comb, collapse_reference(pre, streams)
